@@ -1,0 +1,31 @@
+# The README's two commands: `make demo` and `make test`. Each builds .venv on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# Use the machine's local CPU wheel of torch when there is one; never pull a CUDA build for dev.
+WHEELS := $(wildcard /opt/wheels)
+FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) "torch==2.13.0"
+	$(PIP) install -q --disable-pip-version-check $(FIND_LINKS) -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_save.py
+
+clean:
+	rm -rf $(VENV) demo-out bench-out

@@ -1,0 +1,372 @@
+"""``CheckpointEngine``: the one stateful coordinator of stage, write and commit.
+
+Call order (one process):
+
+* ``save(state, step)`` — caller's thread: flatten and plan, wait for a free staging buffer
+  (back-pressure), copy into it, queue the write, return a :class:`SaveHandle`.
+* writer thread — write the shard in parallel chunks, free the buffer, write the manifest
+  last, rename into place (see :mod:`persist_core.local_writer`).
+* ``wait()`` / ``close()`` — drain; a background failure is raised once.
+* ``list()`` / ``load()`` — committed checkpoints only, verified.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from persist_core import _knobs
+from persist_core.distributed import RankInfo
+from persist_core.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    PersistError,
+    StepExistsError,
+    WriteError,
+)
+from persist_core.format import flatten, plan_shard
+from persist_core.handle import SaveHandle, SaveStats
+from persist_core.layout import checkpoint_dirname, parse_tmp_dirname, shard_filename, tmp_dirname
+from persist_core.local_writer import CHECKSUM_ALGORITHM, FileOps, OsFileOps, commit_dir, write_file
+from persist_core.manifest import FileEntry, Manifest
+from persist_core.restore import CheckpointInfo, checkpoint_dir, committed_steps, discover, load_checkpoint, read_manifest
+from persist_core.staging import StagingBuffer, StagingPool, stage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Settings:
+    write_threads: int
+    chunk_bytes: int
+    direct_io: str
+    max_pending: int
+    verify: bool
+
+    def __post_init__(self) -> None:
+        if self.write_threads < 1:
+            raise ConfigError(f"write_threads={self.write_threads} must be at least 1")
+        if self.chunk_bytes < _knobs.PAGE_BYTES or self.chunk_bytes % _knobs.PAGE_BYTES:
+            raise ConfigError(f"chunk_bytes={self.chunk_bytes} must be a positive multiple of {_knobs.PAGE_BYTES}")
+        if self.direct_io not in ("auto", "on", "off"):
+            raise ConfigError(f"direct_io={self.direct_io!r} must be 'auto', 'on' or 'off'")
+        if self.max_pending < 1:
+            raise ConfigError(
+                f"max_pending={self.max_pending} must be at least 1 (each pending save holds one staging buffer)"
+            )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class CheckpointEngine:
+    """Asynchronous, verified checkpoints of a PyTorch state on a local directory.
+
+    Example::
+
+        with CheckpointEngine(local_dir="/nvme/ckpt") as engine:
+            for step in range(1, 10_001):
+                train_step()
+                if step % 100 == 0:
+                    engine.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step)
+        state = CheckpointEngine(local_dir="/nvme/ckpt").load()   # the newest committed checkpoint
+
+    Args:
+        local_dir: directory of the local tier (created if missing); ideally on NVMe.
+        write_threads: threads writing chunks of a shard in parallel (default 4, env
+            ``PERSIST_WRITE_THREADS``).
+        chunk_bytes: bytes per write and per checksum, a multiple of 4 KiB (default 32 MiB).
+        direct_io: ``"auto"`` (``O_DIRECT`` where the file system takes it), ``"on"`` or ``"off"``.
+        max_pending: checkpoints that may be staged or writing at once; each holds one staging
+            buffer about the size of the state. With the default 1, a ``save`` while the previous
+            write runs waits for it (``stats.wait_s``) instead of allocating a second copy.
+        verify: check crc32c checksums on ``load`` (default True).
+        rank_info: this process's rank (single process by default).
+        file_ops: the file system calls the writer makes (for fault injection in tests).
+
+    Raises:
+        ConfigError: a bad argument, or ``local_dir`` cannot be created or written.
+    """
+
+    def __init__(
+        self,
+        local_dir: str | os.PathLike[str],
+        *,
+        write_threads: int | None = None,
+        chunk_bytes: int | None = None,
+        direct_io: str | None = None,
+        max_pending: int = 1,
+        verify: bool = True,
+        rank_info: RankInfo | None = None,
+        file_ops: FileOps | None = None,
+    ) -> None:
+        self._settings = _Settings(
+            write_threads=_knobs.write_threads() if write_threads is None else write_threads,
+            chunk_bytes=_knobs.chunk_bytes() if chunk_bytes is None else chunk_bytes,
+            direct_io=_knobs.direct_io() if direct_io is None else direct_io,
+            max_pending=max_pending,
+            verify=verify,
+        )
+        self._root = Path(local_dir).expanduser().absolute()
+        self._rank = rank_info or RankInfo()
+        self._ops = file_ops or OsFileOps()
+        self._open_dir()
+        self._lock = threading.Lock()
+        self._pending: dict[int, SaveHandle] = {}
+        self._unreported: list[SaveHandle] = []
+        self._pool = StagingPool(self._settings.max_pending, pin=torch.cuda.is_available())
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._io = ThreadPoolExecutor(self._settings.write_threads, thread_name_prefix="persist-io")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="persist-writer")
+        self._closed = False
+
+    # ------------------------------------------------------------------ setup
+
+    def _open_dir(self) -> None:
+        try:
+            self._root.mkdir(parents=True, exist_ok=True)
+            probe = self._root / f".probe-pid{os.getpid()}-{secrets.token_hex(3)}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(
+                f"local_dir={str(self._root)!r} is not a writable directory ({e.strerror or e}); "
+                "pass a directory this process can create files in"
+            ) from e
+        for entry in os.scandir(self._root):
+            parsed = parse_tmp_dirname(entry.name)
+            if parsed is not None and not _pid_alive(parsed[1]):
+                log.info("%s removing %s left by a crashed run", self._prefix(parsed[0]), entry.path)
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+    def _prefix(self, step: int | None = None) -> str:
+        return f"[rank={self._rank.rank}][step={step if step is not None else '-'}]"
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
+        """Snapshot ``state`` and write it in the background; returns once it is staged.
+
+        After this returns the caller may mutate anything in ``state``.
+
+        Args:
+            state: nested dicts / lists / tuples of tensors (any device) and picklable values.
+            step: the training step, a non-negative int not saved before in ``local_dir``.
+            metadata: JSON-able values stored in the manifest.
+
+        Returns:
+            A handle to wait on; its ``stats`` tell the stall and the write speed.
+
+        Raises:
+            ConfigError: a bad step. StepExistsError: ``step`` is already committed or pending.
+            UnsupportedStateError: a leaf of ``state`` cannot be saved (its key path is named).
+            PersistError: an earlier save failed in the background (raised once).
+        """
+        t0 = time.perf_counter()
+        self._check_open()
+        self._raise_unreported()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"step={step!r} must be a non-negative int (the training step)")
+        with self._lock:
+            if step in self._pending or checkpoint_dir(self._root, step).exists():
+                raise StepExistsError(
+                    f"a checkpoint for step={step} already exists or is being written in {self._root}; "
+                    "save each step once (remove the old one first to overwrite it)"
+                )
+        flat = flatten(state)
+        plan = plan_shard(flat)
+        buf, waited = self._pool.acquire(plan.file_bytes)
+        try:
+            t1 = time.perf_counter()
+            stage(plan, buf, self._streams)
+            staged = time.perf_counter()
+        except BaseException:
+            self._pool.release(buf)
+            raise
+        shard = shard_filename(self._rank.rank)
+        records = tuple({"file": shard, **r, "replicated": True} for r in plan.records)
+        objects = tuple((shard, b, n) for b, n in plan.objects)
+        handle = SaveHandle(
+            SaveStats(step=step, nbytes=plan.file_bytes, wait_s=waited, staging_s=staged - t1, stall_s=staged - t0)
+        )
+        with self._lock:
+            self._pending[step] = handle
+        base = Manifest(step=step, time=time.time(), world_size=1, tree=flat.tree, tensors=records, objects=objects,
+                        files=(), metadata=dict(metadata or {}))
+        del plan, flat  # the writer needs only the staged bytes, not the caller's tensors
+        self._writer.submit(self._write_and_commit, handle, buf, base, staged)
+        log.debug("%s staged %d bytes in %.3f s", self._prefix(step), handle.stats.nbytes, handle.stats.staging_s)
+        handle._update(stall_s=time.perf_counter() - t0)
+        return handle
+
+    def _write_and_commit(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float) -> None:
+        step = handle.step
+        tmp = self._root / tmp_dirname(step, os.getpid(), secrets.token_hex(3))
+        final = checkpoint_dir(self._root, step)
+        try:
+            try:
+                os.mkdir(tmp)
+                t0 = time.perf_counter()
+                written = write_file(
+                    tmp / shard_filename(self._rank.rank),
+                    buf.memoryview(handle.stats.nbytes),
+                    pool=self._io,
+                    chunk_bytes=self._settings.chunk_bytes,
+                    direct_io=self._settings.direct_io,
+                    ops=self._ops,
+                )
+                write_s = time.perf_counter() - t0
+            finally:
+                self._pool.release(buf)
+            entry = FileEntry(name=written.name, rank=self._rank.rank, size=written.size, checksum=CHECKSUM_ALGORITHM,
+                              chunk_bytes=written.chunk_bytes, chunks=written.chunks)
+            manifest = Manifest(**{**base.__dict__, "files": (entry,)})
+            commit_dir(tmp, final, manifest.to_bytes(), ops=self._ops)
+            handle._update(write_s=write_s, write_gbps=written.size / write_s / 1e9 if write_s > 0 else None,
+                           commit_s=time.perf_counter() - staged_at, direct_io=written.direct_io)
+            log.info("%s committed %s (%.1f MB, %.2f GB/s)", self._prefix(step), final, written.size / 1e6,
+                     handle.stats.write_gbps or 0.0)
+            with self._lock:
+                del self._pending[step]
+            handle._set_local_done()
+        except BaseException as e:  # recorded on the handle and raised once by a later call
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = self._describe_failure(e, step, tmp)
+            log.error("%s %s", self._prefix(step), error)
+            with self._lock:
+                del self._pending[step]
+                self._unreported.append(handle)
+            handle._set_failed(error)
+
+    def _describe_failure(self, e: BaseException, step: int, tmp: Path) -> BaseException:
+        if isinstance(e, PersistError) or not isinstance(e, OSError):
+            return e
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = f"free space in {self._root} or keep fewer checkpoints"
+        else:
+            fix = f"check that {self._root} is a healthy, writable local file system"
+        error = WriteError(e.errno or errno.EIO,
+                           f"writing checkpoint step={step} into {tmp} failed: {e.strerror or e}; {fix}. "
+                           "Nothing was committed for this step; earlier checkpoints are intact")
+        error.__cause__ = e
+        return error
+
+    # ------------------------------------------------------------------ drain
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PersistError(f"this CheckpointEngine on {self._root} is closed; create a new one")
+
+    def _raise_unreported(self) -> None:
+        while True:
+            with self._lock:
+                if not self._unreported:
+                    return
+                handle = self._unreported.pop(0)
+            error = handle.take_error()
+            if error is not None:
+                raise error
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every pending save is committed.
+
+        Raises:
+            TimeoutError: something is still pending after ``timeout`` seconds.
+            PersistError: a background failure no other call has raised yet (raised once).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = list(self._pending.values())
+            if not pending:
+                break
+            for handle in pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                handle._wait_done(left)
+        self._raise_unreported()
+
+    def close(self) -> None:
+        """Wait for pending saves, release threads; raises a background failure once. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._writer.shutdown(wait=True)
+            self._io.shutdown(wait=True)
+
+    def __enter__(self) -> CheckpointEngine:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except PersistError as background:  # do not mask the body's exception; still report this one
+            log.error("%s background failure while leaving on %r: %s", self._prefix(), exc, background)
+
+    # ------------------------------------------------------------------ read
+
+    @property
+    def local_dir(self) -> Path:
+        return self._root
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints whose manifest and file sizes check, oldest first."""
+        return [info for info, _ in discover(self._root)]
+
+    def load(self, step: int | None = None, *, map_location: Any = "cpu", verify: bool | None = None) -> Any:
+        """Load the newest committed checkpoint that verifies, or the one for ``step``.
+
+        Args:
+            step: which checkpoint; ``None`` takes the newest one that verifies, logging a
+                warning for each newer one it skips.
+            map_location: device for the tensors (``"cpu"`` default, ``"cuda:0"``, a ``torch.device``).
+            verify: check checksums (default: the engine's ``verify``).
+
+        Returns:
+            An object equal to the saved state.
+
+        Raises:
+            CheckpointNotFoundError: nothing committed (for ``step``) in ``local_dir``.
+            CorruptCheckpointError: the checkpoint for ``step`` does not verify (names the file).
+        """
+        self._check_open()
+        verify = self._settings.verify if verify is None else verify
+        if step is not None:
+            ckpt = checkpoint_dir(self._root, step)
+            if step not in committed_steps(self._root):
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint for step={step} in {self._root}; committed steps: {committed_steps(self._root)}"
+                )
+            return load_checkpoint(ckpt, read_manifest(ckpt), pool=self._io, verify=verify, map_location=map_location)
+        for candidate in reversed(committed_steps(self._root)):
+            ckpt = checkpoint_dir(self._root, candidate)
+            try:
+                return load_checkpoint(ckpt, read_manifest(ckpt), pool=self._io, verify=verify, map_location=map_location)
+            except CorruptCheckpointError as e:
+                log.warning("%s skipping %s: %s", self._prefix(candidate), ckpt, e)
+        raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {self._root}")

@@ -1,0 +1,56 @@
+"""The exception tree of torch-persist.
+
+Every error the library raises on purpose derives from :class:`PersistError`, and from the
+builtin whose meaning matches, so callers can catch either::
+
+    PersistError(Exception)
+    ├── ConfigError(PersistError, ValueError)         bad argument or environment; the message names the fix
+    │   └── StepExistsError                           a step that is already committed or pending
+    ├── UnsupportedStateError(PersistError, TypeError) a state leaf that cannot be checkpointed
+    ├── CheckpointNotFoundError(PersistError, FileNotFoundError)
+    ├── CorruptCheckpointError(PersistError)          a manifest, size or checksum that does not verify
+    └── WriteError(PersistError, OSError)             a failed write; earlier checkpoints are intact
+
+Background errors (a failed write) are raised exactly once: by the first ``wait()`` or ``save()``
+that observes them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointNotFoundError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "PersistError",
+    "StepExistsError",
+    "UnsupportedStateError",
+    "WriteError",
+]
+
+
+class PersistError(Exception):
+    """Base of every error torch-persist raises on purpose."""
+
+
+class ConfigError(PersistError, ValueError):
+    """An argument or the environment is not usable; the message names the value and the fix."""
+
+
+class StepExistsError(ConfigError):
+    """A checkpoint for this step is already committed or being written."""
+
+
+class UnsupportedStateError(PersistError, TypeError):
+    """A leaf of the state cannot be checkpointed (the message names its key path)."""
+
+
+class CheckpointNotFoundError(PersistError, FileNotFoundError):
+    """No committed checkpoint matches the request."""
+
+
+class CorruptCheckpointError(PersistError):
+    """A checkpoint's manifest, file sizes or checksums do not verify."""
+
+
+class WriteError(PersistError, OSError):
+    """Writing a checkpoint failed; nothing was committed and earlier checkpoints are intact."""

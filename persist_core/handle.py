@@ -1,0 +1,113 @@
+"""``SaveHandle``: one future per phase of one save, its stats, and its error, raised once.
+
+The engine creates a handle in ``save()`` (the *staged* phase is done by then) and completes the
+*local* phase from its writer thread. Users call :meth:`SaveHandle.wait` or poll
+:meth:`SaveHandle.done`. A failure is raised by exactly one call: the first ``wait()`` on the
+handle, or else the engine's next ``wait()``/``save()``/``close()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """Durations (seconds) and sizes of one save; later phases are ``None`` until they finish.
+
+    Attributes:
+        step: the step saved.
+        nbytes: bytes of the shard files (what the disk receives).
+        wait_s: time ``save()`` waited for the previous checkpoint's write to free its buffer.
+        staging_s: time copying the state into the staging buffer (device-to-host included).
+        stall_s: everything ``save()`` blocked the caller for (``wait_s + staging_s`` + planning).
+        write_s: time writing and fsyncing the shard files.
+        write_gbps: ``nbytes / write_s`` in GB/s (10**9 bytes).
+        commit_s: from ``save()`` returning to the checkpoint being committed and durable.
+        direct_io: whether the shard was written with ``O_DIRECT``.
+    """
+
+    step: int
+    nbytes: int = 0
+    wait_s: float = 0.0
+    staging_s: float = 0.0
+    stall_s: float = 0.0
+    write_s: float | None = None
+    write_gbps: float | None = None
+    commit_s: float | None = None
+    direct_io: bool | None = None
+
+
+class SaveHandle:
+    """The progress of one ``CheckpointEngine.save``.
+
+    Example::
+
+        handle = engine.save(state, step=100)   # returns once staged: mutate freely
+        handle.wait()                           # committed on local disk, or raises once
+        print(handle.stats.stall_s, handle.stats.write_gbps)
+    """
+
+    def __init__(self, stats: SaveStats) -> None:
+        self._stats = stats
+        self._local: Future[None] = Future()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    @property
+    def step(self) -> int:
+        return self._stats.step
+
+    @property
+    def stats(self) -> SaveStats:
+        """A snapshot of this save's stats so far."""
+        return self._stats
+
+    def done(self) -> bool:
+        """Whether every phase has finished (successfully or not)."""
+        return self._local.done()
+
+    def wait_local(self, timeout: float | None = None) -> None:
+        """Block until committed on the local tier.
+
+        Raises:
+            TimeoutError: not committed within ``timeout`` seconds (the save goes on).
+            PersistError: the save failed, if no earlier call raised that failure.
+        """
+        self._wait_done(timeout)
+        error = self.take_error()
+        if error is not None:
+            raise error
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every phase has finished; same errors as :meth:`wait_local`."""
+        self.wait_local(timeout)
+
+    # ---- engine side
+
+    def _wait_done(self, timeout: float | None) -> None:
+        try:
+            self._local.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"checkpoint step {self.step} not committed within {timeout} s") from None
+
+    def take_error(self) -> BaseException | None:
+        """The failure, if any, unless some call already took it (engine side)."""
+        with self._lock:
+            error, self._error = self._error, None
+            return error
+
+    def _update(self, **changes: object) -> None:
+        self._stats = dataclasses.replace(self._stats, **changes)
+
+    def _set_local_done(self) -> None:
+        self._local.set_result(None)
+
+    def _set_failed(self, error: BaseException) -> None:
+        with self._lock:
+            self._error = error
+        self._local.set_result(None)

@@ -1,0 +1,232 @@
+"""Discovery of committed checkpoints on the local tier, and verified loading.
+
+Readers never trust a manifest alone: :func:`check_files` checks that every file it names is
+there with its size, and :func:`load_checkpoint` verifies every chunk's crc32c while reading
+(unless ``verify=False``), straight into the memory of the returned tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+from collections import deque
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import torch
+
+from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError
+from persist_core.format import OBJECTS_ENTRY, dtype_from_name, parse_header, unflatten
+from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname
+from persist_core.manifest import FileEntry, Manifest
+
+log = logging.getLogger(__name__)
+
+_IOV_BATCH = 512
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as :meth:`CheckpointEngine.list` reports it."""
+
+    step: int
+    time: float
+    nbytes: int
+    path: str
+    tier: str = "local"
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / checkpoint_dirname(step)
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps of the directories under ``root`` that hold a manifest, ascending (nothing verified)."""
+    steps = []
+    for entry in os.scandir(root):
+        step = parse_checkpoint_dirname(entry.name)
+        if step is not None and os.path.exists(os.path.join(entry.path, MANIFEST_NAME)):
+            steps.append(step)
+    return sorted(steps)
+
+
+def read_manifest(ckpt: Path) -> Manifest:
+    """The manifest of the checkpoint directory ``ckpt``, with its files checked.
+
+    Raises:
+        CheckpointNotFoundError: no manifest.
+        CorruptCheckpointError: unreadable manifest, or a file missing or of the wrong size.
+    """
+    where = str(ckpt / MANIFEST_NAME)
+    try:
+        raw = (ckpt / MANIFEST_NAME).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{ckpt} is not a committed checkpoint (no {MANIFEST_NAME})") from None
+    manifest = Manifest.from_bytes(raw, where=where)
+    check_files(ckpt, manifest)
+    return manifest
+
+
+def check_files(ckpt: Path, manifest: Manifest) -> None:
+    """Raise :class:`CorruptCheckpointError` unless every file of ``manifest`` exists with its size."""
+    for f in manifest.files:
+        try:
+            size = os.stat(ckpt / f.name).st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{ckpt / f.name} named by the manifest is missing") from None
+        if size != f.size:
+            raise CorruptCheckpointError(f"{ckpt / f.name} has {size} bytes; the manifest says {f.size}")
+
+
+def discover(root: Path) -> list[tuple[CheckpointInfo, Manifest]]:
+    """Committed checkpoints under ``root`` whose manifest and file sizes check, ascending by step.
+
+    Ones that do not check are logged at WARNING and left out.
+    """
+    found = []
+    for step in committed_steps(root):
+        ckpt = checkpoint_dir(root, step)
+        try:
+            manifest = read_manifest(ckpt)
+        except CorruptCheckpointError as e:
+            log.warning("skipping %s: %s", ckpt, e)
+            continue
+        found.append((CheckpointInfo(step=step, time=manifest.time, nbytes=manifest.nbytes, path=str(ckpt)), manifest))
+    return found
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
+
+
+def _read_exact(fd: int, views: list[memoryview], offset: int, path: Path) -> None:
+    """Fill ``views`` (in file order) from ``offset`` with ``preadv``, however short the reads."""
+    queue = deque(v for v in views if len(v))
+    while queue:
+        batch = [queue.popleft() for _ in range(min(_IOV_BATCH, len(queue)))]
+        n = os.preadv(fd, batch, offset)
+        if n == 0:
+            raise CorruptCheckpointError(f"{path} ended early at byte {offset}")
+        offset += n
+        while n:  # give back what a short read left unfilled
+            head = batch.pop(0)
+            if n >= len(head):
+                n -= len(head)
+            else:
+                batch.insert(0, head[n:])
+                n = 0
+        queue.extendleft(reversed(batch))
+
+
+def _read_chunk(fd: int, path: Path, views: list[memoryview], offset: int, expected: int | None, index: int) -> None:
+    _read_exact(fd, views, offset, path)
+    if expected is None:
+        return
+    crc = 0
+    for v in views:
+        crc = crc32c.crc32c(v, crc)
+    if crc != expected:
+        raise CorruptCheckpointError(
+            f"{path}: checksum mismatch in chunk {index} (bytes {offset}..{offset + sum(map(len, views))}); "
+            "the file is corrupt: load another step, or restore this one from the remote tier"
+        )
+
+
+def _read_shard(path: Path, fe: FileEntry, *, pool: Executor, verify: bool) -> dict[str, torch.Tensor]:
+    """Read one shard file into one CPU byte tensor per entry, verifying chunk checksums."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size != fe.size:
+            raise CorruptCheckpointError(f"{path} has {os.fstat(fd).st_size} bytes; the manifest says {fe.size}")
+        prefix = os.pread(fd, 1 << 16, 0)
+        if len(prefix) >= 8 and 8 + int.from_bytes(prefix[:8], "little") > len(prefix):
+            prefix = os.pread(fd, min(fe.size, 8 + int.from_bytes(prefix[:8], "little")), 0)
+        try:
+            data_start, entries = parse_header(prefix, file_size=fe.size)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{path}: {e}") from e
+        header_copy = bytearray(data_start)
+        # regions in file order: (file offset, memoryview to fill)
+        regions: list[tuple[int, memoryview]] = [(0, memoryview(header_copy))]
+        tensors: dict[str, torch.Tensor] = {}
+        for name, begin, end in entries:
+            if name.startswith("__pad__"):
+                regions.append((begin, memoryview(bytearray(end - begin))))
+            else:
+                t = tensors[name] = torch.empty(end - begin, dtype=torch.uint8)
+                if end > begin:
+                    regions.append((begin, _view(t)))
+
+        chunk = fe.chunk_bytes
+        n_chunks = -(-fe.size // chunk)
+        if verify and len(fe.chunks) != n_chunks:
+            raise CorruptCheckpointError(f"{path}: manifest lists {len(fe.chunks)} checksums for {n_chunks} chunks")
+        jobs = []
+        r = 0
+        for i in range(n_chunks):
+            lo, hi = i * chunk, min((i + 1) * chunk, fe.size)
+            views = []
+            while r < len(regions) and regions[r][0] < hi:
+                off, mv = regions[r]
+                a, b = max(lo, off) - off, min(hi, off + len(mv)) - off
+                views.append(mv[a:b])
+                if off + len(mv) <= hi:
+                    r += 1
+                else:
+                    break
+            jobs.append(pool.submit(_read_chunk, fd, path, views, lo, fe.chunks[i] if verify else None, i))
+        errors = [j.exception() for j in jobs]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        if bytes(header_copy) != prefix[:data_start]:
+            raise CorruptCheckpointError(f"{path}: header changed while reading")
+        return tensors
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, verify: bool, map_location: Any) -> Any:
+    """Load and rebuild the state of the checkpoint directory ``ckpt``.
+
+    Args:
+        ckpt: the committed checkpoint directory.
+        manifest: its manifest (from :func:`read_manifest`).
+        pool: threads for parallel chunk reads.
+        verify: check every chunk's crc32c.
+        map_location: ``None``/``"cpu"`` or a device (``"cuda:0"``, ``torch.device``) for the tensors.
+
+    Raises:
+        CorruptCheckpointError: a file or checksum does not verify (the message names the file).
+    """
+    device = torch.device("cpu") if map_location is None else torch.device(map_location)
+    entries = {f.name: _read_shard(ckpt / f.name, f, pool=pool, verify=verify) for f in manifest.files}
+    objects = []
+    for fname, begin, length in manifest.objects:
+        objects.append(pickle.loads(_view(entries[fname][OBJECTS_ENTRY])[begin : begin + length]))
+    if device.type != "cpu":
+        entries = {f: {n: t.to(device) for n, t in es.items() if n != OBJECTS_ENTRY} for f, es in entries.items()}
+    tensors = []
+    for rec in manifest.tensors:
+        try:
+            entry = entries[rec["file"]][rec["entry"]]
+            dtype = dtype_from_name(rec["dtype"])
+            shape = tuple(rec["shape"])
+            if rec["stride"] is None:
+                t = (entry.view(dtype) if dtype != torch.uint8 else entry).view(shape)
+            else:
+                es = torch.empty(0, dtype=dtype).element_size()
+                if rec["offset"] % es:
+                    raise RuntimeError(f"offset {rec['offset']} is not a multiple of {es}")
+                t = torch.empty(0, dtype=dtype, device=entry.device).set_(
+                    entry.untyped_storage(), rec["offset"] // es, shape, tuple(rec["stride"])
+                )
+        except (KeyError, RuntimeError) as e:
+            raise CorruptCheckpointError(f"{ckpt}: tensor record {rec} does not match its shard: {e}") from e
+        tensors.append(t)
+    return unflatten(manifest.tree, tensors, objects)

@@ -1,0 +1,298 @@
+"""The engine's protocols: snapshot semantics, commit, verification, errors raised once."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from persist_core import (
+    CheckpointEngine,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    PersistError,
+    StepExistsError,
+    WriteError,
+)
+from persist_core.local_writer import OsFileOps
+from persist_core.staging import StagingBuffer
+from tests.conftest import assert_state_equal
+
+
+class FailingOps(OsFileOps):
+    """Real file calls, except that the Nth shard ``pwrite`` (1-based) fails with ``err``."""
+
+    def __init__(self, fail_at: int, err: int = errno.ENOSPC) -> None:
+        self.fail_at, self.err, self.calls = fail_at, err, 0
+        self._lock = threading.Lock()
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        with self._lock:
+            self.calls += 1
+            fail = self.calls == self.fail_at
+        if fail:
+            raise OSError(self.err, os.strerror(self.err))
+        return super().pwrite(fd, data, offset)
+
+
+class GatedOps(OsFileOps):
+    """Real file calls; shard writes block until ``gate`` is set (``entered`` tells they began)."""
+
+    def __init__(self) -> None:
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        self.entered.set()
+        assert self.gate.wait(60), "test gate never opened"
+        return super().pwrite(fd, data, offset)
+
+
+def state_for(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 256, generator=g), "step": step}
+
+
+def test_mutation_after_save_does_not_leak(ckpt_dir):
+    ops = GatedOps()
+    state = {"w": torch.ones(1000), "nested": {"lst": [1, 2]}, "t": torch.zeros(3)}
+    with CheckpointEngine(ckpt_dir, file_ops=ops) as engine:
+        handle = engine.save(state, step=5)
+        assert ops.entered.wait(60)  # the write has started but cannot finish yet
+        state["w"].mul_(7)
+        state["nested"]["lst"].append(3)
+        state["t"] += 1
+        ops.gate.set()
+        handle.wait()
+        loaded = engine.load(5)
+    assert loaded["w"].equal(torch.ones(1000))
+    assert loaded["nested"]["lst"] == [1, 2] and loaded["t"].equal(torch.zeros(3))
+
+
+def test_save_returns_before_commit_and_stats_fill_in(ckpt_dir):
+    ops = GatedOps()
+    with CheckpointEngine(ckpt_dir, file_ops=ops) as engine:
+        handle = engine.save(state_for(1), step=1)
+        assert not handle.done() and engine.list() == []
+        assert handle.stats.stall_s > 0 and handle.stats.write_s is None
+        ops.gate.set()
+        handle.wait()
+        assert handle.done()
+        stats = handle.stats
+        assert stats.nbytes >= 256 * 256 * 4 and stats.write_s > 0 and stats.write_gbps > 0 and stats.commit_s > 0
+        assert [i.step for i in engine.list()] == [1] and engine.list()[0].nbytes == stats.nbytes
+
+
+def test_second_save_waits_for_the_write_and_reuses_the_buffer(ckpt_dir, monkeypatch):
+    allocations = []
+    original = StagingBuffer.__init__
+
+    def counting(self, capacity, *, pin):
+        allocations.append(capacity)
+        original(self, capacity, pin=pin)
+
+    monkeypatch.setattr(StagingBuffer, "__init__", counting)
+    ops = GatedOps()
+    with CheckpointEngine(ckpt_dir, file_ops=ops) as engine:
+        engine.save(state_for(1), step=1)
+        assert ops.entered.wait(60)
+        second: list = []
+        saver = threading.Thread(target=lambda: second.append(engine.save(state_for(2), step=2)))
+        saver.start()
+        saver.join(0.3)
+        assert saver.is_alive(), "save() returned while the only staging buffer was still being written"
+        ops.gate.set()
+        saver.join(60)
+        engine.wait()
+        assert second[0].stats.wait_s > 0
+        assert_state_equal(engine.load(1), state_for(1))
+        assert_state_equal(engine.load(2), state_for(2))
+    assert len(allocations) == 1
+
+
+@pytest.mark.parametrize("step", [-1, 1.0, "3", True, None])
+def test_bad_step_is_a_config_error_naming_it(ckpt_dir, step):
+    with CheckpointEngine(ckpt_dir) as engine:
+        with pytest.raises(ConfigError, match=r"step=" + repr(step).replace("(", r"\(")):
+            engine.save({"x": torch.ones(1)}, step=step)
+
+
+def test_repeated_step_is_refused_and_the_first_stays(ckpt_dir):
+    with CheckpointEngine(ckpt_dir) as engine:
+        engine.save({"x": torch.ones(2)}, step=4).wait()
+        with pytest.raises(StepExistsError, match="step=4"):
+            engine.save({"x": torch.zeros(2)}, step=4)
+        assert engine.load(4)["x"].equal(torch.ones(2))
+
+
+def test_repeated_pending_step_is_refused(ckpt_dir):
+    ops = GatedOps()
+    with CheckpointEngine(ckpt_dir, file_ops=ops, max_pending=2) as engine:
+        engine.save({"x": torch.ones(2)}, step=4)
+        with pytest.raises(StepExistsError):
+            engine.save({"x": torch.zeros(2)}, step=4)
+        ops.gate.set()
+
+
+def test_unwritable_local_dir_is_a_config_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"local_dir=.*file/ckpt.*writable"):
+        CheckpointEngine(blocker / "ckpt")
+
+
+@pytest.mark.parametrize("kwargs", [{"write_threads": 0}, {"chunk_bytes": 1000}, {"direct_io": "maybe"}, {"max_pending": 0}])
+def test_bad_settings_are_config_errors(ckpt_dir, kwargs):
+    (name, value), = kwargs.items()
+    with pytest.raises(ConfigError, match=f"{name}={value!r}"):
+        CheckpointEngine(ckpt_dir, **kwargs)
+
+
+def test_write_failure_is_raised_once_and_earlier_checkpoints_survive(ckpt_dir):
+    ops = FailingOps(fail_at=10**9)
+    with CheckpointEngine(ckpt_dir, file_ops=ops, chunk_bytes=64 << 10) as engine:
+        engine.save(state_for(1), step=1).wait()
+        ops.fail_at = ops.calls + 2
+        failed = engine.save(state_for(2), step=2)
+        with pytest.raises(WriteError, match=r"step=2.*free space") as info:
+            failed.wait()
+        assert info.value.errno == errno.ENOSPC and isinstance(info.value.__cause__, OSError)
+        failed.wait()  # raised once: the handle is now quiet
+        engine.wait()  # and so is the engine
+        engine.save(state_for(3), step=3).wait()
+    assert [i.step for i in CheckpointEngine(ckpt_dir).list()] == [1, 3]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-000000000001", "step-000000000003"]
+    assert_state_equal(CheckpointEngine(ckpt_dir).load(1), state_for(1))
+
+
+def test_unobserved_write_failure_is_raised_by_the_next_save(ckpt_dir):
+    ops = FailingOps(fail_at=1, err=errno.EIO)
+    engine = CheckpointEngine(ckpt_dir, file_ops=ops)
+    engine.save(state_for(1), step=1)
+    engine._writer.submit(lambda: None).result()  # the writer thread has finished step 1
+    with pytest.raises(WriteError, match="step=1"):
+        engine.save(state_for(2), step=2)
+    handle = engine.save(state_for(2), step=2)  # the error was raised once; saving goes on
+    engine.close()
+    assert handle.done() and [i.step for i in CheckpointEngine(ckpt_dir).list()] == [2]
+
+
+def test_close_raises_a_background_error_once(ckpt_dir):
+    engine = CheckpointEngine(ckpt_dir, file_ops=FailingOps(fail_at=1))
+    engine.save(state_for(1), step=1)
+    with pytest.raises(WriteError):
+        engine.close()
+    engine.close()
+    with pytest.raises(PersistError, match="closed"):
+        engine.save(state_for(2), step=2)
+
+
+def test_real_full_disk(tmp_path):
+    """A 2 MiB tmpfs: the second checkpoint does not fit; the first stays loadable."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        with CheckpointEngine(mnt) as engine:
+            engine.save({"x": torch.ones(100_000)}, step=1).wait()
+            with pytest.raises(WriteError) as info:
+                engine.save({"x": torch.ones(1_000_000)}, step=2).wait()
+            assert info.value.errno == errno.ENOSPC
+            assert engine.load()["x"].equal(torch.ones(100_000))
+            assert [p.name for p in mnt.iterdir()] == ["step-000000000001"]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("where", ["header", "data", "tail"])
+def test_flipped_byte_is_caught(ckpt_dir, caplog, where):
+    with CheckpointEngine(ckpt_dir) as engine:
+        engine.save(state_for(1), step=1).wait()
+        engine.save(state_for(2), step=2).wait()
+    (shard,) = (ckpt_dir / "step-000000000002").glob("*.safetensors")
+    offset = {"header": 20, "data": 4096 + 1234, "tail": shard.stat().st_size - 1}[where]
+    _flip_byte(shard, offset)
+    engine = CheckpointEngine(ckpt_dir)
+    with pytest.raises(CorruptCheckpointError, match=shard.name):
+        engine.load(2)
+    with caplog.at_level(logging.WARNING):
+        assert_state_equal(engine.load(), state_for(1))  # the newest that verifies
+    assert "step-000000000002" in caplog.text
+    if where != "header":  # a flipped data bit goes unnoticed only when verification is off
+        assert engine.load(2, verify=False)["step"] == 2
+
+
+def test_truncated_or_missing_shard_is_not_listed(ckpt_dir):
+    with CheckpointEngine(ckpt_dir) as engine:
+        for s in (1, 2, 3):
+            engine.save(state_for(s), step=s).wait()
+    (shard2,) = (ckpt_dir / "step-000000000002").glob("*.safetensors")
+    os.truncate(shard2, shard2.stat().st_size - 4096)
+    for f in (ckpt_dir / "step-000000000003").glob("*.safetensors"):
+        f.unlink()
+    engine = CheckpointEngine(ckpt_dir)
+    assert [i.step for i in engine.list()] == [1]
+    assert engine.load()["step"] == 1
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        engine.load(3)
+
+
+def test_directory_without_manifest_is_not_a_checkpoint_and_stale_tmp_is_removed(ckpt_dir):
+    with CheckpointEngine(ckpt_dir) as engine:
+        engine.save(state_for(1), step=1).wait()
+    (ckpt_dir / "step-000000000009").mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = ckpt_dir / f".tmp-step-000000000010-pid{int(dead.stdout)}-abc123"
+    stale.mkdir()
+    (stale / "rank-00000.safetensors").write_bytes(b"partial")
+    live = ckpt_dir / f".tmp-step-000000000011-pid{os.getpid()}-abc123"
+    live.mkdir()
+    engine = CheckpointEngine(ckpt_dir)
+    assert not stale.exists() and live.exists()  # a live writer's directory is left alone
+    assert [i.step for i in engine.list()] == [1] and engine.load()["step"] == 1
+    with pytest.raises(CheckpointNotFoundError, match="step=9"):
+        engine.load(9)
+
+
+def test_empty_dir_raises_not_found_which_is_a_file_not_found_error(ckpt_dir):
+    with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+        CheckpointEngine(ckpt_dir).load()
+
+
+def test_buffered_writes_and_small_chunks_round_trip(ckpt_dir):
+    with CheckpointEngine(ckpt_dir, direct_io="off", chunk_bytes=8192, write_threads=3) as engine:
+        handle = engine.save(state_for(1), step=1)
+        handle.wait()
+        assert handle.stats.direct_io is False
+        assert_state_equal(engine.load(), state_for(1))
+
+
+def test_exit_with_an_exception_still_drains_and_does_not_mask_it(ckpt_dir):
+    with pytest.raises(KeyError):
+        with CheckpointEngine(ckpt_dir) as engine:
+            engine.save(state_for(1), step=1)
+            raise KeyError("from the training loop")
+    assert [i.step for i in CheckpointEngine(ckpt_dir).list()] == [1]
+
+
+def test_engine_imports_neither_lightning_nor_accelerate():
+    code = ("import sys, persist_core, persist_core.engine, persist_core.restore\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'accelerate'))\n"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
