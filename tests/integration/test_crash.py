@@ -1,0 +1,58 @@
+"""SIGKILL mid-save: the newest listed checkpoint is intact and equals what was saved for its step."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from persist_core import CheckpointEngine
+from tests.conftest import assert_state_equal
+from tests.integration.crash_child import state_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_until_killed(local_dir: Path, first_step: int, lines_before_kill: int) -> int:
+    """Start the child, SIGKILL it right after its ``lines_before_kill``-th save returned."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.crash_child", str(local_dir), str(first_step)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        last = None
+        for _ in range(lines_before_kill):
+            line = child.stdout.readline()
+            assert line.startswith("saved "), f"child died early: {line!r}"
+            last = int(line.split()[1])
+        child.send_signal(signal.SIGKILL)  # somewhere in the next save, or in this one's write
+    finally:
+        child.wait()
+        child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+    return last
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_sigkill_mid_save_leaves_newest_checkpoint_intact(tmp_path, trial):
+    rng = random.Random(trial)
+    local_dir = tmp_path / "ckpt"
+    first = 1
+    for _round in range(2):  # kill, then resume on the same directory and kill again
+        last_returned = run_until_killed(local_dir, first, rng.randint(2, 7))
+        engine = CheckpointEngine(local_dir)
+        assert not [p for p in local_dir.iterdir() if p.name.startswith(".tmp-")], "stale temporary dir survived"
+        steps = [i.step for i in engine.list()]
+        # save(k) returns only after write(k-1) freed the one buffer, so k-1 is committed
+        assert steps and steps[-1] >= last_returned - 1, (steps, last_returned)
+        newest = engine.load()
+        assert_state_equal(newest, state_for(steps[-1]))
+        for s in steps:
+            assert engine.load(s)["step"] == s
+        engine.close()
+        first = steps[-1] + 1
