@@ -1,0 +1,306 @@
+"""Side-by-side save benchmark: torch-persist against the floor, the disk and the peers.
+
+Every number is measured in this one run on the same state (default ~1 GiB of fp32 tensors)
+and the same directory, and reported as a ratio to a baseline from this run:
+
+* stall: how long the call blocks training, over the floor = a plain ``copy_`` of the same
+  bytes into preallocated host memory (lower is better; the goal is <= 1.5x);
+* throughput: bytes / (time from the call to durable on disk, fsync included), over the disk =
+  parallel ``pwrite`` of the same bytes, buffered+fsync or O_DIRECT, whichever is faster
+  (higher is better; the goal is >= 0.8x).
+
+Peers: ``torch.save``, Lightning ``AsyncCheckpointIO``, ``torch.distributed.checkpoint``
+(``save`` and ``async_save``) and ``Accelerator.save_state``. Peers that do not fsync are
+fsynced after they finish, so every throughput is to durable storage. With CUDA, a GPU section
+times the device-to-host staging from CUDA tensors into pinned buffers.
+
+Usage: ``python benchmarks/bench_save.py [--gib 1.0] [--repeat 3] [--dir bench-out]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from persist_core import CheckpointEngine  # noqa: E402
+from persist_core.layout import checkpoint_dirname  # noqa: E402
+
+MB = 1 << 20
+
+
+def make_state(gib: float, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """A model-like state: a few large matrices and many small vectors, ~``gib`` GiB of fp32."""
+    total = int(gib * (1 << 30)) // 4
+    sizes = [total // 8] * 6 + [total // 64] * 15
+    sizes.append(total - sum(sizes) - 64 * 4096)
+    sizes += [4096] * 64
+    g = torch.Generator().manual_seed(0)
+    return {f"layer{i}.weight": torch.randn(n, generator=g).to(device) for i, n in enumerate(sizes)}
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def fsync_tree(path: Path) -> None:
+    for p in [path] if path.is_file() else path.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+# ------------------------------------------------------------------ baselines
+
+
+def floor_copy(state: dict[str, torch.Tensor], repeat: int) -> float:
+    """Seconds of a plain copy_ of every tensor into preallocated (already touched) memory."""
+    dst = {k: torch.empty_like(v) for k, v in state.items()}
+    for k in state:
+        dst[k].copy_(state[k])
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        for k, v in state.items():
+            dst[k].copy_(v)
+        times.append(time.perf_counter() - t0)
+    return median(times[1:])
+
+
+def disk_gbps(size: int, out: Path, repeat: int, threads: int = 4, chunk: int = 32 * MB) -> dict[str, float]:
+    """GB/s of parallel pwrite + fsync of ``size`` bytes, buffered and O_DIRECT."""
+    size -= size % 4096
+    buf = mmap.mmap(-1, size)
+    view = memoryview(buf)
+    for o in range(0, size, MB):
+        view[o : o + 16] = os.urandom(16)
+    result = {}
+    for name, extra in (("buffered", 0), ("O_DIRECT", getattr(os, "O_DIRECT", 0))):
+        times = []
+        for _ in range(repeat):
+            path = out / "disk.bin"
+            t0 = time.perf_counter()
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | extra, 0o644)
+            except OSError:
+                break
+            with ThreadPoolExecutor(threads) as ex:
+                list(ex.map(lambda o: os.pwrite(fd, view[o : o + chunk], o), range(0, size, chunk)))
+            os.fsync(fd)
+            os.close(fd)
+            times.append(time.perf_counter() - t0)
+            path.unlink()
+        if times:
+            result[name] = size / median(times) / 1e9
+    view.release()
+    buf.close()
+    return result
+
+
+# ------------------------------------------------------------------ contenders
+
+
+def bench(name: str, run: Callable[[int, Path], tuple[float, float]], out: Path, repeat: int) -> tuple[float, float]:
+    """``run(i, dir) -> (stall_s, durable_s)``; medians over ``repeat`` runs after one warm-up."""
+    stalls, totals = [], []
+    for i in range(repeat + 1):
+        d = out / f"{name}-{i}"
+        d.mkdir(parents=True)
+        stall, total = run(i, d)
+        if i:  # the first run allocates buffers and warms caches
+            stalls.append(stall)
+            totals.append(total)
+        shutil.rmtree(d)
+    return median(stalls), median(totals)
+
+
+def run_persist(state):
+    engines: dict[str, CheckpointEngine] = {}
+
+    def run(i: int, d: Path) -> tuple[float, float]:
+        engine = engines.setdefault("e", CheckpointEngine(d.parent / "persist"))
+        t0 = time.perf_counter()
+        handle = engine.save(state, step=i)
+        stall = time.perf_counter() - t0
+        handle.wait()
+        total = time.perf_counter() - t0
+        shutil.rmtree(engine.local_dir / checkpoint_dirname(i))
+        return stall, total
+
+    return run, engines
+
+
+def run_torch_save(state):
+    def run(i: int, d: Path) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        torch.save(state, d / "ckpt.pt")
+        stall = time.perf_counter() - t0
+        fsync_tree(d)
+        return stall, time.perf_counter() - t0
+
+    return run
+
+
+def run_lightning_async(state):
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    def run(i: int, d: Path) -> tuple[float, float]:
+        io = AsyncCheckpointIO(TorchCheckpointIO())
+        t0 = time.perf_counter()
+        io.save_checkpoint({"state_dict": state}, d / "ckpt.ckpt")
+        stall = time.perf_counter() - t0
+        io.teardown()
+        fsync_tree(d)
+        return stall, time.perf_counter() - t0
+
+    return run
+
+
+def run_dcp(state, asynchronous: bool):
+    import torch.distributed.checkpoint as dcp
+
+    def run(i: int, d: Path) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        if asynchronous:
+            fut = dcp.async_save({"state": state}, checkpoint_id=str(d / "dcp"))
+            stall = time.perf_counter() - t0
+            fut.result()
+        else:
+            dcp.save({"state": state}, checkpoint_id=str(d / "dcp"))
+            stall = time.perf_counter() - t0
+        return stall, time.perf_counter() - t0  # FileSystemWriter fsyncs by default
+
+    return run
+
+
+def run_accelerate(state):
+    from accelerate import Accelerator
+
+    module = torch.nn.Module()
+    for k, v in state.items():
+        module.register_parameter(k.replace(".", "_"), torch.nn.Parameter(v, requires_grad=False))
+    accelerator = Accelerator(cpu=True)
+    module = accelerator.prepare(module)
+
+    def run(i: int, d: Path) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        accelerator.save_state(str(d / "acc"))
+        stall = time.perf_counter() - t0
+        fsync_tree(d)
+        return stall, time.perf_counter() - t0
+
+    return run
+
+
+def gpu_section(gib: float, repeat: int, out: Path) -> list[str]:
+    if not torch.cuda.is_available():
+        return ["GPU section skipped: no CUDA device (run this script on a GPU machine for it)"]
+    state = make_state(gib, "cuda")
+    size = nbytes(state)
+    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in state.items()}
+    times = []
+    for _ in range(repeat + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for k, v in state.items():
+            pinned[k].copy_(v, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    floor = median(times[1:])
+    engine = CheckpointEngine(out / "gpu")
+    stalls = []
+    for i in range(repeat + 1):
+        h = engine.save(state, step=i)
+        h.wait()
+        if i:
+            stalls.append(h.stats.stall_s)
+    loaded = engine.load(repeat, map_location="cuda")
+    ok = all(torch.equal(loaded[k], v) for k, v in state.items())
+    engine.close()
+    return [
+        f"GPU: {torch.cuda.get_device_name()}, {size / 1e9:.2f} GB of CUDA tensors",
+        f"  floor (D2H copy_ into pinned, non_blocking): {floor * 1e3:.1f} ms = {size / floor / 1e9:.1f} GB/s",
+        f"  torch-persist stall: {median(stalls) * 1e3:.1f} ms = {median(stalls) / floor:.2f}x floor; round trip equal: {ok}",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=ROOT / "bench-out")
+    parser.add_argument("--only", choices=["cpu", "gpu"], default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP without a process group
+    out = args.dir
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    lines = [f"torch {torch.__version__}, {os.cpu_count()} CPUs, directory {out}"]
+    try:
+        if args.only != "gpu":
+            lines += cpu_section(args, out)
+        if args.only != "cpu":
+            lines += gpu_section(args.gib, args.repeat, out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    print("\n".join(lines))
+
+
+def cpu_section(args: argparse.Namespace, out: Path) -> list[str]:
+    state = make_state(args.gib)
+    size = nbytes(state)
+    floor = floor_copy(state, args.repeat)
+    disk = disk_gbps(size, out, args.repeat)
+    best_disk = max(disk.values())
+    persist, engines = run_persist(state)
+    contenders: list[tuple[str, Callable]] = [
+        ("torch-persist", persist),
+        ("torch.save", run_torch_save(state)),
+        ("Lightning AsyncCheckpointIO", run_lightning_async(state)),
+        ("DCP save", run_dcp(state, asynchronous=False)),
+        ("DCP async_save", run_dcp(state, asynchronous=True)),
+        ("Accelerate save_state", run_accelerate(state)),
+    ]
+    rows = []
+    for name, run in contenders:
+        stall, total = bench(name.replace(" ", "_"), run, out, args.repeat)
+        rows.append((name, stall, total))
+        print(f"  measured {name}: stall {stall * 1e3:.0f} ms, durable after {total:.2f} s", file=sys.stderr, flush=True)
+    for e in engines.values():
+        e.close()
+    lines = [
+        f"state: {size / 1e9:.2f} GB fp32 in {len(state)} tensors; median of {args.repeat} runs after a warm-up",
+        f"floor: copy_ into preallocated memory {floor * 1e3:.0f} ms ({size / floor / 1e9:.1f} GB/s)",
+        "disk: parallel pwrite+fsync " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in disk.items()),
+        "",
+        "| method | stall (ms) | stall / floor | save→durable (s) | GB/s | GB/s / disk |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, stall, total in rows:
+        gbps = size / total / 1e9
+        lines.append(f"| {name} | {stall * 1e3:.0f} | {stall / floor:.2f}x | {total:.2f} | {gbps:.2f} | {gbps / best_disk:.2f}x |")
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The README's demo: train, get killed with SIGKILL mid-run, resume from the newest checkpoint.
+
+Runs three times the same small training job (a plain PyTorch loop, CPU is fine):
+
+1. a run that saves every few steps with ``CheckpointEngine`` and is SIGKILLed while a save is
+   still being written;
+2. a restart on the same directory that resumes from the newest committed checkpoint;
+3. an uninterrupted reference run, to show the resumed run ends bit-identical.
+
+Usage: ``python examples/demo.py`` (``make demo``). Everything lands in ``demo-out/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from persist_core import CheckpointEngine, CheckpointNotFoundError  # noqa: E402
+
+TOTAL_STEPS, SAVE_EVERY, KILL_AFTER_SAVE_AT = 60, 5, 35
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10)
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(64, 512, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+
+def train(ckpt: Path, save: bool) -> None:
+    """The training job (a child process); prints one JSON line per event."""
+    torch.set_num_threads(1)
+    model, opt = build()
+    engine = CheckpointEngine(ckpt)
+    start = 0
+    try:
+        state = engine.load()
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        start = state["step"]
+        print(json.dumps({"event": "resumed", "step": start}), flush=True)
+    except CheckpointNotFoundError:
+        print(json.dumps({"event": "fresh"}), flush=True)
+    for step in range(start + 1, TOTAL_STEPS + 1):
+        x, y = batch(step)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if save and step % SAVE_EVERY == 0:
+            state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step,
+                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+            stats = engine.save(state, step=step).stats
+            print(json.dumps({"event": "saved", "step": step, "loss": loss.item(), "stall_ms": stats.stall_s * 1e3,
+                              "wait_ms": stats.wait_s * 1e3, "mb": stats.nbytes / 1e6}), flush=True)
+    engine.close()
+    digest = sum(float(p.detach().double().sum()) for p in model.parameters())
+    print(json.dumps({"event": "done", "step": TOTAL_STEPS, "loss": loss.item(), "digest": digest}), flush=True)
+
+
+def run_child(ckpt: Path, save: bool, kill_after_save_at: int | None = None) -> list[dict]:
+    cmd = [sys.executable, __file__, "--child", str(ckpt)] + ([] if save else ["--no-save"])
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    events = []
+    for line in child.stdout:
+        ev = json.loads(line)
+        events.append(ev)
+        if ev["event"] == "saved" and ev["step"] == kill_after_save_at:
+            child.send_signal(signal.SIGKILL)  # its write of this step is still in flight
+            break
+    child.wait()
+    child.stdout.close()
+    events.append({"event": "exit", "code": child.returncode})
+    return events
+
+
+def show(events: list[dict]) -> None:
+    for ev in events:
+        if ev["event"] == "fresh":
+            print("  no checkpoint found: starting at step 0")
+        elif ev["event"] == "resumed":
+            print(f"  resumed from the newest committed checkpoint: step {ev['step']}")
+        elif ev["event"] == "saved":
+            print(f"  step {ev['step']:3d}  loss {ev['loss']:.4f}  save(): training stalled {ev['stall_ms']:6.1f} ms "
+                  f"(of which waiting for the previous write {ev['wait_ms']:.1f} ms), {ev['mb']:.0f} MB")
+        elif ev["event"] == "done":
+            print(f"  finished step {ev['step']}  loss {ev['loss']:.4f}")
+        elif ev["event"] == "exit" and ev["code"] == -signal.SIGKILL:
+            print("  >>> killed with SIGKILL")
+
+
+def main() -> None:
+    out = ROOT / "demo-out"
+    shutil.rmtree(out, ignore_errors=True)
+    ckpt = out / "ckpt"
+    print(f"== run 1: train {TOTAL_STEPS} steps, checkpoint every {SAVE_EVERY} into {ckpt}, "
+          f"SIGKILL right after save(step={KILL_AFTER_SAVE_AT}) returns")
+    show(run_child(ckpt, save=True, kill_after_save_at=KILL_AFTER_SAVE_AT))
+    engine = CheckpointEngine(ckpt)
+    print(f"== on disk after the kill: {[(i.step, f'{i.nbytes / 1e6:.0f} MB') for i in engine.list()]}")
+    engine.close()
+    print("== run 2: the same command again")
+    t0 = time.perf_counter()
+    resumed = run_child(ckpt, save=True)
+    show(resumed)
+    print(f"   ({time.perf_counter() - t0:.1f} s)")
+    print("== run 3: an uninterrupted reference run without checkpoints")
+    reference = run_child(out / "unused", save=False)
+    show(reference)
+    a, b = resumed[-2], reference[-2]
+    same = a["event"] == b["event"] == "done" and a["digest"] == b["digest"] and a["loss"] == b["loss"]
+    stalls = [e["stall_ms"] - e["wait_ms"] for e in resumed if e["event"] == "saved"]
+    print(f"== resumed run ends bit-identical to the uninterrupted one: {same}")
+    if stalls:
+        print(f"== training stalled {sum(stalls) / len(stalls):.1f} ms per save on average (staging copy only)")
+    sys.exit(0 if same else 1)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--no-save", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        train(args.child, save=not args.no_save)
+    else:
+        main()
