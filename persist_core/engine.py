@@ -214,9 +214,9 @@ class CheckpointEngine:
         base = Manifest(step=step, time=time.time(), world_size=1, tree=flat.tree, tensors=records, objects=objects,
                         files=(), metadata=dict(metadata or {}))
         del plan, flat  # the writer needs only the staged bytes, not the caller's tensors
+        handle._update(stall_s=time.perf_counter() - t0)
         self._writer.submit(self._write_and_commit, handle, buf, base, staged)
         log.debug("%s staged %d bytes in %.3f s", self._prefix(step), handle.stats.nbytes, handle.stats.staging_s)
-        handle._update(stall_s=time.perf_counter() - t0)
         return handle
 
     def _write_and_commit(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float) -> None:

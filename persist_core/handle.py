@@ -102,7 +102,8 @@ class SaveHandle:
             return error
 
     def _update(self, **changes: object) -> None:
-        self._stats = dataclasses.replace(self._stats, **changes)
+        with self._lock:
+            self._stats = dataclasses.replace(self._stats, **changes)
 
     def _set_local_done(self) -> None:
         self._local.set_result(None)

@@ -283,6 +283,26 @@ def test_buffered_writes_and_small_chunks_round_trip(ckpt_dir):
         assert_state_equal(engine.load(), state_for(1))
 
 
+class NoDirectOps(OsFileOps):
+    """A file system that refuses O_DIRECT at open, as tmpfs and some network file systems do."""
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return super().open(path, flags, mode)
+
+
+def test_o_direct_refused_falls_back_to_buffered_writes(ckpt_dir):
+    with CheckpointEngine(ckpt_dir, file_ops=NoDirectOps()) as engine:
+        handle = engine.save(state_for(1), step=1)
+        handle.wait()
+        assert handle.stats.direct_io is False
+        assert_state_equal(engine.load(), state_for(1))
+    with CheckpointEngine(ckpt_dir, file_ops=NoDirectOps(), direct_io="on") as engine:
+        with pytest.raises(WriteError, match="step=2"):
+            engine.save(state_for(2), step=2).wait()
+
+
 def test_exit_with_an_exception_still_drains_and_does_not_mask_it(ckpt_dir):
     with pytest.raises(KeyError):
         with CheckpointEngine(ckpt_dir) as engine:
