@@ -17,16 +17,32 @@ from persist_core.errors import (
 from persist_core.handle import SaveHandle, SaveStats
 from persist_core.local_writer import FileOps
 from persist_core.restore import CheckpointInfo
+from persist_core.retention import (
+    AnyOf,
+    KeepEveryNSeconds,
+    KeepEveryNSteps,
+    KeepLastN,
+    KeepSteps,
+    RetentionContext,
+    RetentionPolicy,
+)
 
 __all__ = [
+    "AnyOf",
     "CheckpointEngine",
     "CheckpointInfo",
     "CheckpointNotFoundError",
     "ConfigError",
     "CorruptCheckpointError",
     "FileOps",
+    "KeepEveryNSeconds",
+    "KeepEveryNSteps",
+    "KeepLastN",
+    "KeepSteps",
     "PersistError",
     "RankInfo",
+    "RetentionContext",
+    "RetentionPolicy",
     "SaveHandle",
     "SaveStats",
     "StepExistsError",

@@ -12,6 +12,7 @@ Call order (one process):
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -40,9 +41,17 @@ from persist_core.errors import (
 from persist_core.format import flatten, plan_shard
 from persist_core.handle import SaveHandle, SaveStats
 from persist_core.layout import checkpoint_dirname, parse_tmp_dirname, shard_filename, tmp_dirname
-from persist_core.local_writer import CHECKSUM_ALGORITHM, FileOps, OsFileOps, commit_dir, write_file
+from persist_core.local_writer import (
+    CHECKSUM_ALGORITHM,
+    FileOps,
+    OsFileOps,
+    commit_dir,
+    remove_checkpoint,
+    write_file,
+)
 from persist_core.manifest import FileEntry, Manifest
 from persist_core.restore import CheckpointInfo, checkpoint_dir, committed_steps, discover, load_checkpoint, read_manifest
+from persist_core.retention import RetentionContext, RetentionPolicy, check_policy, to_delete
 from persist_core.staging import StagingBuffer, StagingPool, stage
 
 log = logging.getLogger(__name__)
@@ -101,6 +110,9 @@ class CheckpointEngine:
             buffer about the size of the state. With the default 1, a ``save`` while the previous
             write runs waits for it (``stats.wait_s``) instead of allocating a second copy.
         verify: check crc32c checksums on ``load`` (default True).
+        keep_local: retention policy for ``local_dir``, applied after each commit, e.g.
+            ``KeepLastN(2)`` or ``AnyOf(KeepLastN(2), KeepEveryNSteps(1000))``; ``None`` keeps all.
+            The newest committed checkpoint is never deleted.
         rank_info: this process's rank (single process by default).
         file_ops: the file system calls the writer makes (for fault injection in tests).
 
@@ -117,6 +129,7 @@ class CheckpointEngine:
         direct_io: str | None = None,
         max_pending: int = 1,
         verify: bool = True,
+        keep_local: RetentionPolicy | None = None,
         rank_info: RankInfo | None = None,
         file_ops: FileOps | None = None,
     ) -> None:
@@ -127,6 +140,7 @@ class CheckpointEngine:
             max_pending=max_pending,
             verify=verify,
         )
+        self._keep_local = None if keep_local is None else check_policy(keep_local, name="keep_local")
         self._root = Path(local_dir).expanduser().absolute()
         self._rank = rank_info or RankInfo()
         self._ops = file_ops or OsFileOps()
@@ -191,7 +205,7 @@ class CheckpointEngine:
             if step in self._pending or checkpoint_dir(self._root, step).exists():
                 raise StepExistsError(
                     f"a checkpoint for step={step} already exists or is being written in {self._root}; "
-                    "save each step once (remove the old one first to overwrite it)"
+                    f"save each step once (delete {checkpoint_dir(self._root, step)} first to overwrite it)"
                 )
         flat = flatten(state)
         plan = plan_shard(flat)
@@ -220,9 +234,32 @@ class CheckpointEngine:
         return handle
 
     def _write_and_commit(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float) -> None:
+        """Writer thread: write and commit one checkpoint, then apply retention."""
+        step = handle.step
+        error: BaseException | None = None
+        try:
+            self._commit_local(handle, buf, base, staged_at)
+        except BaseException as e:  # recorded on the handle and raised once by a later call
+            error = self._describe_failure(e, step)
+        else:
+            try:
+                self._apply_retention()
+            except BaseException as e:
+                error = PersistError(f"checkpoint step={step} was committed, but local retention failed: {e}")
+                error.__cause__ = e
+        with self._lock:
+            del self._pending[step]
+            if error is not None:
+                self._unreported.append(handle)
+        if error is None:
+            handle._set_local_done()
+        else:
+            log.error("%s %s", self._prefix(step), error)
+            handle._set_failed(error)
+
+    def _commit_local(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float) -> None:
         step = handle.step
         tmp = self._root / tmp_dirname(step, os.getpid(), secrets.token_hex(3))
-        final = checkpoint_dir(self._root, step)
         try:
             try:
                 os.mkdir(tmp)
@@ -240,25 +277,28 @@ class CheckpointEngine:
                 self._pool.release(buf)
             entry = FileEntry(name=written.name, rank=self._rank.rank, size=written.size, checksum=CHECKSUM_ALGORITHM,
                               chunk_bytes=written.chunk_bytes, chunks=written.chunks)
-            manifest = Manifest(**{**base.__dict__, "files": (entry,)})
-            commit_dir(tmp, final, manifest.to_bytes(), ops=self._ops)
-            handle._update(write_s=write_s, write_gbps=written.size / write_s / 1e9 if write_s > 0 else None,
-                           commit_s=time.perf_counter() - staged_at, direct_io=written.direct_io)
-            log.info("%s committed %s (%.1f MB, %.2f GB/s)", self._prefix(step), final, written.size / 1e6,
-                     handle.stats.write_gbps or 0.0)
-            with self._lock:
-                del self._pending[step]
-            handle._set_local_done()
-        except BaseException as e:  # recorded on the handle and raised once by a later call
+            final = checkpoint_dir(self._root, step)
+            commit_dir(tmp, final, dataclasses.replace(base, files=(entry,)).to_bytes(), ops=self._ops)
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            error = self._describe_failure(e, step, tmp)
-            log.error("%s %s", self._prefix(step), error)
-            with self._lock:
-                del self._pending[step]
-                self._unreported.append(handle)
-            handle._set_failed(error)
+            e.add_note(f"while writing {tmp}")
+            raise
+        handle._update(write_s=write_s, write_gbps=written.size / write_s / 1e9 if write_s > 0 else None,
+                       commit_s=time.perf_counter() - staged_at, direct_io=written.direct_io)
+        log.info("%s committed %s (%.1f MB, %.2f GB/s)", self._prefix(step), final, written.size / 1e6,
+                 handle.stats.write_gbps or 0.0)
 
-    def _describe_failure(self, e: BaseException, step: int, tmp: Path) -> BaseException:
+    def _apply_retention(self) -> None:
+        if self._keep_local is None:
+            return
+        with self._lock:
+            protected = set(self._pending)
+        context = RetentionContext(tier="local", now=time.time())
+        for info in to_delete(self.list(), self._keep_local, context=context, protected=protected):
+            log.info("%s retention (%r) removes %s", self._prefix(info.step), self._keep_local, info.path)
+            remove_checkpoint(Path(info.path))
+
+    def _describe_failure(self, e: BaseException, step: int) -> BaseException:
         if isinstance(e, PersistError) or not isinstance(e, OSError):
             return e
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -266,7 +306,7 @@ class CheckpointEngine:
         else:
             fix = f"check that {self._root} is a healthy, writable local file system"
         error = WriteError(e.errno or errno.EIO,
-                           f"writing checkpoint step={step} into {tmp} failed: {e.strerror or e}; {fix}. "
+                           f"writing checkpoint step={step} in {self._root} failed: {e.strerror or e}; {fix}. "
                            "Nothing was committed for this step; earlier checkpoints are intact")
         error.__cause__ = e
         return error

@@ -1,0 +1,182 @@
+"""Retention policies: which committed checkpoints of a tier to keep. Pure; no I/O.
+
+A policy is any object with ``should_keep(checkpoints, *, context) -> Sequence[bool]``, one
+answer per checkpoint, given oldest first. Compose them with :class:`AnyOf`::
+
+    keep = AnyOf(KeepLastN(3), KeepEveryNSteps(1000))
+
+The engine calls :func:`to_delete` after each commit on a tier, and removes what it returns.
+Whatever the policy says, the newest committed checkpoint and the ``protected`` steps (being
+written or uploaded) are never deleted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from persist_core.errors import ConfigError
+from persist_core.restore import CheckpointInfo
+
+__all__ = [
+    "AnyOf",
+    "KeepEveryNSeconds",
+    "KeepEveryNSteps",
+    "KeepLastN",
+    "KeepSteps",
+    "RetentionContext",
+    "RetentionPolicy",
+    "to_delete",
+]
+
+
+@dataclass(frozen=True)
+class RetentionContext:
+    """What a policy may know besides the checkpoints: the tier and the wall time now."""
+
+    tier: str
+    now: float
+
+
+@runtime_checkable
+class RetentionPolicy(Protocol):
+    """Decides, for committed checkpoints given oldest first, which to keep."""
+
+    def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]: ...
+
+
+def _positive_int(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{owner}({name}={value!r}): {name} must be an int >= 1")
+
+
+@dataclass(frozen=True)
+class KeepLastN:
+    """Keep the ``n`` newest checkpoints."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _positive_int("KeepLastN", "n", self.n)
+
+    def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
+        first_kept = len(checkpoints) - self.n
+        return [i >= first_kept for i in range(len(checkpoints))]
+
+
+@dataclass(frozen=True)
+class KeepEveryNSteps:
+    """Keep milestones: every checkpoint whose step is a multiple of ``n``."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _positive_int("KeepEveryNSteps", "n", self.n)
+
+    def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
+        return [c.step % self.n == 0 for c in checkpoints]
+
+
+@dataclass(frozen=True)
+class KeepEveryNSeconds:
+    """Keep the oldest checkpoint, then each one saved at least ``seconds`` after the last kept."""
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)) or not self.seconds > 0:
+            raise ConfigError(f"KeepEveryNSeconds(seconds={self.seconds!r}): seconds must be a number > 0")
+
+    def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
+        keep, last = [], None
+        for c in checkpoints:
+            kept = last is None or c.time - last >= self.seconds
+            keep.append(kept)
+            last = c.time if kept else last
+        return keep
+
+
+@dataclass(frozen=True)
+class KeepSteps:
+    """Keep the checkpoints of these exact steps."""
+
+    steps: frozenset[int] = field(default_factory=frozenset)
+
+    def __init__(self, steps: Iterable[int]) -> None:
+        try:
+            values = frozenset(steps)
+        except TypeError:
+            raise ConfigError(f"KeepSteps(steps={steps!r}): steps must be an iterable of ints") from None
+        bad = [s for s in values if not isinstance(s, int) or isinstance(s, bool) or s < 0]
+        if bad:
+            raise ConfigError(f"KeepSteps: steps {sorted(map(repr, bad))} are not non-negative ints")
+        object.__setattr__(self, "steps", values)
+
+    def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
+        return [c.step in self.steps for c in checkpoints]
+
+
+def check_policy(policy: object, *, name: str) -> RetentionPolicy:
+    """``policy`` if it has a callable ``should_keep``, else :class:`ConfigError` naming ``name``."""
+    if not callable(getattr(policy, "should_keep", None)):
+        raise ConfigError(
+            f"{name}={policy!r} is not a retention policy: pass e.g. KeepLastN(3), AnyOf(...), "
+            "or an object with should_keep(checkpoints, *, context)"
+        )
+    return policy  # type: ignore[return-value]
+
+
+class AnyOf:
+    """Keep a checkpoint when any of ``policies`` keeps it."""
+
+    def __init__(self, *policies: RetentionPolicy) -> None:
+        if not policies:
+            raise ConfigError("AnyOf() needs at least one policy, e.g. AnyOf(KeepLastN(3), KeepEveryNSteps(1000))")
+        self.policies = tuple(check_policy(p, name=f"AnyOf argument {i}") for i, p in enumerate(policies))
+
+    def __repr__(self) -> str:
+        return f"AnyOf({', '.join(map(repr, self.policies))})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AnyOf) and other.policies == self.policies
+
+    def __hash__(self) -> int:
+        return hash(self.policies)
+
+    def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
+        answers = [_answers(p, checkpoints, context) for p in self.policies]
+        return [any(col) for col in zip(*answers)] if answers else []
+
+
+def _answers(policy: RetentionPolicy, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> list[bool]:
+    answer = [bool(a) for a in policy.should_keep(checkpoints, context=context)]
+    if len(answer) != len(checkpoints):
+        raise ConfigError(
+            f"retention policy {policy!r} answered {len(answer)} times for {len(checkpoints)} checkpoints; "
+            "should_keep must return one bool per checkpoint"
+        )
+    return answer
+
+
+def to_delete(
+    checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy, *, context: RetentionContext, protected: Iterable[int] = ()
+) -> list[CheckpointInfo]:
+    """The checkpoints ``policy`` lets go, never the newest one nor a ``protected`` step.
+
+    Args:
+        checkpoints: the tier's committed checkpoints (any order).
+        policy: the tier's policy.
+        context: tier and time.
+        protected: steps that must stay whatever the policy says (being written or uploaded).
+
+    Raises:
+        ConfigError: a custom policy returned the wrong number of answers.
+    """
+    ordered = sorted(checkpoints, key=lambda c: c.step)
+    if not ordered:
+        return []
+    keep = _answers(policy, ordered, context)
+    keep[-1] = True
+    guard = set(protected)
+    return [c for c, k in zip(ordered, keep) if not k and c.step not in guard]
