@@ -36,3 +36,23 @@ def chunk_bytes() -> int:
 def direct_io() -> str:
     """``PERSIST_DIRECT_IO``: ``auto`` (try O_DIRECT, fall back), ``on`` or ``off``."""
     return os.environ.get("PERSIST_DIRECT_IO", "auto")
+
+
+def remote_part_bytes() -> int:
+    """Multipart part size for object-store uploads: ``PERSIST_REMOTE_PART_BYTES`` (default 64 MiB)."""
+    return _env_int("PERSIST_REMOTE_PART_BYTES", 64 << 20)
+
+
+def remote_concurrency() -> int:
+    """Concurrent part uploads / ranged downloads per file: ``PERSIST_REMOTE_CONCURRENCY`` (default 8)."""
+    return _env_int("PERSIST_REMOTE_CONCURRENCY", 8)
+
+
+def remote_retries() -> int:
+    """Attempts per remote operation before it fails for good: ``PERSIST_REMOTE_RETRIES`` (default 5)."""
+    return _env_int("PERSIST_REMOTE_RETRIES", 5)
+
+
+def remote_backoff_s() -> float:
+    """First retry delay in seconds, doubled each attempt: ``PERSIST_REMOTE_BACKOFF_MS`` (default 200)."""
+    return _env_int("PERSIST_REMOTE_BACKOFF_MS", 200) / 1000

@@ -46,11 +46,14 @@ from persist_core.local_writer import (
     FileOps,
     OsFileOps,
     commit_dir,
+    fsync_dir,
     remove_checkpoint,
     write_file,
 )
 from persist_core.manifest import FileEntry, Manifest
 from persist_core.restore import CheckpointInfo, checkpoint_dir, committed_steps, discover, load_checkpoint, read_manifest
+from persist_core._sync import RemoteSync, SyncJob
+from persist_core.remote import RemoteTier
 from persist_core.retention import RetentionContext, RetentionPolicy, check_policy, to_delete
 from persist_core.staging import StagingBuffer, StagingPool, stage
 
@@ -110,9 +113,15 @@ class CheckpointEngine:
             buffer about the size of the state. With the default 1, a ``save`` while the previous
             write runs waits for it (``stats.wait_s``) instead of allocating a second copy.
         verify: check crc32c checksums on ``load`` (default True).
+        remote_url: an fsspec URL (``s3://bucket/run-7``, ``gs://``, ``az://``, ``file://``,
+            ``memory://``) every committed checkpoint is uploaded to in the background; ``load``
+            falls back to it. ``None``: local only.
+        storage_options: passed to fsspec as-is (``{"client_kwargs": {"endpoint_url": ...}}``).
         keep_local: retention policy for ``local_dir``, applied after each commit, e.g.
             ``KeepLastN(2)`` or ``AnyOf(KeepLastN(2), KeepEveryNSteps(1000))``; ``None`` keeps all.
-            The newest committed checkpoint is never deleted.
+            The newest committed checkpoint, and any not yet uploaded, are never deleted.
+        keep_remote: retention policy for the remote tier, applied after each upload; queued
+            uploads it would not keep may be superseded by newer ones when the remote is slow.
         rank_info: this process's rank (single process by default).
         file_ops: the file system calls the writer makes (for fault injection in tests).
 
@@ -129,7 +138,10 @@ class CheckpointEngine:
         direct_io: str | None = None,
         max_pending: int = 1,
         verify: bool = True,
+        remote_url: str | None = None,
+        storage_options: dict[str, Any] | None = None,
         keep_local: RetentionPolicy | None = None,
+        keep_remote: RetentionPolicy | None = None,
         rank_info: RankInfo | None = None,
         file_ops: FileOps | None = None,
     ) -> None:
@@ -141,6 +153,9 @@ class CheckpointEngine:
             verify=verify,
         )
         self._keep_local = None if keep_local is None else check_policy(keep_local, name="keep_local")
+        keep_remote = None if keep_remote is None else check_policy(keep_remote, name="keep_remote")
+        if keep_remote is not None and remote_url is None:
+            raise ConfigError("keep_remote was given without remote_url; pass remote_url='s3://...' or drop keep_remote")
         self._root = Path(local_dir).expanduser().absolute()
         self._rank = rank_info or RankInfo()
         self._ops = file_ops or OsFileOps()
@@ -152,7 +167,15 @@ class CheckpointEngine:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._io = ThreadPoolExecutor(self._settings.write_threads, thread_name_prefix="persist-io")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="persist-writer")
+        self._retention_lock = threading.Lock()
+        self._latest_step = -1
         self._closed = False
+        self._tier = None if remote_url is None else RemoteTier(remote_url, storage_options)
+        self._sync = None
+        self._syncing: dict[int, tuple[SaveHandle, float]] = {}
+        if self._tier is not None:
+            self._sync = RemoteSync(self._tier, keep_remote=keep_remote, on_done=self._on_synced)
+            self._resume_uploads()
 
     # ------------------------------------------------------------------ setup
 
@@ -225,6 +248,7 @@ class CheckpointEngine:
         )
         with self._lock:
             self._pending[step] = handle
+            self._latest_step = max(self._latest_step, step)
         base = Manifest(step=step, time=time.time(), world_size=1, tree=flat.tree, tensors=records, objects=objects,
                         files=(), metadata=dict(metadata or {}))
         del plan, flat  # the writer needs only the staged bytes, not the caller's tensors
@@ -251,11 +275,60 @@ class CheckpointEngine:
             del self._pending[step]
             if error is not None:
                 self._unreported.append(handle)
-        if error is None:
-            handle._set_local_done()
-        else:
+        if error is not None:
             log.error("%s %s", self._prefix(step), error)
             handle._set_failed(error)
+            return
+        self._queue_upload(handle)  # queued before wait_local() returns, so waiters see it pending
+        handle._set_local_done()
+
+    # ------------------------------------------------------------------ remote
+
+    def _queue_upload(self, handle: SaveHandle) -> None:
+        if self._sync is None:
+            handle._set_remote_done()
+            return
+        ckpt = checkpoint_dir(self._root, handle.step)
+        with self._lock:
+            self._syncing[handle.step] = (handle, time.monotonic())
+        self._sync.submit(SyncJob(local_ckpt=ckpt, manifest=read_manifest(ckpt), committed_at=time.monotonic()))
+
+    def _resume_uploads(self) -> None:
+        """Queue committed local checkpoints the remote lacks (a previous run died before syncing)."""
+        assert self._sync is not None
+        remote = self._sync.remote_steps()
+        for info in self.list():
+            if info.step not in remote:
+                log.info("%s queueing upload of %s left unsynced by an earlier run", self._prefix(info.step), info.path)
+                self._queue_upload(SaveHandle(SaveStats(step=info.step, nbytes=info.nbytes)))
+
+    def _on_synced(self, job: SyncJob, outcome: str, error: BaseException | None, upload_s: float) -> None:
+        """Sync thread: record one upload's outcome on its handle."""
+        with self._lock:
+            handle, _ = self._syncing.pop(job.step)
+            latest = self._latest_step
+            if error is not None:
+                self._unreported.append(handle)
+        if outcome == "uploaded":
+            handle._update(upload_s=upload_s, upload_gbps=job.manifest.nbytes / upload_s / 1e9 if upload_s > 0 else None,
+                           lag_s=time.monotonic() - job.committed_at, lag_steps=max(0, latest - job.step))
+        elif outcome == "superseded":
+            handle._update(superseded=True)
+        if error is not None:
+            if outcome == "uploaded":
+                error = PersistError(f"checkpoint step={job.step} was uploaded, but remote retention failed: {error}")
+            log.error("%s %s", self._prefix(job.step), error)
+            handle._set_failed(error)
+            return
+        try:
+            self._apply_retention()  # what waited for this upload may go now
+        except BaseException as e:
+            log.error("%s local retention failed after the upload: %s", self._prefix(job.step), e)
+            with self._lock:
+                self._unreported.append(handle)
+            handle._set_failed(PersistError(f"local retention failed after uploading step={job.step}: {e}"))
+            return
+        handle._set_remote_done()
 
     def _commit_local(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float) -> None:
         step = handle.step
@@ -291,12 +364,13 @@ class CheckpointEngine:
     def _apply_retention(self) -> None:
         if self._keep_local is None:
             return
-        with self._lock:
-            protected = set(self._pending)
-        context = RetentionContext(tier="local", now=time.time())
-        for info in to_delete(self.list(), self._keep_local, context=context, protected=protected):
-            log.info("%s retention (%r) removes %s", self._prefix(info.step), self._keep_local, info.path)
-            remove_checkpoint(Path(info.path))
+        with self._retention_lock:
+            with self._lock:
+                protected = set(self._pending) | set(self._syncing)
+            context = RetentionContext(tier="local", now=time.time())
+            for info in to_delete(self.list(), self._keep_local, context=context, protected=protected):
+                log.info("%s retention (%r) removes %s", self._prefix(info.step), self._keep_local, info.path)
+                remove_checkpoint(Path(info.path))
 
     def _describe_failure(self, e: BaseException, step: int) -> BaseException:
         if isinstance(e, PersistError) or not isinstance(e, OSError):
@@ -328,7 +402,7 @@ class CheckpointEngine:
                 raise error
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save is committed.
+        """Block until every pending save is committed locally and, with a remote, uploaded.
 
         Raises:
             TimeoutError: something is still pending after ``timeout`` seconds.
@@ -342,7 +416,11 @@ class CheckpointEngine:
                 break
             for handle in pending:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                handle._wait_done(left)
+                handle._wait_for(handle._local, left)
+        if self._sync is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._sync.drain(left):
+                raise TimeoutError(f"uploads to {self._tier.url} still pending after {timeout} s")
         self._raise_unreported()
 
     def close(self) -> None:
@@ -354,6 +432,8 @@ class CheckpointEngine:
         finally:
             self._closed = True
             self._writer.shutdown(wait=True)
+            if self._sync is not None:
+                self._sync.close()
             self._io.shutdown(wait=True)
 
     def __enter__(self) -> CheckpointEngine:
@@ -374,12 +454,29 @@ class CheckpointEngine:
     def local_dir(self) -> Path:
         return self._root
 
-    def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints whose manifest and file sizes check, oldest first."""
-        return [info for info, _ in discover(self._root)]
+    def list(self, tier: str = "local") -> list[CheckpointInfo]:
+        """Committed checkpoints whose manifest and file sizes check, oldest first.
+
+        Args:
+            tier: ``"local"``, ``"remote"``, or ``"all"`` (both, each with its ``tier``).
+
+        Raises:
+            ConfigError: an unknown tier, or ``"remote"`` without a ``remote_url``.
+        """
+        if tier not in ("local", "remote", "all"):
+            raise ConfigError(f"tier={tier!r} must be 'local', 'remote' or 'all'")
+        if tier == "remote" and self._tier is None:
+            raise ConfigError("tier='remote' needs an engine with remote_url")
+        local = [info for info, _ in discover(self._root)] if tier != "remote" else []
+        remote = self._tier.list() if tier != "local" and self._tier is not None else []
+        return sorted(local + remote, key=lambda i: (i.step, i.tier))
 
     def load(self, step: int | None = None, *, map_location: Any = "cpu", verify: bool | None = None) -> Any:
         """Load the newest committed checkpoint that verifies, or the one for ``step``.
+
+        The local copy is used when it is there and verifies; otherwise the remote copy is
+        downloaded into ``local_dir`` (parallel ranged reads, checksums verified) and loaded, so
+        a fresh machine with an empty ``local_dir`` resumes with ``engine.load()`` alone.
 
         Args:
             step: which checkpoint; ``None`` takes the newest one that verifies, logging a
@@ -391,22 +488,46 @@ class CheckpointEngine:
             An object equal to the saved state.
 
         Raises:
-            CheckpointNotFoundError: nothing committed (for ``step``) in ``local_dir``.
-            CorruptCheckpointError: the checkpoint for ``step`` does not verify (names the file).
+            CheckpointNotFoundError: nothing committed (for ``step``) on any tier.
+            CorruptCheckpointError: no copy of ``step`` verifies (names the file).
         """
         self._check_open()
         verify = self._settings.verify if verify is None else verify
+        local = set(committed_steps(self._root))
+        remote = set(self._tier.committed_steps()) if self._tier is not None else set()
         if step is not None:
-            ckpt = checkpoint_dir(self._root, step)
-            if step not in committed_steps(self._root):
+            if step not in local | remote:
+                where = f"{self._root}" + (f" or {self._tier.url}" if self._tier else "")
                 raise CheckpointNotFoundError(
-                    f"no committed checkpoint for step={step} in {self._root}; committed steps: {committed_steps(self._root)}"
+                    f"no committed checkpoint for step={step} in {where}; committed steps: {sorted(local | remote)}"
                 )
-            return load_checkpoint(ckpt, read_manifest(ckpt), pool=self._io, verify=verify, map_location=map_location)
-        for candidate in reversed(committed_steps(self._root)):
-            ckpt = checkpoint_dir(self._root, candidate)
+            return self._load_step(step, step in local, step in remote, verify, map_location)
+        for candidate in sorted(local | remote, reverse=True):
+            try:
+                return self._load_step(candidate, candidate in local, candidate in remote, verify, map_location)
+            except CorruptCheckpointError as e:
+                log.warning("%s skipping step %d: %s", self._prefix(candidate), candidate, e)
+        where = f"{self._root}" + (f" nor {self._tier.url}" if self._tier else "")
+        raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {where}")
+
+    def _load_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any) -> Any:
+        ckpt = checkpoint_dir(self._root, step)
+        if in_local:
             try:
                 return load_checkpoint(ckpt, read_manifest(ckpt), pool=self._io, verify=verify, map_location=map_location)
             except CorruptCheckpointError as e:
-                log.warning("%s skipping %s: %s", self._prefix(candidate), ckpt, e)
-        raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {self._root}")
+                if not in_remote:
+                    raise
+                log.warning("%s local copy does not verify (%s); downloading from %s", self._prefix(step), e, self._tier.url)
+        assert self._tier is not None
+        tmp, manifest = self._tier.download(step, self._root, tmp_dirname(step, os.getpid(), secrets.token_hex(3)))
+        try:
+            if ckpt.exists():
+                remove_checkpoint(ckpt)  # it failed verification; the remote copy replaces it
+            os.rename(tmp, ckpt)
+            fsync_dir(self._root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log.info("%s downloaded from %s into %s", self._prefix(step), self._tier.url, ckpt)
+        return load_checkpoint(ckpt, manifest, pool=self._io, verify=verify, map_location=map_location)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -29,6 +30,11 @@ class SaveStats:
         write_gbps: ``nbytes / write_s`` in GB/s (10**9 bytes).
         commit_s: from ``save()`` returning to the checkpoint being committed and durable.
         direct_io: whether the shard was written with ``O_DIRECT``.
+        upload_s: time uploading to the remote tier (shards and manifest).
+        upload_gbps: ``nbytes / upload_s`` in GB/s.
+        lag_s: from the local commit to the remote commit (queueing included).
+        lag_steps: how many steps newer the newest saved checkpoint was at the remote commit.
+        superseded: the upload was skipped for a newer checkpoint (the remote was behind).
     """
 
     step: int
@@ -40,6 +46,11 @@ class SaveStats:
     write_gbps: float | None = None
     commit_s: float | None = None
     direct_io: bool | None = None
+    upload_s: float | None = None
+    upload_gbps: float | None = None
+    lag_s: float | None = None
+    lag_steps: int | None = None
+    superseded: bool = False
 
 
 class SaveHandle:
@@ -55,6 +66,7 @@ class SaveHandle:
     def __init__(self, stats: SaveStats) -> None:
         self._stats = stats
         self._local: Future[None] = Future()
+        self._remote: Future[None] = Future()
         self._lock = threading.Lock()
         self._error: BaseException | None = None
 
@@ -69,7 +81,7 @@ class SaveHandle:
 
     def done(self) -> bool:
         """Whether every phase has finished (successfully or not)."""
-        return self._local.done()
+        return self._local.done() and self._remote.done()
 
     def wait_local(self, timeout: float | None = None) -> None:
         """Block until committed on the local tier.
@@ -78,20 +90,34 @@ class SaveHandle:
             TimeoutError: not committed within ``timeout`` seconds (the save goes on).
             PersistError: the save failed, if no earlier call raised that failure.
         """
-        self._wait_done(timeout)
+        self._wait_for(self._local, timeout)
+        self._raise_error()
+
+    def wait_remote(self, timeout: float | None = None) -> None:
+        """Block until committed on the remote tier (or superseded by a newer checkpoint).
+
+        Returns at once when the engine has no remote tier. Same errors as :meth:`wait_local`.
+        """
+        self._wait_for(self._remote, timeout)
+        self._raise_error()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every phase has finished; same errors as :meth:`wait_local`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._wait_for(self._local, timeout)
+        self._wait_for(self._remote, None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._raise_error()
+
+    def _raise_error(self) -> None:
         error = self.take_error()
         if error is not None:
             raise error
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every phase has finished; same errors as :meth:`wait_local`."""
-        self.wait_local(timeout)
-
     # ---- engine side
 
-    def _wait_done(self, timeout: float | None) -> None:
+    def _wait_for(self, phase: Future[None], timeout: float | None) -> None:
         try:
-            self._local.result(timeout)
+            phase.result(timeout)
         except FutureTimeout:
             raise TimeoutError(f"checkpoint step {self.step} not committed within {timeout} s") from None
 
@@ -108,7 +134,13 @@ class SaveHandle:
     def _set_local_done(self) -> None:
         self._local.set_result(None)
 
+    def _set_remote_done(self) -> None:
+        self._remote.set_result(None)
+
     def _set_failed(self, error: BaseException) -> None:
+        """Record ``error``; every phase not yet finished ends with it."""
         with self._lock:
             self._error = error
-        self._local.set_result(None)
+        for phase in (self._local, self._remote):
+            if not phase.done():
+                phase.set_result(None)

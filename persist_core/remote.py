@@ -1,0 +1,256 @@
+"""The remote tier: any fsspec URL, uploads with the manifest last, verified ranged downloads.
+
+Who calls what: the engine builds one :class:`RemoteTier` at construction (which probes that
+the URL is writable), its sync thread calls :meth:`RemoteTier.upload` for each committed local
+checkpoint and :meth:`RemoteTier.remove` for retention, and ``load()`` calls
+:meth:`RemoteTier.download` when the local tier lacks a good copy.
+
+Commit on an object store: every shard object is uploaded (multipart, concurrent parts on S3)
+and its size checked, then the manifest object is written. A prefix without a manifest is not a
+checkpoint, so a crash mid-upload leaves nothing visible.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any, TypeVar
+
+import crc32c
+import fsspec
+
+from persist_core import _knobs
+from persist_core.errors import ConfigError, CorruptCheckpointError, PersistError
+from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname
+from persist_core.local_writer import fsync_dir
+from persist_core.manifest import Manifest
+from persist_core.restore import CheckpointInfo
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: errors that retrying cannot fix
+_PERMANENT = (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PersistError)
+
+
+class RemoteError(PersistError, OSError):
+    """A remote operation failed for good (after retries); local checkpoints are untouched."""
+
+
+class RemoteTier:
+    """Checkpoints under one fsspec URL, laid out as on the local tier.
+
+    Args:
+        url: e.g. ``s3://bucket/run-7``, ``gs://...``, ``file:///mnt/shared/run``, ``memory://run``.
+        storage_options: passed to fsspec as-is (credentials, ``client_kwargs``, ...).
+
+    Raises:
+        ConfigError: unknown protocol, missing fsspec backend, missing bucket, no credentials or
+            no write access; the message names the URL and the likely fix.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/")
+        try:
+            self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        except ImportError as e:
+            raise ConfigError(
+                f"remote_url={url!r} needs an fsspec backend that is not installed ({e}); "
+                "e.g. pip install 'torch-persist[s3]' for s3:// or 'torch-persist[gcs]' for gs://"
+            ) from e
+        except ValueError as e:
+            raise ConfigError(
+                f"remote_url={url!r} cannot be used: {e}; use an fsspec URL such as s3://bucket/prefix, "
+                "gs://bucket/prefix, az://container/prefix, file:///path or memory://name"
+            ) from e
+        self.root = root.rstrip("/")
+        self._is_s3 = "s3" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self.part_bytes = _knobs.remote_part_bytes()
+        self.concurrency = _knobs.remote_concurrency()
+        self.retries = _knobs.remote_retries()
+        self.backoff_s = _knobs.remote_backoff_s()
+        self._probe()
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.url!r})"
+
+    def _path(self, *parts: str) -> str:
+        return "/".join((self.root, *parts))
+
+    def _probe(self) -> None:
+        probe = self._path(f".probe-{secrets.token_hex(4)}")
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)
+            self.fs.pipe_file(probe, b"probe")
+            self.fs.rm_file(probe)
+        except FileNotFoundError as e:
+            raise ConfigError(f"remote_url={self.url!r}: the bucket or path does not exist ({e}); create it or fix the URL") from e
+        except PermissionError as e:
+            raise ConfigError(
+                f"remote_url={self.url!r} is not writable with these credentials ({e}); check the credentials "
+                "(environment, profile or storage_options) and the bucket policy"
+            ) from e
+        except Exception as e:  # endpoint unreachable, bad credentials format, ... (backends raise many types)
+            raise ConfigError(
+                f"remote_url={self.url!r} cannot be written ({type(e).__name__}: {e}); check the endpoint, "
+                "network and credentials (storage_options are passed to fsspec as-is)"
+            ) from e
+
+    # ------------------------------------------------------------------ retries
+
+    def retry(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn``, retrying transient failures with exponential backoff.
+
+        Raises:
+            RemoteError: a permanent error, or still failing after ``retries`` attempts.
+        """
+        delay = self.backoff_s
+        for attempt in range(1, self.retries + 1):
+            try:
+                return fn()
+            except _PERMANENT as e:
+                raise RemoteError(f"{what} on {self.url} failed: {type(e).__name__}: {e}") from e
+            except Exception as e:  # transient: connection reset, 5xx, throttling
+                if attempt == self.retries:
+                    raise RemoteError(
+                        f"{what} on {self.url} failed after {attempt} attempts: {type(e).__name__}: {e}; "
+                        "check the network and the endpoint (local checkpoints are intact)"
+                    ) from e
+                log.warning("%s on %s failed (%s: %s); retry %d/%d in %.1f s", what, self.url, type(e).__name__, e,
+                            attempt, self.retries - 1, delay)
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ listing
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose prefix holds a manifest, ascending (nothing verified)."""
+        self.fs.invalidate_cache(self.root)
+        found = self.retry("listing", lambda: self.fs.glob(self._path("step-*", MANIFEST_NAME)))
+        steps = []
+        for path in found:
+            step = parse_checkpoint_dirname(path.rstrip("/").split("/")[-2])
+            if step is not None:
+                steps.append(step)
+        return sorted(steps)
+
+    def read_manifest(self, step: int) -> Manifest:
+        """The manifest of ``step``, with every file it names checked for presence and size.
+
+        Raises:
+            CorruptCheckpointError: unreadable manifest, or a file missing or of the wrong size.
+            RemoteError: the remote could not be read.
+        """
+        prefix = self._path(checkpoint_dirname(step))
+        raw = self.retry(f"reading {prefix}/{MANIFEST_NAME}", lambda: self.fs.cat_file(f"{prefix}/{MANIFEST_NAME}"))
+        manifest = Manifest.from_bytes(raw, where=f"{self.url}/{checkpoint_dirname(step)}/{MANIFEST_NAME}")
+        self.fs.invalidate_cache(prefix)
+        listing = self.retry(f"listing {prefix}", lambda: self.fs.ls(prefix, detail=True))
+        sizes = {entry["name"].rstrip("/").split("/")[-1]: entry.get("size") for entry in listing}
+        for f in manifest.files:
+            if sizes.get(f.name) != f.size:
+                raise CorruptCheckpointError(
+                    f"{self.url}/{checkpoint_dirname(step)}/{f.name} has size {sizes.get(f.name)}; the manifest says {f.size}"
+                )
+        return manifest
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints whose manifest and sizes check, oldest first."""
+        infos = []
+        for step in self.committed_steps():
+            try:
+                m = self.read_manifest(step)
+            except CorruptCheckpointError as e:
+                log.warning("skipping remote step %d: %s", step, e)
+                continue
+            infos.append(CheckpointInfo(step=step, time=m.time, nbytes=m.nbytes,
+                                        path=f"{self.url}/{checkpoint_dirname(step)}", tier="remote"))
+        return infos
+
+    # ------------------------------------------------------------------ upload / remove
+
+    def upload(self, local_ckpt: Path, manifest: Manifest) -> None:
+        """Upload a committed local checkpoint: shards (size-checked), then the manifest.
+
+        Raises:
+            RemoteError: a permanent failure, or retries exhausted; nothing is committed then.
+        """
+        prefix = self._path(checkpoint_dirname(manifest.step))
+        for f in manifest.files:
+            target = f"{prefix}/{f.name}"
+            self.retry(f"uploading {target}", lambda f=f, target=target: self._put(local_ckpt / f.name, target))
+            size = self.retry(f"checking {target}", lambda target=target: self._size(target))
+            if size != f.size:
+                raise RemoteError(f"uploaded {target} has {size} bytes, expected {f.size}; the upload will be redone")
+        raw = (local_ckpt / MANIFEST_NAME).read_bytes()
+        self.retry(f"committing {prefix}", lambda: self.fs.pipe_file(f"{prefix}/{MANIFEST_NAME}", raw))
+
+    def _size(self, path: str) -> int:
+        self.fs.invalidate_cache(path)
+        return self.fs.info(path)["size"]
+
+    def _put(self, local: Path, target: str) -> None:
+        if self._is_s3:
+            self.fs.put_file(str(local), target, chunksize=self.part_bytes, max_concurrency=self.concurrency)
+        else:
+            self.fs.put_file(str(local), target)
+
+    def remove(self, step: int) -> None:
+        """Delete a remote checkpoint: the manifest first, then its shards."""
+        prefix = self._path(checkpoint_dirname(step))
+        self.retry(f"removing {prefix}/{MANIFEST_NAME}", lambda: self.fs.rm_file(f"{prefix}/{MANIFEST_NAME}"))
+        self.retry(f"removing {prefix}", lambda: self.fs.rm(prefix, recursive=True))
+
+    # ------------------------------------------------------------------ download
+
+    def download(self, step: int, local_root: Path, tmp_name: str) -> tuple[Path, Manifest]:
+        """Download ``step`` into ``local_root/tmp_name`` with parallel ranged reads.
+
+        Each chunk's crc32c is checked as it arrives; the manifest is written last. The caller
+        renames the directory into place.
+
+        Raises:
+            CorruptCheckpointError: a chunk does not match its checksum.
+            RemoteError: the remote could not be read.
+        """
+        manifest = self.read_manifest(step)
+        prefix = self._path(checkpoint_dirname(step))
+        tmp = local_root / tmp_name
+        tmp.mkdir()
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="persist-download") as pool:
+            for f in manifest.files:
+                source = f"{prefix}/{f.name}"
+                fd = os.open(tmp / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                try:
+                    futures = [pool.submit(self._fetch_chunk, source, fd, i, f.chunk_bytes, f.size, f.chunks[i])
+                               for i in range(len(f.chunks))]
+                    wait(futures)
+                    for fut in futures:
+                        fut.result()
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        (tmp / MANIFEST_NAME).write_bytes(manifest.to_bytes())
+        with open(tmp / MANIFEST_NAME, "rb+") as fh:
+            os.fsync(fh.fileno())
+        fsync_dir(tmp)
+        return tmp, manifest
+
+    def _fetch_chunk(self, source: str, fd: int, index: int, chunk_bytes: int, size: int, expected: int) -> None:
+        start, end = index * chunk_bytes, min((index + 1) * chunk_bytes, size)
+        data = self.retry(f"reading {source}", lambda: self.fs.cat_file(source, start=start, end=end))
+        if len(data) != end - start or crc32c.crc32c(data) != expected:
+            raise CorruptCheckpointError(
+                f"{source}: chunk {index} (bytes {start}..{end}) does not match its checksum; the remote copy is corrupt"
+            )
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], start + done)

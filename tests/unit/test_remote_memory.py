@@ -1,0 +1,196 @@
+"""The remote tier against fsspec's memory filesystem: sync, fallback, retention, back-pressure, errors."""
+
+from __future__ import annotations
+
+import threading
+
+import fsspec
+import pytest
+import torch
+
+from persist_core import (
+    AnyOf,
+    CheckpointEngine,
+    CheckpointNotFoundError,
+    ConfigError,
+    KeepEveryNSteps,
+    KeepLastN,
+    PersistError,
+)
+from persist_core.remote import RemoteTier
+from tests.conftest import assert_state_equal
+
+
+@pytest.fixture
+def url(request):
+    name = f"memory://persist-tests/{request.node.name}"
+    yield name
+    fs = fsspec.filesystem("memory")
+    if fs.exists(name):
+        fs.rm(name, recursive=True)
+
+
+@pytest.fixture
+def fast_retries(monkeypatch):
+    monkeypatch.setenv("PERSIST_REMOTE_RETRIES", "3")
+    monkeypatch.setenv("PERSIST_REMOTE_BACKOFF_MS", "1")
+
+
+def state_for(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 64, generator=g), "step": step, "opt": {"lr": 0.1}}
+
+
+class GatedUploads:
+    """Makes RemoteTier.upload wait for ``open_gate`` (``started`` tells which steps began)."""
+
+    def __init__(self, monkeypatch):
+        self.gate = threading.Event()
+        self.started: list[int] = []
+        self.first_started = threading.Event()
+        original = RemoteTier.upload
+
+        def upload(tier, local_ckpt, manifest):
+            self.started.append(manifest.step)
+            self.first_started.set()
+            assert self.gate.wait(60)
+            return original(tier, local_ckpt, manifest)
+
+        monkeypatch.setattr(RemoteTier, "upload", upload)
+
+
+def test_saves_reach_the_remote_and_a_fresh_machine_resumes(tmp_path, url):
+    with CheckpointEngine(tmp_path / "a", remote_url=url) as engine:
+        for step in (10, 20):
+            handle = engine.save(state_for(step), step=step)
+            handle.wait_local()
+            handle.wait_remote()
+            assert handle.stats.upload_s > 0 and handle.stats.lag_s >= handle.stats.upload_s
+        assert [(i.step, i.tier) for i in engine.list(tier="remote")] == [(10, "remote"), (20, "remote")]
+        assert [(i.step, i.tier) for i in engine.list(tier="all")] == [(10, "local"), (10, "remote"), (20, "local"), (20, "remote")]
+    fresh = CheckpointEngine(tmp_path / "fresh-machine", remote_url=url)
+    assert fresh.list() == []
+    assert_state_equal(fresh.load(), state_for(20))
+    assert [i.step for i in fresh.list()] == [20]  # now cached locally
+    assert_state_equal(fresh.load(10), state_for(10))
+    fresh.close()
+
+
+def test_corrupt_local_copy_falls_back_to_the_remote(tmp_path, url):
+    with CheckpointEngine(tmp_path / "a", remote_url=url) as engine:
+        engine.save(state_for(1), step=1).wait()
+    (shard,) = (tmp_path / "a" / "step-000000000001").glob("*.safetensors")
+    raw = bytearray(shard.read_bytes())
+    raw[5000] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with CheckpointEngine(tmp_path / "a", remote_url=url) as engine:
+        assert_state_equal(engine.load(1), state_for(1))
+        assert_state_equal(engine.load(1, verify=True), state_for(1))  # the local copy was replaced
+
+
+def test_remote_prefix_without_manifest_is_invisible(tmp_path, url):
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file(f"{url}/step-000000000005/rank-00000.safetensors", b"partial")
+    engine = CheckpointEngine(tmp_path / "a", remote_url=url)
+    assert engine.list(tier="remote") == []
+    with pytest.raises(CheckpointNotFoundError):
+        engine.load()
+    engine.close()
+
+
+def test_per_tier_retention(tmp_path, url):
+    keep_remote = AnyOf(KeepLastN(2), KeepEveryNSteps(3))
+    with CheckpointEngine(tmp_path / "a", remote_url=url, keep_local=KeepLastN(1), keep_remote=keep_remote) as engine:
+        for step in range(1, 8):
+            engine.save(state_for(step), step=step).wait()
+        assert [i.step for i in engine.list()] == [7]
+        assert [i.step for i in engine.list(tier="remote")] == [3, 6, 7]
+        assert_state_equal(engine.load(3), state_for(3))  # comes back from the remote
+
+
+def test_local_retention_keeps_what_is_not_uploaded_yet(tmp_path, url, monkeypatch):
+    gate = GatedUploads(monkeypatch)
+    engine = CheckpointEngine(tmp_path / "a", remote_url=url, keep_local=KeepLastN(1))
+    for step in (1, 2, 3):
+        engine.save(state_for(step), step=step).wait_local()
+    assert [i.step for i in engine.list()] == [1, 2, 3]  # none uploaded: all stay
+    gate.gate.set()
+    engine.wait()
+    assert [i.step for i in engine.list()] == [3] and [i.step for i in engine.list(tier="remote")] == [1, 2, 3]
+    engine.close()
+
+
+def test_slow_remote_supersedes_queued_uploads_but_never_milestones(tmp_path, url, monkeypatch):
+    gate = GatedUploads(monkeypatch)
+    engine = CheckpointEngine(tmp_path / "a", remote_url=url, keep_remote=AnyOf(KeepLastN(1), KeepEveryNSteps(4)))
+    handles = [engine.save(state_for(1), step=1)]
+    assert gate.first_started.wait(60)  # step 1 is uploading and blocked
+    handles += [engine.save(state_for(s), step=s) for s in range(2, 7)]
+    for h in handles:
+        h.wait_local()
+    gate.gate.set()
+    for h in handles:
+        h.wait()
+    superseded = [h.step for h in handles if h.stats.superseded]
+    assert superseded == [2, 3, 5]
+    assert gate.started == [1, 4, 6]
+    assert [i.step for i in engine.list(tier="remote")] == [4, 6]
+    engine.close()
+
+
+def test_upload_failure_is_raised_once_and_nothing_partial_is_listed(tmp_path, url, monkeypatch, fast_retries):
+    engine = CheckpointEngine(tmp_path / "a", remote_url=url)
+    calls = []
+
+    def broken_pipe(self, path, value, **kwargs):
+        calls.append(path)
+        raise ConnectionResetError("connection reset by peer")
+
+    monkeypatch.setattr(type(engine._tier.fs), "pipe_file", broken_pipe)  # the manifest never lands
+    handle = engine.save(state_for(1), step=1)
+    with pytest.raises(PersistError, match="committing .*after 3 attempts.*local checkpoints are intact"):
+        handle.wait()
+    handle.wait()
+    engine.wait()
+    assert len(calls) == 3
+    assert engine.list(tier="remote") == [] and [i.step for i in engine.list()] == [1]
+    monkeypatch.undo()
+    engine.close()
+
+
+def test_a_new_engine_uploads_what_an_earlier_run_left_unsynced(tmp_path, url):
+    with CheckpointEngine(tmp_path / "a") as local_only:
+        local_only.save(state_for(1), step=1).wait()
+        local_only.save(state_for(2), step=2).wait()
+    with CheckpointEngine(tmp_path / "a", remote_url=url) as engine:
+        engine.wait()
+        assert [i.step for i in engine.list(tier="remote")] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("remote_url", "match"),
+    [("nosuchproto://bucket/x", r"remote_url='nosuchproto://bucket/x'.*fsspec URL"),
+     ("gs://bucket/x", r"remote_url='gs://bucket/x' needs an fsspec backend.*pip install")],
+)
+def test_bad_remote_urls_are_config_errors(tmp_path, remote_url, match):
+    pytest.importorskip("fsspec")
+    if remote_url.startswith("gs://"):
+        try:
+            import gcsfs  # noqa: F401
+            pytest.skip("gcsfs is installed")
+        except ImportError:
+            pass
+    with pytest.raises(ConfigError, match=match):
+        CheckpointEngine(tmp_path / "a", remote_url=remote_url)
+
+
+def test_unwritable_file_url_is_a_config_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="remote_url='file://.*file/remote'"):
+        CheckpointEngine(tmp_path / "a", remote_url=f"file://{blocker}/remote")
+
+
+def test_keep_remote_without_remote_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="keep_remote"):
+        CheckpointEngine(tmp_path / "a", keep_remote=KeepLastN(1))
