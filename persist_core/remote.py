@@ -70,7 +70,8 @@ class RemoteTier:
                 "gs://bucket/prefix, az://container/prefix, file:///path or memory://name"
             ) from e
         self.root = root.rstrip("/")
-        self._is_s3 = "s3" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self._protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self._is_s3 = "s3" in self._protocols
         self.part_bytes = _knobs.remote_part_bytes()
         self.concurrency = _knobs.remote_concurrency()
         self.retries = _knobs.remote_retries()
@@ -86,7 +87,8 @@ class RemoteTier:
     def _probe(self) -> None:
         probe = self._path(f".probe-{secrets.token_hex(4)}")
         try:
-            self.fs.makedirs(self.root, exist_ok=True)
+            if "file" in self._protocols:  # object stores have no directories, and a bucket is never created
+                self.fs.makedirs(self.root, exist_ok=True)
             self.fs.pipe_file(probe, b"probe")
             self.fs.rm_file(probe)
         except FileNotFoundError as e:

@@ -1,0 +1,40 @@
+"""Fixtures for the S3 tests: one moto server per session, a fresh bucket per test."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.support.moto_server import CREDENTIALS, FaultyProxy, moto_server
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in CREDENTIALS.items():
+            mp.setenv(k, v)
+        with moto_server() as endpoint:
+            yield endpoint
+
+
+@pytest.fixture
+def bucket(s3_endpoint):
+    import s3fs
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
+    fs.mkdir(name)
+    return name
+
+
+@pytest.fixture
+def s3_options(s3_endpoint):
+    return {"client_kwargs": {"endpoint_url": s3_endpoint}}
+
+
+@pytest.fixture
+def proxy(s3_endpoint):
+    p = FaultyProxy(int(s3_endpoint.rsplit(":", 1)[1]))
+    yield p
+    p.close()

@@ -1,0 +1,119 @@
+"""The remote tier against a moto S3 server over HTTP, through s3fs, as a user reaches S3."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from persist_core import AnyOf, CheckpointEngine, ConfigError, KeepEveryNSteps, KeepLastN, PersistError
+from tests.conftest import assert_state_equal
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def state_for(step: int, n: int = 256) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(n, n, generator=g), "b": torch.randn(n, generator=g).bfloat16()},
+            "step": step, "rng": torch.Generator().manual_seed(step).get_state()}
+
+
+@pytest.fixture
+def small_parts(monkeypatch):
+    monkeypatch.setenv("PERSIST_REMOTE_PART_BYTES", str(5 << 20))  # S3's minimum: several parts per shard
+    monkeypatch.setenv("PERSIST_REMOTE_BACKOFF_MS", "10")
+
+
+def test_round_trip_retention_and_fresh_machine_restore(tmp_path, bucket, s3_options, small_parts):
+    url = f"s3://{bucket}/run-7"
+    keep_remote = AnyOf(KeepLastN(2), KeepEveryNSteps(20))
+    with CheckpointEngine(tmp_path / "nvme", remote_url=url, storage_options=s3_options,
+                          keep_local=KeepLastN(1), keep_remote=keep_remote) as engine:
+        for step in (10, 20, 30, 40):
+            handle = engine.save(state_for(step, n=1536), step=step)  # ~9.4 MB: a multipart upload
+            handle.wait_remote()
+            assert handle.stats.upload_gbps > 0
+        assert [i.step for i in engine.list(tier="remote")] == [20, 30, 40]
+        assert [i.step for i in engine.list()] == [40]
+    fresh = CheckpointEngine(tmp_path / "fresh", remote_url=url, storage_options=s3_options)
+    assert_state_equal(fresh.load(), state_for(40, n=1536))
+    assert_state_equal(fresh.load(20), state_for(20, n=1536))
+    fresh.close()
+
+
+def test_missing_bucket_is_a_config_error_naming_the_url(tmp_path, s3_options):
+    with pytest.raises(ConfigError, match=r"remote_url='s3://no-such-bucket-here/x'.*(create it|cannot be written)"):
+        CheckpointEngine(tmp_path / "a", remote_url="s3://no-such-bucket-here/x", storage_options=s3_options)
+
+
+def test_unreachable_endpoint_is_a_config_error(tmp_path, proxy, bucket):
+    proxy.kill()
+    options = {"client_kwargs": {"endpoint_url": proxy.url},
+               "config_kwargs": {"retries": {"max_attempts": 1}}}
+    with pytest.raises(ConfigError, match=rf"remote_url='s3://{bucket}/x'.*endpoint"):
+        CheckpointEngine(tmp_path / "a", remote_url=f"s3://{bucket}/x", storage_options=options)
+
+
+def test_connection_resets_mid_upload_still_commit(tmp_path, bucket, proxy, small_parts):
+    url = f"s3://{bucket}/run"
+    options = {"client_kwargs": {"endpoint_url": proxy.url}}
+    with CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=options) as engine:
+        proxy.reset_connections(3, after_bytes=1 << 20)
+        engine.save(state_for(1, n=1536), step=1).wait()
+    assert proxy.resets_done >= 1
+    direct = {"client_kwargs": {"endpoint_url": proxy.url}}
+    with CheckpointEngine(tmp_path / "b", remote_url=url, storage_options=direct) as fresh:
+        assert_state_equal(fresh.load(1), state_for(1, n=1536))
+
+
+def test_dead_remote_fails_once_keeps_local_and_lists_nothing_partial(tmp_path, bucket, s3_endpoint, proxy, monkeypatch):
+    monkeypatch.setenv("PERSIST_REMOTE_RETRIES", "2")
+    monkeypatch.setenv("PERSIST_REMOTE_BACKOFF_MS", "10")
+    url = f"s3://{bucket}/run"
+    options = {"client_kwargs": {"endpoint_url": proxy.url}, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    engine = CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=options)
+    proxy.kill()
+    handle = engine.save(state_for(1), step=1)
+    handle.wait_local()
+    with pytest.raises(PersistError, match="failed after 2 attempts"):
+        handle.wait()
+    engine.wait()  # raised once: quiet now
+    engine.close()
+    direct = {"client_kwargs": {"endpoint_url": s3_endpoint}}
+    with CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=direct) as check:
+        assert [i.step for i in check.list()] == [1]
+        check.wait()  # a healthy remote again: the new engine uploads what the old one could not
+        assert [i.step for i in check.list(tier="remote")] == [1]
+
+
+def test_sigkill_during_upload_leaves_no_partial_checkpoint_and_a_new_engine_finishes_it(
+    tmp_path, bucket, s3_endpoint, proxy, small_parts
+):
+    url = f"s3://{bucket}/run"
+    local = tmp_path / "a"
+    proxy.stall_after(256 << 10)  # the probe gets through; the upload hangs part-way
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.upload_child", str(local), url, proxy.url],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert child.stdout.readline().strip() == "committed locally"
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+        child.stdout.close()
+    direct = {"client_kwargs": {"endpoint_url": s3_endpoint}}
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**direct, skip_instance_cache=True)
+    assert not fs.exists(f"{bucket}/run/step-000000000001/manifest.json")
+    with CheckpointEngine(local, remote_url=url, storage_options=direct) as engine:
+        engine.wait()  # the new engine redoes the upload the killed one never finished
+        assert [i.step for i in engine.list(tier="remote")] == [1]
+    with CheckpointEngine(tmp_path / "fresh", remote_url=url, storage_options=direct) as fresh:
+        assert_state_equal(fresh.load(), state_for(1, n=1536))
