@@ -39,8 +39,11 @@ def direct_io() -> str:
 
 
 def remote_part_bytes() -> int:
-    """Multipart part size for object-store uploads: ``PERSIST_REMOTE_PART_BYTES`` (default 64 MiB)."""
-    return _env_int("PERSIST_REMOTE_PART_BYTES", 64 << 20)
+    """Multipart part size for object-store uploads: ``PERSIST_REMOTE_PART_BYTES`` (default 16 MiB).
+
+    Raised per object when needed to stay within S3's 10,000 parts.
+    """
+    return _env_int("PERSIST_REMOTE_PART_BYTES", 16 << 20)
 
 
 def remote_concurrency() -> int:

@@ -434,6 +434,8 @@ class CheckpointEngine:
             self._writer.shutdown(wait=True)
             if self._sync is not None:
                 self._sync.close()
+            if self._tier is not None:
+                self._tier.close()
             self._io.shutdown(wait=True)
 
     def __enter__(self) -> CheckpointEngine:

@@ -25,6 +25,7 @@ import crc32c
 import fsspec
 
 from persist_core import _knobs
+from persist_core._s3 import S3Transfer
 from persist_core.errors import ConfigError, CorruptCheckpointError, PersistError
 from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname
 from persist_core.local_writer import fsync_dir
@@ -77,6 +78,17 @@ class RemoteTier:
         self.retries = _knobs.remote_retries()
         self.backoff_s = _knobs.remote_backoff_s()
         self._probe()
+        self._s3: S3Transfer | None = None
+        if self._is_s3:
+            try:
+                self._s3 = S3Transfer(self.fs, part_bytes=self.part_bytes, concurrency=self.concurrency)
+            except Exception as e:  # an unusual s3fs set-up: its own (slower) transfers still work
+                log.warning("threaded S3 transfers unavailable for %s (%s); using s3fs's", self.url, e)
+
+    def close(self) -> None:
+        """Release transfer threads."""
+        if self._s3 is not None:
+            self._s3.close()
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r})"
@@ -199,10 +211,17 @@ class RemoteTier:
         return self.fs.info(path)["size"]
 
     def _put(self, local: Path, target: str) -> None:
-        if self._is_s3:
+        if self._s3 is not None:
+            self._s3.put_file(local, target)
+        elif self._is_s3:
             self.fs.put_file(str(local), target, chunksize=self.part_bytes, max_concurrency=self.concurrency)
         else:
             self.fs.put_file(str(local), target)
+
+    def _read_range(self, path: str, start: int, end: int) -> bytes:
+        if self._s3 is not None:
+            return self._s3.read_range(path, start, end)
+        return self.fs.cat_file(path, start=start, end=end)
 
     def remove(self, step: int) -> None:
         """Delete a remote checkpoint: the manifest first, then its shards."""
@@ -247,7 +266,7 @@ class RemoteTier:
 
     def _fetch_chunk(self, source: str, fd: int, index: int, chunk_bytes: int, size: int, expected: int) -> None:
         start, end = index * chunk_bytes, min((index + 1) * chunk_bytes, size)
-        data = self.retry(f"reading {source}", lambda: self.fs.cat_file(source, start=start, end=end))
+        data = self.retry(f"reading {source}", lambda: self._read_range(source, start, end))
         if len(data) != end - start or crc32c.crc32c(data) != expected:
             raise CorruptCheckpointError(
                 f"{source}: chunk {index} (bytes {start}..{end}) does not match its checksum; the remote copy is corrupt"
