@@ -1,11 +1,13 @@
-"""The README's demo: train, get killed with SIGKILL mid-run, resume from the newest checkpoint.
+"""The README's demo: train, get killed with SIGKILL mid-run, resume, and resume on a fresh machine.
 
-Runs three times the same small training job (a plain PyTorch loop, CPU is fine):
+Runs the same small training job (a plain PyTorch loop, CPU is fine) several times:
 
-1. a run that saves every few steps with ``CheckpointEngine`` and is SIGKILLed while a save is
-   still being written;
+1. a run that saves every few steps with ``CheckpointEngine`` to a local directory, synced to a
+   remote (a ``file://`` URL standing in for ``s3://``), and is SIGKILLed while a save is still
+   being written;
 2. a restart on the same directory that resumes from the newest committed checkpoint;
-3. an uninterrupted reference run, to show the resumed run ends bit-identical.
+3. a "fresh machine" with an empty local directory that resumes from the remote alone;
+4. an uninterrupted reference run, to show the resumed run ends bit-identical.
 
 Usage: ``python examples/demo.py`` (``make demo``). Everything lands in ``demo-out/``.
 """
@@ -27,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from persist_core import CheckpointEngine, CheckpointNotFoundError  # noqa: E402
+from persist_core import AnyOf, CheckpointEngine, CheckpointNotFoundError, KeepEveryNSteps, KeepLastN  # noqa: E402
 
 TOTAL_STEPS, SAVE_EVERY, KILL_AFTER_SAVE_AT = 60, 5, 35
 
@@ -45,11 +47,12 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(64, 512, generator=g), torch.randint(0, 10, (64,), generator=g)
 
 
-def train(ckpt: Path, save: bool) -> None:
+def train(ckpt: Path, remote: str, save: bool) -> None:
     """The training job (a child process); prints one JSON line per event."""
     torch.set_num_threads(1)
     model, opt = build()
-    engine = CheckpointEngine(ckpt)
+    engine = CheckpointEngine(ckpt, remote_url=remote, keep_local=KeepLastN(2),
+                              keep_remote=AnyOf(KeepLastN(3), KeepEveryNSteps(20))) if remote else CheckpointEngine(ckpt)
     start = 0
     try:
         state = engine.load()
@@ -78,8 +81,8 @@ def train(ckpt: Path, save: bool) -> None:
     print(json.dumps({"event": "done", "step": TOTAL_STEPS, "loss": loss.item(), "digest": digest}), flush=True)
 
 
-def run_child(ckpt: Path, save: bool, kill_after_save_at: int | None = None) -> list[dict]:
-    cmd = [sys.executable, __file__, "--child", str(ckpt)] + ([] if save else ["--no-save"])
+def run_child(ckpt: Path, remote: str, save: bool, kill_after_save_at: int | None = None) -> list[dict]:
+    cmd = [sys.executable, __file__, "--child", str(ckpt), "--remote", remote] + ([] if save else ["--no-save"])
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     events = []
     for line in child.stdout:
@@ -109,30 +112,42 @@ def show(events: list[dict]) -> None:
             print("  >>> killed with SIGKILL")
 
 
+def tiers(ckpt: Path, remote: str, peek: Path) -> str:
+    local = [i.step for i in CheckpointEngine(ckpt).list()]
+    far = [i.step for i in CheckpointEngine(peek, remote_url=remote).list(tier="remote")]
+    return f"local {local}, remote {far}"
+
+
 def main() -> None:
     out = ROOT / "demo-out"
     shutil.rmtree(out, ignore_errors=True)
-    ckpt = out / "ckpt"
-    print(f"== run 1: train {TOTAL_STEPS} steps, checkpoint every {SAVE_EVERY} into {ckpt}, "
-          f"SIGKILL right after save(step={KILL_AFTER_SAVE_AT}) returns")
-    show(run_child(ckpt, save=True, kill_after_save_at=KILL_AFTER_SAVE_AT))
-    engine = CheckpointEngine(ckpt)
-    print(f"== on disk after the kill: {[(i.step, f'{i.nbytes / 1e6:.0f} MB') for i in engine.list()]}")
-    engine.close()
+    ckpt, remote = out / "ckpt", (out / "remote").as_uri()
+    print(f"== run 1: train {TOTAL_STEPS} steps, checkpoint every {SAVE_EVERY} into {ckpt} (keep 2), synced to "
+          f"{remote} (keep 3 + every 20th); SIGKILL right after save(step={KILL_AFTER_SAVE_AT}) returns")
+    show(run_child(ckpt, remote, save=True, kill_after_save_at=KILL_AFTER_SAVE_AT))
+    print(f"== after the kill: {tiers(ckpt, remote, out / 'peek')}")
     print("== run 2: the same command again")
     t0 = time.perf_counter()
-    resumed = run_child(ckpt, save=True)
+    resumed = run_child(ckpt, remote, save=True)
     show(resumed)
-    print(f"   ({time.perf_counter() - t0:.1f} s)")
-    print("== run 3: an uninterrupted reference run without checkpoints")
-    reference = run_child(out / "unused", save=False)
+    print(f"   ({time.perf_counter() - t0:.1f} s); now {tiers(ckpt, remote, out / 'peek')}")
+    print("== run 3: a fresh machine (empty local directory), same remote: engine.load() alone")
+    fresh = CheckpointEngine(out / "fresh-machine", remote_url=remote)
+    state = fresh.load()
+    fresh.close()
+    model, _ = build()
+    model.load_state_dict(state["model"])
+    fresh_digest = sum(float(p.detach().double().sum()) for p in model.parameters())
+    print(f"  downloaded and verified step {state['step']} from the remote")
+    print("== run 4: an uninterrupted reference run without checkpoints")
+    reference = run_child(out / "reference", "", save=False)
     show(reference)
     a, b = resumed[-2], reference[-2]
-    same = a["event"] == b["event"] == "done" and a["digest"] == b["digest"] and a["loss"] == b["loss"]
-    stalls = [e["stall_ms"] - e["wait_ms"] for e in resumed if e["event"] == "saved"]
-    print(f"== resumed run ends bit-identical to the uninterrupted one: {same}")
+    same = a["event"] == b["event"] == "done" and a["digest"] == b["digest"] == fresh_digest and a["loss"] == b["loss"]
+    stalls = sorted(e["stall_ms"] - e["wait_ms"] for e in resumed if e["event"] == "saved")
+    print(f"== resumed run and fresh-machine restore end bit-identical to the uninterrupted run: {same}")
     if stalls:
-        print(f"== training stalled {sum(stalls) / len(stalls):.1f} ms per save on average (staging copy only)")
+        print(f"== training stalled {stalls[len(stalls) // 2]:.1f} ms per save (median; the staging copy only)")
     sys.exit(0 if same else 1)
 
 
@@ -140,8 +155,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--no-save", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--remote", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        train(args.child, save=not args.no_save)
+        train(args.child, args.remote, save=not args.no_save)
     else:
         main()

@@ -59,6 +59,11 @@ class RemoteSync:
         self._remote: dict[int, CheckpointInfo] = {i.step: i for i in tier.list()}
         self._thread = threading.Thread(target=self._run, name="persist-sync", daemon=False)
         self._thread.start()
+        # At interpreter exit (an engine never closed), finish the queued uploads, then stop,
+        # like concurrent.futures' workers do; otherwise the process would never exit.
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(self._stop)
 
     def remote_steps(self) -> set[int]:
         with self._cond:
@@ -99,10 +104,13 @@ class RemoteSync:
 
     def close(self) -> None:
         """Finish every queued upload, then stop the thread."""
+        self._stop()
+        self._thread.join()
+
+    def _stop(self) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join()
 
     def _run(self) -> None:
         while True:

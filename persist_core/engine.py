@@ -20,6 +20,7 @@ import secrets
 import shutil
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,27 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _close_at_exit(engine: CheckpointEngine) -> None:
+    """Drain ``engine`` when the interpreter exits with it still open: pending writes commit and
+    queued uploads finish, instead of dying with the thread pools (a weak reference, so an
+    engine that is dropped is not kept alive). Runs before concurrent.futures stops its workers.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return
+    ref = weakref.ref(engine)
+
+    def close() -> None:
+        live = ref()
+        if live is not None and not live._closed:
+            try:
+                live.close()
+            except PersistError as e:
+                log.error("%s at exit: %s", live._prefix(), e)
+
+    register(close)
 
 
 class CheckpointEngine:
@@ -176,6 +198,7 @@ class CheckpointEngine:
         if self._tier is not None:
             self._sync = RemoteSync(self._tier, keep_remote=keep_remote, on_done=self._on_synced)
             self._resume_uploads()
+        _close_at_exit(self)
 
     # ------------------------------------------------------------------ setup
 

@@ -147,12 +147,15 @@ class RemoteTier:
     def committed_steps(self) -> list[int]:
         """Steps whose prefix holds a manifest, ascending (nothing verified)."""
         self.fs.invalidate_cache(self.root)
-        found = self.retry("listing", lambda: self.fs.glob(self._path("step-*", MANIFEST_NAME)))
+        # one recursive listing (no glob: the URL may hold glob characters)
+        found = self.retry("listing", lambda: self.fs.find(self.root))
         steps = []
         for path in found:
-            step = parse_checkpoint_dirname(path.rstrip("/").split("/")[-2])
-            if step is not None:
-                steps.append(step)
+            parts = path.rstrip("/").split("/")
+            if len(parts) >= 2 and parts[-1] == MANIFEST_NAME and "/".join(parts[:-2]).strip("/") == self.root.strip("/"):
+                step = parse_checkpoint_dirname(parts[-2])
+                if step is not None:
+                    steps.append(step)
         return sorted(steps)
 
     def read_manifest(self, step: int) -> Manifest:
@@ -197,6 +200,8 @@ class RemoteTier:
             RemoteError: a permanent failure, or retries exhausted; nothing is committed then.
         """
         prefix = self._path(checkpoint_dirname(manifest.step))
+        if "file" in self._protocols:  # a local or mounted file system wants the directory first
+            self.retry(f"creating {prefix}", lambda: self.fs.makedirs(prefix, exist_ok=True))
         for f in manifest.files:
             target = f"{prefix}/{f.name}"
             self.retry(f"uploading {target}", lambda f=f, target=target: self._put(local_ckpt / f.name, target))
@@ -227,7 +232,12 @@ class RemoteTier:
         """Delete a remote checkpoint: the manifest first, then its shards."""
         prefix = self._path(checkpoint_dirname(step))
         self.retry(f"removing {prefix}/{MANIFEST_NAME}", lambda: self.fs.rm_file(f"{prefix}/{MANIFEST_NAME}"))
-        self.retry(f"removing {prefix}", lambda: self.fs.rm(prefix, recursive=True))
+        self.fs.invalidate_cache(prefix)
+        # file by file: fsspec's recursive rm treats glob characters in the URL as patterns
+        for path in self.retry(f"listing {prefix}", lambda: self.fs.find(prefix)):
+            self.retry(f"removing {path}", lambda path=path: self.fs.rm_file(path))
+        if "file" in self._protocols:
+            self.retry(f"removing {prefix}", lambda: self.fs.rmdir(prefix))
 
     # ------------------------------------------------------------------ download
 

@@ -1,8 +1,10 @@
-"""The remote tier against fsspec's memory filesystem: sync, fallback, retention, back-pressure, errors."""
+"""The remote tier against fsspec's memory and local (``file://``) filesystems: sync, fallback,
+retention, back-pressure, errors."""
 
 from __future__ import annotations
 
 import threading
+import uuid
 
 import fsspec
 import pytest
@@ -21,13 +23,16 @@ from persist_core.remote import RemoteTier
 from tests.conftest import assert_state_equal
 
 
-@pytest.fixture
-def url(request):
-    name = f"memory://persist-tests/{request.node.name}"
-    yield name
-    fs = fsspec.filesystem("memory")
-    if fs.exists(name):
-        fs.rm(name, recursive=True)
+@pytest.fixture(params=["memory", "file"])
+def url(request, tmp_path):
+    if request.param == "file":
+        yield (tmp_path / "remote[7]").as_uri()
+        return
+    root = f"/persist-tests/{uuid.uuid4().hex}/run[7]*"  # glob characters must not matter
+    yield f"memory://{root}"
+    store = fsspec.filesystem("memory").store
+    for key in [k for k in store if k.startswith(root)]:
+        del store[key]
 
 
 @pytest.fixture
@@ -89,8 +94,9 @@ def test_corrupt_local_copy_falls_back_to_the_remote(tmp_path, url):
 
 
 def test_remote_prefix_without_manifest_is_invisible(tmp_path, url):
-    fs = fsspec.filesystem("memory")
-    fs.pipe_file(f"{url}/step-000000000005/rank-00000.safetensors", b"partial")
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.makedirs(f"{root}/step-000000000005", exist_ok=True)
+    fs.pipe_file(f"{root}/step-000000000005/rank-00000.safetensors", b"partial")
     engine = CheckpointEngine(tmp_path / "a", remote_url=url)
     assert engine.list(tier="remote") == []
     with pytest.raises(CheckpointNotFoundError):
@@ -194,3 +200,17 @@ def test_unwritable_file_url_is_a_config_error(tmp_path):
 def test_keep_remote_without_remote_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="keep_remote"):
         CheckpointEngine(tmp_path / "a", keep_remote=KeepLastN(1))
+
+
+def test_interpreter_exit_without_close_still_commits_and_uploads(tmp_path):
+    import subprocess
+    import sys
+
+    remote = (tmp_path / "remote").as_uri()
+    code = ("import sys, torch\nfrom persist_core import CheckpointEngine\n"
+            "engine = CheckpointEngine(sys.argv[1], remote_url=sys.argv[2])\n"
+            "engine.save({'x': torch.arange(1000)}, step=3)\n")  # no wait(), no close()
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "a"), remote], check=True, timeout=120)
+    with CheckpointEngine(tmp_path / "b", remote_url=remote) as engine:
+        assert [i.step for i in engine.list(tier="remote")] == [3]
+        assert engine.load()["x"].equal(torch.arange(1000))
