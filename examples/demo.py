@@ -42,6 +42,16 @@ def build():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+def digest(model: torch.nn.Module) -> str:
+    """A fingerprint of the exact bytes of every parameter."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return torch.randn(64, 512, generator=g), torch.randint(0, 10, (64,), generator=g)
@@ -77,8 +87,7 @@ def train(ckpt: Path, remote: str, save: bool) -> None:
             print(json.dumps({"event": "saved", "step": step, "loss": loss.item(), "stall_ms": stats.stall_s * 1e3,
                               "wait_ms": stats.wait_s * 1e3, "mb": stats.nbytes / 1e6}), flush=True)
     engine.close()
-    digest = sum(float(p.detach().double().sum()) for p in model.parameters())
-    print(json.dumps({"event": "done", "step": TOTAL_STEPS, "loss": loss.item(), "digest": digest}), flush=True)
+    print(json.dumps({"event": "done", "step": TOTAL_STEPS, "loss": loss.item(), "digest": digest(model)}), flush=True)
 
 
 def run_child(ckpt: Path, remote: str, save: bool, kill_after_save_at: int | None = None) -> list[dict]:
@@ -137,7 +146,7 @@ def main() -> None:
     fresh.close()
     model, _ = build()
     model.load_state_dict(state["model"])
-    fresh_digest = sum(float(p.detach().double().sum()) for p in model.parameters())
+    fresh_digest = digest(model)
     print(f"  downloaded and verified step {state['step']} from the remote")
     print("== run 4: an uninterrupted reference run without checkpoints")
     reference = run_child(out / "reference", "", save=False)
