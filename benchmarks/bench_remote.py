@@ -84,8 +84,11 @@ def main() -> None:
             # then interleaved rounds (the server slows as it fills): best boto3, plain s3fs, torch-persist
             boto_t, s3fs_t, ours_t = [], [], []
             for step in range(1, args.repeat + 1):
-                boto_t.append(timed(lambda: s3.upload_file(str(shard), "bench", "raw/shard", Config=best_cfg)))
-                s3fs_t.append(timed(lambda: fs.put_file(str(shard), "bench/raw/s3fs")))
+                # every contender writes a new key each round and drops the previous one, as retention does
+                boto_t.append(timed(lambda: s3.upload_file(str(shard), "bench", f"raw/boto3-{step}", Config=best_cfg)))
+                s3fs_t.append(timed(lambda: fs.put_file(str(shard), f"bench/raw/s3fs-{step}")))
+                for old in (f"raw/boto3-{step - 1}", f"raw/s3fs-{step - 1}"):
+                    s3.delete_object(Bucket="bench", Key=old)
                 handle = engine.save(state, step=step)
                 handle.wait()
                 ours_t.append(handle.stats.upload_s)
