@@ -8,7 +8,7 @@ WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench bench-remote venv clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save.py
+
+bench-remote: $(STAMP)
+	$(PY) benchmarks/bench_remote.py
 
 clean:
 	rm -rf $(VENV) demo-out bench-out
