@@ -9,7 +9,8 @@ builtin whose meaning matches, so callers can catch either::
     ├── UnsupportedStateError(PersistError, TypeError) a state leaf that cannot be checkpointed
     ├── CheckpointNotFoundError(PersistError, FileNotFoundError)
     ├── CorruptCheckpointError(PersistError)          a manifest, size or checksum that does not verify
-    └── WriteError(PersistError, OSError)             a failed write; earlier checkpoints are intact
+    ├── WriteError(PersistError, OSError)             a failed write; earlier checkpoints are intact
+    └── RemoteError(PersistError, OSError)            a remote operation failed for good; local copies are intact
 
 Background errors (a failed write) are raised exactly once: by the first ``wait()`` or ``save()``
 that observes them.
@@ -22,6 +23,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "PersistError",
+    "RemoteError",
     "StepExistsError",
     "UnsupportedStateError",
     "WriteError",
@@ -54,3 +56,7 @@ class CorruptCheckpointError(PersistError):
 
 class WriteError(PersistError, OSError):
     """Writing a checkpoint failed; nothing was committed and earlier checkpoints are intact."""
+
+
+class RemoteError(PersistError, OSError):
+    """A remote operation failed for good (after retries); local checkpoints are untouched."""

@@ -26,7 +26,7 @@ import fsspec
 
 from persist_core import _knobs
 from persist_core._s3 import S3Transfer
-from persist_core.errors import ConfigError, CorruptCheckpointError, PersistError
+from persist_core.errors import ConfigError, CorruptCheckpointError, PersistError, RemoteError
 from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname
 from persist_core.local_writer import fsync_dir
 from persist_core.manifest import Manifest
@@ -38,10 +38,6 @@ T = TypeVar("T")
 
 #: errors that retrying cannot fix
 _PERMANENT = (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PersistError)
-
-
-class RemoteError(PersistError, OSError):
-    """A remote operation failed for good (after retries); local checkpoints are untouched."""
 
 
 class RemoteTier:

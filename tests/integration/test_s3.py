@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from persist_core import AnyOf, CheckpointEngine, ConfigError, KeepEveryNSteps, KeepLastN, PersistError
+from persist_core import AnyOf, CheckpointEngine, ConfigError, KeepEveryNSteps, KeepLastN, RemoteError
 from tests.conftest import assert_state_equal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ def test_dead_remote_fails_once_keeps_local_and_lists_nothing_partial(tmp_path, 
     proxy.kill()
     handle = engine.save(state_for(1), step=1)
     handle.wait_local()
-    with pytest.raises(PersistError, match="failed after 2 attempts"):
+    with pytest.raises(RemoteError, match="failed after 2 attempts"):
         handle.wait()
     engine.wait()  # raised once: quiet now
     engine.close()
