@@ -44,12 +44,13 @@ def test_sigkill_mid_save_leaves_newest_checkpoint_intact(tmp_path, trial):
     local_dir = tmp_path / "ckpt"
     first = 1
     for _round in range(2):  # kill, then resume on the same directory and kill again
-        last_returned = run_until_killed(local_dir, first, rng.randint(2, 7))
+        last_returned = run_until_killed(local_dir, first, rng.randint(3, 8))
         engine = CheckpointEngine(local_dir)
         assert not [p for p in local_dir.iterdir() if p.name.startswith(".tmp-")], "stale temporary dir survived"
         steps = [i.step for i in engine.list()]
-        # save(k) returns only after write(k-1) freed the one buffer, so k-1 is committed
-        assert steps and steps[-1] >= last_returned - 1, (steps, last_returned)
+        # save(k) returns only after write(k-1) freed the one buffer (its manifest may still be
+        # pending), and the writer commits in order, so k-2 is committed
+        assert steps and steps[-1] >= last_returned - 2, (steps, last_returned)
         newest = engine.load()
         assert_state_equal(newest, state_for(steps[-1]))
         for s in steps:
