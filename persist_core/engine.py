@@ -284,8 +284,9 @@ class CheckpointEngine:
         """Writer thread: write and commit one checkpoint, then apply retention."""
         step = handle.step
         error: BaseException | None = None
+        manifest = base
         try:
-            self._commit_local(handle, buf, base, staged_at)
+            manifest = self._commit_local(handle, buf, base, staged_at)
         except BaseException as e:  # recorded on the handle and raised once by a later call
             error = self._describe_failure(e, step)
         else:
@@ -302,28 +303,28 @@ class CheckpointEngine:
             log.error("%s %s", self._prefix(step), error)
             handle._set_failed(error)
             return
-        self._queue_upload(handle)  # queued before wait_local() returns, so waiters see it pending
+        self._queue_upload(handle, manifest)  # queued before wait_local() returns, so waiters see it pending
         handle._set_local_done()
 
     # ------------------------------------------------------------------ remote
 
-    def _queue_upload(self, handle: SaveHandle) -> None:
+    def _queue_upload(self, handle: SaveHandle, manifest: Manifest) -> None:
         if self._sync is None:
             handle._set_remote_done()
             return
         ckpt = checkpoint_dir(self._root, handle.step)
         with self._lock:
             self._syncing[handle.step] = (handle, time.monotonic())
-        self._sync.submit(SyncJob(local_ckpt=ckpt, manifest=read_manifest(ckpt), committed_at=time.monotonic()))
+        self._sync.submit(SyncJob(local_ckpt=ckpt, manifest=manifest, committed_at=time.monotonic()))
 
     def _resume_uploads(self) -> None:
         """Queue committed local checkpoints the remote lacks (a previous run died before syncing)."""
         assert self._sync is not None
         remote = self._sync.remote_steps()
-        for info in self.list():
+        for info, manifest in discover(self._root):
             if info.step not in remote:
                 log.info("%s queueing upload of %s left unsynced by an earlier run", self._prefix(info.step), info.path)
-                self._queue_upload(SaveHandle(SaveStats(step=info.step, nbytes=info.nbytes)))
+                self._queue_upload(SaveHandle(SaveStats(step=info.step, nbytes=info.nbytes)), manifest)
 
     def _on_synced(self, job: SyncJob, outcome: str, error: BaseException | None, upload_s: float) -> None:
         """Sync thread: record one upload's outcome on its handle."""
@@ -353,7 +354,8 @@ class CheckpointEngine:
             return
         handle._set_remote_done()
 
-    def _commit_local(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float) -> None:
+    def _commit_local(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float) -> Manifest:
+        """Write the staged shard and commit it; returns the manifest it committed."""
         step = handle.step
         tmp = self._root / tmp_dirname(step, os.getpid(), secrets.token_hex(3))
         try:
@@ -374,7 +376,8 @@ class CheckpointEngine:
             entry = FileEntry(name=written.name, rank=self._rank.rank, size=written.size, checksum=CHECKSUM_ALGORITHM,
                               chunk_bytes=written.chunk_bytes, chunks=written.chunks)
             final = checkpoint_dir(self._root, step)
-            commit_dir(tmp, final, dataclasses.replace(base, files=(entry,)).to_bytes(), ops=self._ops)
+            manifest = dataclasses.replace(base, files=(entry,))
+            commit_dir(tmp, final, manifest.to_bytes(), ops=self._ops)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             e.add_note(f"while writing {tmp}")
@@ -383,6 +386,7 @@ class CheckpointEngine:
                        commit_s=time.perf_counter() - staged_at, direct_io=written.direct_io)
         log.info("%s committed %s (%.1f MB, %.2f GB/s)", self._prefix(step), final, written.size / 1e6,
                  handle.stats.write_gbps or 0.0)
+        return manifest
 
     def _apply_retention(self) -> None:
         if self._keep_local is None:

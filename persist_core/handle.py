@@ -60,7 +60,7 @@ class SaveHandle:
 
         handle = engine.save(state, step=100)   # returns once staged: mutate freely
         handle.wait()                           # committed on local disk, or raises once
-        print(handle.stats.stall_s, handle.stats.write_gbps)
+        stall, speed = handle.stats.stall_s, handle.stats.write_gbps
     """
 
     def __init__(self, stats: SaveStats) -> None:
