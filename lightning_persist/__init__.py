@@ -1,3 +1,28 @@
-"""Adapter package; its plugin lands with its own issue. Nothing is exported yet."""
+"""torch-persist for PyTorch Lightning: one ``CheckpointIO`` plugin.
 
-__all__: list[str] = []
+``Trainer(plugins=[PersistCheckpointIO(local_dir=..., remote_url=...)])``; see
+:class:`PersistCheckpointIO`.
+"""
+
+from lightning_persist.checkpoint_io import PersistCheckpointIO
+
+__all__ = ["PersistCheckpointIO"]
+
+
+def _register_with_pytorch_lightning() -> None:
+    """Let ``pytorch_lightning.Trainer`` (the standalone package) accept the plugin too.
+
+    Its ``CheckpointIO`` is ``lightning_fabric``'s, a different class with the same contract;
+    registering as a virtual subclass passes its ``isinstance`` check without importing it here.
+    """
+    import importlib.util
+    import sys
+
+    if "lightning_fabric" not in sys.modules and importlib.util.find_spec("lightning_fabric") is None:
+        return
+    from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+
+    CheckpointIO.register(PersistCheckpointIO)
+
+
+_register_with_pytorch_lightning()

@@ -17,6 +17,7 @@ from persist_core.errors import (
 )
 from persist_core.handle import SaveHandle, SaveStats
 from persist_core.local_writer import FileOps
+from persist_core.reader import CheckpointReader
 from persist_core.restore import CheckpointInfo
 from persist_core.retention import (
     AnyOf,
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointEngine",
     "CheckpointInfo",
     "CheckpointNotFoundError",
+    "CheckpointReader",
     "ConfigError",
     "CorruptCheckpointError",
     "FileOps",

@@ -56,6 +56,7 @@ class RemoteSync:
         self._queue: list[SyncJob] = []
         self._active: SyncJob | None = None
         self._stopping = False
+        self._retention_lock = threading.Lock()
         self._remote: dict[int, CheckpointInfo] = {i.step: i for i in tier.list()}
         self._thread = threading.Thread(target=self._run, name="persist-sync", daemon=False)
         self._thread.start()
@@ -130,13 +131,20 @@ class RemoteSync:
                 with self._cond:
                     self._remote[job.step] = job.info(self._tier.url)
                 try:
-                    self._apply_retention()
+                    self.apply_retention()
                 except BaseException as e:
                     error = e
             self._on_done(job, "failed" if error and job.step not in self._remote else "uploaded", error, upload_s)
             with self._cond:  # only now, so drain() returns after on_done has recorded the outcome
                 self._active = None
                 self._cond.notify_all()
+
+    def apply_retention(self) -> None:
+        """Apply ``keep_remote`` to the remote now (the sync thread also does after each upload)."""
+        if self._keep is None:
+            return
+        with self._retention_lock:
+            self._apply_retention()
 
     def _apply_retention(self) -> None:
         if self._keep is None:

@@ -32,27 +32,25 @@ import torch
 from persist_core import _knobs
 from persist_core.distributed import RankInfo
 from persist_core.errors import (
-    CheckpointNotFoundError,
     ConfigError,
-    CorruptCheckpointError,
     PersistError,
     StepExistsError,
     WriteError,
 )
 from persist_core.format import flatten, plan_shard
 from persist_core.handle import SaveHandle, SaveStats
-from persist_core.layout import checkpoint_dirname, parse_tmp_dirname, shard_filename, tmp_dirname
+from persist_core.layout import parse_tmp_dirname, shard_filename, tmp_dirname
 from persist_core.local_writer import (
     CHECKSUM_ALGORITHM,
     FileOps,
     OsFileOps,
     commit_dir,
-    fsync_dir,
     remove_checkpoint,
     write_file,
 )
 from persist_core.manifest import FileEntry, Manifest
-from persist_core.restore import CheckpointInfo, checkpoint_dir, committed_steps, discover, load_checkpoint, read_manifest
+from persist_core.reader import CheckpointReader
+from persist_core.restore import CheckpointInfo, checkpoint_dir, discover
 from persist_core._sync import RemoteSync, SyncJob
 from persist_core.remote import RemoteTier
 from persist_core.retention import RetentionContext, RetentionPolicy, check_policy, to_delete
@@ -193,6 +191,7 @@ class CheckpointEngine:
         self._latest_step = -1
         self._closed = False
         self._tier = None if remote_url is None else RemoteTier(remote_url, storage_options)
+        self._reader = CheckpointReader(self._root, verify=verify, tier=self._tier)
         self._sync = None
         self._syncing: dict[int, tuple[SaveHandle, float]] = {}
         if self._tier is not None:
@@ -388,6 +387,18 @@ class CheckpointEngine:
                  handle.stats.write_gbps or 0.0)
         return manifest
 
+    def prune(self) -> None:
+        """Apply the retention policies to both tiers now.
+
+        They also run after every commit and every upload; call this when what a policy keeps
+        has changed in between (an adapter dropped a reference), e.g. before closing.
+        Pending and uploading checkpoints and the newest one are kept as always.
+        """
+        self._check_open()
+        self._apply_retention()
+        if self._sync is not None:
+            self._sync.apply_retention()
+
     def _apply_retention(self) -> None:
         if self._keep_local is None:
             return
@@ -463,6 +474,7 @@ class CheckpointEngine:
                 self._sync.close()
             if self._tier is not None:
                 self._tier.close()
+            self._reader.close()
             self._io.shutdown(wait=True)
 
     def __enter__(self) -> CheckpointEngine:
@@ -492,71 +504,19 @@ class CheckpointEngine:
         Raises:
             ConfigError: an unknown tier, or ``"remote"`` without a ``remote_url``.
         """
-        if tier not in ("local", "remote", "all"):
-            raise ConfigError(f"tier={tier!r} must be 'local', 'remote' or 'all'")
-        if tier == "remote" and self._tier is None:
-            raise ConfigError("tier='remote' needs an engine with remote_url")
-        local = [info for info, _ in discover(self._root)] if tier != "remote" else []
-        remote = self._tier.list() if tier != "local" and self._tier is not None else []
-        return sorted(local + remote, key=lambda i: (i.step, i.tier))
+        return self._reader.list(tier)
 
     def load(self, step: int | None = None, *, map_location: Any = "cpu", verify: bool | None = None) -> Any:
         """Load the newest committed checkpoint that verifies, or the one for ``step``.
 
         The local copy is used when it is there and verifies; otherwise the remote copy is
         downloaded into ``local_dir`` (parallel ranged reads, checksums verified) and loaded, so
-        a fresh machine with an empty ``local_dir`` resumes with ``engine.load()`` alone.
-
-        Args:
-            step: which checkpoint; ``None`` takes the newest one that verifies, logging a
-                warning for each newer one it skips.
-            map_location: device for the tensors (``"cpu"`` default, ``"cuda:0"``, a ``torch.device``).
-            verify: check checksums (default: the engine's ``verify``).
-
-        Returns:
-            An object equal to the saved state.
+        a fresh machine with an empty ``local_dir`` resumes with ``engine.load()`` alone. Same
+        as :meth:`CheckpointReader.load`.
 
         Raises:
             CheckpointNotFoundError: nothing committed (for ``step``) on any tier.
             CorruptCheckpointError: no copy of ``step`` verifies (names the file).
         """
         self._check_open()
-        verify = self._settings.verify if verify is None else verify
-        local = set(committed_steps(self._root))
-        remote = set(self._tier.committed_steps()) if self._tier is not None else set()
-        if step is not None:
-            if step not in local | remote:
-                where = f"{self._root}" + (f" or {self._tier.url}" if self._tier else "")
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint for step={step} in {where}; committed steps: {sorted(local | remote)}"
-                )
-            return self._load_step(step, step in local, step in remote, verify, map_location)
-        for candidate in sorted(local | remote, reverse=True):
-            try:
-                return self._load_step(candidate, candidate in local, candidate in remote, verify, map_location)
-            except CorruptCheckpointError as e:
-                log.warning("%s skipping step %d: %s", self._prefix(candidate), candidate, e)
-        where = f"{self._root}" + (f" nor {self._tier.url}" if self._tier else "")
-        raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {where}")
-
-    def _load_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any) -> Any:
-        ckpt = checkpoint_dir(self._root, step)
-        if in_local:
-            try:
-                return load_checkpoint(ckpt, read_manifest(ckpt), pool=self._io, verify=verify, map_location=map_location)
-            except CorruptCheckpointError as e:
-                if not in_remote:
-                    raise
-                log.warning("%s local copy does not verify (%s); downloading from %s", self._prefix(step), e, self._tier.url)
-        assert self._tier is not None
-        tmp, manifest = self._tier.download(step, self._root, tmp_dirname(step, os.getpid(), secrets.token_hex(3)))
-        try:
-            if ckpt.exists():
-                remove_checkpoint(ckpt)  # it failed verification; the remote copy replaces it
-            os.rename(tmp, ckpt)
-            fsync_dir(self._root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        log.info("%s downloaded from %s into %s", self._prefix(step), self._tier.url, ckpt)
-        return load_checkpoint(ckpt, manifest, pool=self._io, verify=verify, map_location=map_location)
+        return self._reader.load(step, map_location=map_location, verify=verify)

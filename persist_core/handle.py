@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -69,6 +70,9 @@ class SaveHandle:
         self._remote: Future[None] = Future()
         self._lock = threading.Lock()
         self._error: BaseException | None = None
+        self._failed = False
+        self._callbacks: list[Callable[[bool], None]] = []
+        self._local_ended = False
 
     @property
     def step(self) -> int:
@@ -82,6 +86,19 @@ class SaveHandle:
     def done(self) -> bool:
         """Whether every phase has finished (successfully or not)."""
         return self._local.done() and self._remote.done()
+
+    def add_local_callback(self, fn: Callable[[bool], None]) -> None:
+        """Call ``fn(committed)`` once the local phase ends: ``True`` when the checkpoint is committed.
+
+        ``fn`` runs on the engine's writer thread before ``wait_local()`` returns anywhere (or at
+        once, if the phase already ended); it must be quick and must not raise. The failure
+        itself is still raised once by a ``wait``.
+        """
+        with self._lock:
+            if not self._local_ended:
+                self._callbacks.append(fn)
+                return
+        fn(not self._failed)
 
     def wait_local(self, timeout: float | None = None) -> None:
         """Block until committed on the local tier.
@@ -131,8 +148,18 @@ class SaveHandle:
         with self._lock:
             self._stats = dataclasses.replace(self._stats, **changes)
 
-    def _set_local_done(self) -> None:
+    def _end_local(self) -> None:
+        """Run the local callbacks, then wake the waiters."""
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+            committed = not self._failed
+            self._local_ended = True
+        for fn in callbacks:
+            fn(committed)
         self._local.set_result(None)
+
+    def _set_local_done(self) -> None:
+        self._end_local()
 
     def _set_remote_done(self) -> None:
         self._remote.set_result(None)
@@ -141,6 +168,10 @@ class SaveHandle:
         """Record ``error``; every phase not yet finished ends with it."""
         with self._lock:
             self._error = error
-        for phase in (self._local, self._remote):
-            if not phase.done():
-                phase.set_result(None)
+            self._failed = True
+        with self._lock:
+            ended = self._local_ended
+        if not ended:
+            self._end_local()
+        if not self._remote.done():
+            self._remote.set_result(None)

@@ -1,14 +1,17 @@
-"""Shared test helpers: deep equality of saved states and awkward sample states."""
+"""Shared test helpers: deep equality of saved states, awkward sample states, the moto S3 fixtures."""
 
 from __future__ import annotations
 
 import collections
 import math
+import uuid
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+
+from tests.support.moto_server import CREDENTIALS, FaultyProxy, moto_server
 
 
 def assert_state_equal(a: Any, b: Any, path: str = "") -> None:
@@ -67,3 +70,37 @@ def awkward_state() -> dict[str, Any]:
 @pytest.fixture
 def ckpt_dir(tmp_path):
     return tmp_path / "ckpt"
+
+
+# ---- S3: one moto server per session, a fresh bucket per test
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in CREDENTIALS.items():
+            mp.setenv(k, v)
+        with moto_server() as endpoint:
+            yield endpoint
+
+
+@pytest.fixture
+def bucket(s3_endpoint):
+    import s3fs
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
+    fs.mkdir(name)
+    return name
+
+
+@pytest.fixture
+def s3_options(s3_endpoint):
+    return {"client_kwargs": {"endpoint_url": s3_endpoint}}
+
+
+@pytest.fixture
+def proxy(s3_endpoint):
+    p = FaultyProxy(int(s3_endpoint.rsplit(":", 1)[1]))
+    yield p
+    p.close()

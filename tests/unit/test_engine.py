@@ -316,3 +316,20 @@ def test_engine_imports_neither_lightning_nor_accelerate():
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'accelerate'))\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_local_callbacks_run_before_wait_local_returns(tmp_path):
+    seen = []
+    with CheckpointEngine(tmp_path / "ok") as engine:
+        handle = engine.save(state_for(1), step=1)
+        handle.add_local_callback(seen.append)
+        handle.wait_local()
+        assert seen == [True]
+        handle.add_local_callback(seen.append)  # after the phase: at once
+        assert seen == [True, True]
+    with CheckpointEngine(tmp_path / "full", file_ops=FailingOps(fail_at=1)) as engine:
+        handle = engine.save(state_for(2), step=2)
+        handle.add_local_callback(seen.append)
+        with pytest.raises(WriteError):
+            handle.wait_local()
+        assert seen == [True, True, False]

@@ -1,0 +1,204 @@
+"""``CheckpointReader``: list and load committed checkpoints of a local tier and its remote.
+
+It never writes a checkpoint, uploads or deletes one, so any number of processes (every rank of
+a job, a CLI, an evaluation job) may read the same ``local_dir`` and ``remote_url`` while one
+:class:`~persist_core.CheckpointEngine` writes there. The one thing it adds to ``local_dir`` is a
+checkpoint downloaded from the remote, put in place with a rename exactly as a writer commits.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from persist_core import _knobs
+from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from persist_core.layout import parse_checkpoint_dirname, tmp_dirname
+from persist_core.local_writer import fsync_dir
+from persist_core.remote import RemoteTier
+from persist_core.restore import CheckpointInfo, checkpoint_dir, committed_steps, discover, load_checkpoint, read_manifest
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointReader:
+    """Read-only access to the checkpoints under ``local_dir`` and ``remote_url``.
+
+    Example::
+
+        reader = CheckpointReader("/nvme/ckpt", remote_url="s3://bucket/run-7")
+        state = reader.load()                      # newest that verifies, local first
+        steps = [c.step for c in reader.list("all")]
+
+    Args:
+        local_dir: the local tier (created if missing; downloads land here).
+        remote_url: an fsspec URL of the remote tier, or ``None``.
+        storage_options: passed to fsspec as-is.
+        verify: check crc32c checksums on load (default True).
+        tier: an already open :class:`RemoteTier` to share (the engine passes its own).
+
+    Raises:
+        ConfigError: ``local_dir`` cannot be created, or the remote URL cannot be used.
+    """
+
+    def __init__(
+        self,
+        local_dir: str | os.PathLike[str],
+        *,
+        remote_url: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        verify: bool = True,
+        tier: RemoteTier | None = None,
+    ) -> None:
+        self._root = Path(local_dir).expanduser().absolute()
+        try:
+            self._root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"local_dir={str(self._root)!r} cannot be created ({e.strerror or e}); pass a usable directory") from e
+        self._verify = verify
+        self._owns_tier = tier is None and remote_url is not None
+        self._tier = tier if tier is not None else (RemoteTier(remote_url, storage_options) if remote_url else None)
+        self._pool = ThreadPoolExecutor(_knobs.write_threads(), thread_name_prefix="persist-read")
+
+    @property
+    def local_dir(self) -> Path:
+        return self._root
+
+    @property
+    def remote_url(self) -> str | None:
+        return None if self._tier is None else self._tier.url
+
+    def close(self) -> None:
+        """Release threads (and the remote tier if this reader opened it). Idempotent."""
+        self._pool.shutdown(wait=True)
+        if self._owns_tier and self._tier is not None:
+            self._tier.close()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ listing
+
+    def list(self, tier: str = "local") -> list[CheckpointInfo]:
+        """Committed checkpoints whose manifest and file sizes check, oldest first.
+
+        Args:
+            tier: ``"local"``, ``"remote"``, or ``"all"`` (both, each with its ``tier``).
+
+        Raises:
+            ConfigError: an unknown tier, or ``"remote"`` without a ``remote_url``.
+        """
+        if tier not in ("local", "remote", "all"):
+            raise ConfigError(f"tier={tier!r} must be 'local', 'remote' or 'all'")
+        if tier == "remote" and self._tier is None:
+            raise ConfigError("tier='remote' needs a remote_url")
+        local = [info for info, _ in discover(self._root)] if tier != "remote" else []
+        remote = self._tier.list() if tier != "local" and self._tier is not None else []
+        return sorted(local + remote, key=lambda i: (i.step, i.tier))
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint: the local copy when there is one, else the remote's."""
+        newest: dict[int, CheckpointInfo] = {}
+        for info in self.list("all" if self._tier is not None else "local"):
+            if info.step not in newest or info.tier == "local":
+                newest[info.step] = info
+        return newest[max(newest)] if newest else None
+
+    def step_of(self, path: str | os.PathLike[str]) -> int:
+        """The step of a checkpoint named by its local directory, a link to it, or its remote URL.
+
+        Raises:
+            CheckpointNotFoundError: ``path`` does not name a checkpoint of this reader's tiers.
+        """
+        text = os.fspath(path).rstrip("/")
+        if self._tier is not None and text.startswith(self._tier.url + "/"):
+            step = parse_checkpoint_dirname(text[len(self._tier.url) + 1 :])
+        else:
+            real = Path(os.path.realpath(text))
+            step = parse_checkpoint_dirname(real.name) if real.parent == self._root else None
+        if step is None:
+            where = str(self._root) + (f" or {self._tier.url}" if self._tier else "")
+            raise CheckpointNotFoundError(f"{text!r} is not a checkpoint directory of {where} (a step-NNNNNNNNNNNN entry)")
+        return step
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, step: int | None = None, *, map_location: Any = "cpu", verify: bool | None = None) -> Any:
+        """Load the newest committed checkpoint that verifies, or the one for ``step``.
+
+        The local copy is used when it is there and verifies; otherwise the remote copy is
+        downloaded into ``local_dir`` (parallel ranged reads, checksums verified) and loaded.
+
+        Args:
+            step: which checkpoint; ``None`` takes the newest one that verifies, logging a
+                warning for each newer one it skips.
+            map_location: device for the tensors (``"cpu"`` default, ``"cuda:0"``, a ``torch.device``).
+            verify: check checksums (default: the reader's ``verify``).
+
+        Returns:
+            An object equal to the saved state.
+
+        Raises:
+            CheckpointNotFoundError: nothing committed (for ``step``) on any tier.
+            CorruptCheckpointError: no copy of ``step`` verifies (names the file).
+        """
+        verify = self._verify if verify is None else verify
+        local = set(committed_steps(self._root))
+        remote = set(self._tier.committed_steps()) if self._tier is not None else set()
+        if step is not None:
+            if step not in local | remote:
+                where = f"{self._root}" + (f" or {self._tier.url}" if self._tier else "")
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint for step={step} in {where}; committed steps: {sorted(local | remote)}"
+                )
+            return self._load_step(step, step in local, step in remote, verify, map_location)
+        for candidate in sorted(local | remote, reverse=True):
+            try:
+                return self._load_step(candidate, candidate in local, candidate in remote, verify, map_location)
+            except CorruptCheckpointError as e:
+                log.warning("[step=%d] skipping: %s", candidate, e)
+        where = f"{self._root}" + (f" nor {self._tier.url}" if self._tier else "")
+        raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {where}")
+
+    def _load_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any) -> Any:
+        ckpt = checkpoint_dir(self._root, step)
+        if in_local:
+            try:
+                return load_checkpoint(ckpt, read_manifest(ckpt), pool=self._pool, verify=verify, map_location=map_location)
+            except CorruptCheckpointError as e:
+                if not in_remote:
+                    raise
+                log.warning("[step=%d] local copy does not verify (%s); downloading from %s", step, e, self._tier.url)
+                self._set_aside(ckpt)
+        assert self._tier is not None
+        tmp, manifest = self._tier.download(step, self._root, tmp_dirname(step, os.getpid(), secrets.token_hex(3)))
+        try:
+            os.rename(tmp, ckpt)
+            fsync_dir(self._root)
+            log.info("[step=%d] downloaded from %s into %s", step, self._tier.url, ckpt)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            # another process (a rank on this node) put its download in place first: use that one
+            manifest = read_manifest(ckpt)
+        return load_checkpoint(ckpt, manifest, pool=self._pool, verify=verify, map_location=map_location)
+
+    def _set_aside(self, ckpt: Path) -> None:
+        """Move a copy that failed verification out of the way with one rename (then delete it)."""
+        aside = self._root / tmp_dirname(parse_checkpoint_dirname(ckpt.name) or 0, os.getpid(), secrets.token_hex(3))
+        try:
+            os.rename(ckpt, aside)
+        except FileNotFoundError:
+            return  # another reader moved it already
+        shutil.rmtree(aside, ignore_errors=True)

@@ -1,0 +1,102 @@
+"""A small LightningModule, its Trainer set-up, and a script entry point for subprocess runs
+(DDP launches re-run this file once per rank; SIGTERM tests kill it)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_persist import PersistCheckpointIO  # noqa: E402
+
+BATCHES_PER_EPOCH = 6
+
+
+class Net(LightningModule):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        with torch.random.fork_rng():  # the same initial weights in every run and process
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(8 * BATCHES_PER_EPOCH, 16, generator=g)
+        y = x.sum(1, keepdim=True).sin()
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+def checkpoint_callback(dirpath: str | os.PathLike[str], **overrides) -> ModelCheckpoint:
+    options = dict(every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True)
+    options.update(overrides)
+    return ModelCheckpoint(dirpath=str(dirpath), **options)
+
+
+def make_trainer(io: PersistCheckpointIO | None, dirpath, max_steps: int, callbacks=(), **kwargs) -> Trainer:
+    options = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    options.update(kwargs)
+    return Trainer(max_steps=max_steps, plugins=[io] if io is not None else None,
+                   callbacks=[checkpoint_callback(dirpath), *callbacks], **options)
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of the state dict, of the same (ordered) dict type."""
+    return type(model.state_dict())((k, v.detach().clone()) for k, v in model.state_dict().items())
+
+
+class TermAtStep(Callback):
+    """Sends this process SIGTERM once ``step`` is reached (a preemption notice mid-run)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step and trainer.is_global_zero:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local-dir", required=True)
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--remote-url")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--out", help="torch.save the final weights here (rank 0)")
+    parser.add_argument("--term-at", type=int)
+    args = parser.parse_args()
+    endpoint = os.environ.get("PERSIST_TEST_S3_ENDPOINT")
+    options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint and args.remote_url else None
+    io = PersistCheckpointIO(local_dir=args.local_dir, remote_url=args.remote_url, storage_options=options)
+    extra = [TermAtStep(args.term_at)] if args.term_at else []
+    trainer = make_trainer(io, args.local_dir, args.max_steps, callbacks=extra, devices=args.devices,
+                           strategy=args.strategy)
+    model = Net()
+    trainer.fit(model, ckpt_path=io.latest_path() if args.resume else None)
+    if args.out and trainer.is_global_zero:
+        torch.save(weights(model), args.out)
+
+
+if __name__ == "__main__":
+    main()

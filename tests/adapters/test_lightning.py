@@ -1,0 +1,221 @@
+"""``PersistCheckpointIO`` with the real Lightning ``Trainer`` and ``Fabric``."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+import lightning_persist.checkpoint_io as plugin_module
+from lightning_persist import PersistCheckpointIO
+from persist_core import CheckpointEngine, CheckpointNotFoundError, ConfigError, WriteError
+from persist_core.local_writer import OsFileOps
+from tests.adapters.lightning_app import Net, make_trainer, weights
+from tests.conftest import assert_state_equal
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+
+def ckpt_files(d: Path) -> set[str]:
+    return {p.name for p in d.iterdir() if p.name.endswith(".ckpt")}
+
+
+def step_dirs(d: Path) -> set[str]:
+    return {p.name for p in d.iterdir() if p.name.startswith("step-")}
+
+
+def fit(io, dirpath, max_steps, ckpt_path=None, **kwargs) -> Net:
+    model = Net()
+    make_trainer(io, dirpath, max_steps, **kwargs).fit(model, ckpt_path=ckpt_path)
+    return model
+
+
+class GatedOps(OsFileOps):
+    """Real file calls; shard writes wait for ``gate`` (``entered`` says one began)."""
+
+    def __init__(self) -> None:
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def pwrite(self, fd, data, offset):
+        self.entered.set()
+        assert self.gate.wait(60), "gate never opened"
+        return super().pwrite(fd, data, offset)
+
+
+class FailingOps(OsFileOps):
+    def pwrite(self, fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.fixture
+def engine_ops(monkeypatch):
+    """Make the plugin's engine use the given FileOps."""
+
+    def use(ops):
+        monkeypatch.setattr(plugin_module, "CheckpointEngine", functools.partial(CheckpointEngine, file_ops=ops))
+
+    return use
+
+
+def test_top_k_leaves_exactly_the_expected_files_and_each_loads(tmp_path):
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d)
+    model = fit(io, d, max_steps=9)
+    # save_top_k=2 on "step" + save_last: the two newest, and last.ckpt naming the newest
+    assert ckpt_files(d) == {"epoch=1-step=8.ckpt", "epoch=1-step=9.ckpt", "last.ckpt"}
+    assert step_dirs(d) == {"step-000000000008", "step-000000000009"}
+    assert os.readlink(d / "last.ckpt") == "step-000000000009"
+    for name in ckpt_files(d):
+        loaded = io.load_checkpoint(d / name)
+        assert loaded["global_step"] == int(os.readlink(d / name)[-3:])
+        assert loaded["state_dict"]["net.0.weight"].device.type == "cpu"
+    assert_state_equal(io.load_checkpoint(d / "last.ckpt")["state_dict"], weights(model))
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    straight = fit(PersistCheckpointIO(local_dir=tmp_path / "a"), tmp_path / "a", max_steps=9)
+
+    io = PersistCheckpointIO(local_dir=tmp_path / "b")
+    fit(io, tmp_path / "b", max_steps=6)
+    resumed = fit(io, tmp_path / "b", max_steps=9, ckpt_path="last")
+    assert_state_equal(weights(resumed), weights(straight))
+
+    # and through latest_path(), with a fresh plugin as a restarted process would have
+    io2 = PersistCheckpointIO(local_dir=tmp_path / "b")
+    assert io2.latest_path() == str(tmp_path / "b" / "step-000000000009")
+
+
+def test_milestones_survive_save_top_k_and_keep_last_bounds_the_rest(tmp_path):
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d, keep_every_n_steps=4)
+    fit(io, d, max_steps=9)
+    assert ckpt_files(d) == {"epoch=1-step=8.ckpt", "epoch=1-step=9.ckpt", "last.ckpt"}
+    assert step_dirs(d) == {"step-000000000004", "step-000000000008", "step-000000000009"}
+    assert io.load_checkpoint(d / "step-000000000004")["global_step"] == 4
+
+
+def test_a_remove_while_the_write_is_pending_never_resurrects_the_path(tmp_path, engine_ops):
+    """Lightning issue #14035: AsyncCheckpointIO let a queued write recreate a removed file."""
+    ops = GatedOps()
+    engine_ops(ops)
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d, max_pending=2)  # the next save does not wait for the gated one
+    state = {"global_step": 1, "w": torch.ones(1000)}
+    io.save_checkpoint(state, d / "a.ckpt")
+    assert ops.entered.wait(30)
+    io.remove_checkpoint(d / "a.ckpt")  # the write is still pending
+    io.save_checkpoint({"global_step": 2, "w": torch.zeros(1000)}, path=d / "b.ckpt", storage_options=None)
+    ops.gate.set()
+    io.teardown()
+    assert ckpt_files(d) == {"b.ckpt"}
+    assert step_dirs(d) == {"step-000000000002"}
+
+
+def test_last_ckpt_always_names_a_committed_checkpoint(tmp_path, engine_ops):
+    ops = GatedOps()
+    engine_ops(ops)
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d)
+    ops.gate.set()
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(10)}, d / "last.ckpt")
+    io._engine.wait()
+    ops.gate.clear()
+    ops.entered.clear()
+    io.save_checkpoint({"global_step": 2, "w": torch.zeros(10)}, d / "last.ckpt")
+    assert ops.entered.wait(30)
+    # step 2 is being written: last.ckpt still names step 1, which loads
+    assert os.readlink(d / "last.ckpt") == "step-000000000001"
+    reader = PersistCheckpointIO(local_dir=d)
+    assert reader.load_checkpoint(d / "last.ckpt")["w"].equal(torch.ones(10))
+    ops.gate.set()
+    io.teardown()
+    assert os.readlink(d / "last.ckpt") == "step-000000000002"
+    assert step_dirs(d) == {"step-000000000002"}
+
+
+def test_teardown_raises_a_write_failure_once_and_keeps_earlier_checkpoints(tmp_path, engine_ops):
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d)
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(10)}, d / "one.ckpt")
+    io.teardown()
+    engine_ops(FailingOps())
+    io.save_checkpoint({"global_step": 2, "w": torch.ones(10)}, d / "two.ckpt")
+    with pytest.raises(WriteError, match="No space left"):
+        io.teardown()
+    io.teardown()  # raised once
+    assert ckpt_files(d) == {"one.ckpt"}
+    assert io.load_checkpoint(d / "one.ckpt")["global_step"] == 1
+
+
+def test_bad_input_gets_clear_errors(tmp_path):
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d)
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({"global_step": 1}, d / "x.ckpt", storage_options={"a": 1})
+    with pytest.raises(ConfigError, match="remote_url"):
+        io.save_checkpoint({"global_step": 1}, "s3://bucket/x.ckpt")
+    with pytest.raises(ConfigError, match="keep_last=0"):
+        PersistCheckpointIO(local_dir=d, keep_last=0)
+    with pytest.raises(CheckpointNotFoundError, match="missing.ckpt"):
+        io.load_checkpoint(d / "missing.ckpt")
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(3)}, d / "x.ckpt")
+    io.teardown()
+    # a new run in the same local_dir may not overwrite a committed step
+    other = PersistCheckpointIO(local_dir=d)
+    with pytest.raises(ConfigError, match="already committed"):
+        other.save_checkpoint({"global_step": 1, "w": torch.zeros(3)}, d / "y.ckpt")
+    assert other.load_checkpoint(d / "x.ckpt")["w"].equal(torch.ones(3))
+
+
+def test_plain_torch_files_from_another_io_still_load_and_remove(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    TorchCheckpointIO().save_checkpoint({"global_step": 3, "w": torch.ones(2)}, d / "old.ckpt")
+    io = PersistCheckpointIO(local_dir=d)
+    assert io.load_checkpoint(d / "old.ckpt")["global_step"] == 3
+    io.remove_checkpoint(d / "old.ckpt")
+    assert not (d / "old.ckpt").exists()
+
+
+def test_fabric_save_and_load(tmp_path):
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model, optimizer = fabric.setup(model, optimizer)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    fabric.save(d / "fabric.ckpt", {"model": model, "optimizer": optimizer, "step": 1})
+    saved = weights(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(d / "fabric.ckpt", state)  # waits for the pending write
+    assert state["step"] == 1
+    assert_state_equal(weights(model), saved)
+    io.teardown()
+
+
+def test_a_fresh_local_dir_resumes_from_the_s3_remote(tmp_path, bucket, s3_options):
+    url = f"s3://{bucket}/run-7"
+    straight = fit(PersistCheckpointIO(local_dir=tmp_path / "a"), tmp_path / "a", max_steps=9)
+
+    first = PersistCheckpointIO(local_dir=tmp_path / "b", remote_url=url, storage_options=s3_options, keep_last=2)
+    fit(first, tmp_path / "b", max_steps=6)
+    # the machine is gone; a new one starts with an empty local_dir
+    fresh = PersistCheckpointIO(local_dir=tmp_path / "c", remote_url=url, storage_options=s3_options, keep_last=2)
+    latest = fresh.latest_path()
+    assert latest == f"{url}/step-000000000006"
+    resumed = fit(fresh, tmp_path / "c", max_steps=9, ckpt_path=latest)
+    assert_state_equal(weights(resumed), weights(straight))
+    remote = [c.step for c in CheckpointEngine(tmp_path / "d", remote_url=url, storage_options=s3_options).list("remote")]
+    assert remote == [8, 9]
