@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -114,6 +115,13 @@ class PersistCheckpointIO(CheckpointIO):
     directory is deleted only after a newer checkpoint is committed, never while it is written or
     uploaded, and never the newest one.
 
+    Preemption: under the Trainer, Lightning's own SIGTERM handling stops training at the next
+    batch and calls ``teardown``, which commits and uploads what is pending within
+    ``preemption_grace_s``; SLURM's requeue signal saves through this plugin like any checkpoint.
+    Without a Trainer (Fabric), the plugin installs a SIGTERM handler that waits (no I/O of its
+    own) for the pending checkpoint and upload within the grace period, then runs the previous
+    handler (by default: the process ends as SIGTERM would end it).
+
     Limits: with DDP, Lightning calls this on rank 0 only, so rank 0 writes the whole state;
     every rank can load. FSDP with sharded state dicts and DeepSpeed write their own
     checkpoints and bypass any ``CheckpointIO``. ``ModelCheckpoint(dirpath=...)`` must be a local
@@ -132,6 +140,8 @@ class PersistCheckpointIO(CheckpointIO):
         verify: check checksums on load (default True).
         max_pending: checkpoints staged or writing at once (each holds a host copy of the state).
         write_threads: threads writing one shard (default 4).
+        preemption_grace_s: on SIGTERM, how long to wait for the pending checkpoint to commit and
+            upload before the process goes on exiting (default 120 s; SIGKILL usually follows).
 
     Raises:
         ConfigError: a bad argument, an unwritable ``local_dir`` or an unusable ``remote_url``
@@ -151,12 +161,17 @@ class PersistCheckpointIO(CheckpointIO):
         verify: bool = True,
         max_pending: int = 1,
         write_threads: int | None = None,
+        preemption_grace_s: float = 120.0,
     ) -> None:
         super().__init__()
         self._local_dir = Path(local_dir).expanduser().absolute()
         self._remote_url = remote_url
         self._storage_options = storage_options
         self._user_policy = _policy(keep_last, keep_every_n_steps, keep_every_n_seconds, retention)
+        if not preemption_grace_s > 0:
+            raise ConfigError(f"preemption_grace_s={preemption_grace_s!r} must be a positive number of seconds")
+        self._grace_s = float(preemption_grace_s)
+        self._signal_installed = False
         self._verify = verify
         self._max_pending = max_pending
         self._write_threads = write_threads
@@ -240,7 +255,9 @@ class PersistCheckpointIO(CheckpointIO):
         target = self._path_key(path)
         if os.path.isdir(target) and not os.path.islink(target):
             raise ConfigError(f"checkpoint path {target!r} is an existing directory; remove it or choose another dirpath")
-        self._log_finished()
+        trainer = self._log_finished()
+        if trainer is None:
+            self._install_sigterm_handler()
         self._adopt_links(str(self._local_dir))
         self._adopt_links(os.path.dirname(target))
         step = self._step_of(checkpoint)
@@ -315,7 +332,11 @@ class PersistCheckpointIO(CheckpointIO):
         log.debug("removed %s", target)
 
     def teardown(self) -> None:
-        """Wait until every save is committed and uploaded, prune, log a summary; raises a failure once."""
+        """Wait until every save is committed and uploaded, prune, log a summary; raises a failure once.
+
+        After a SIGTERM the wait is bounded by ``preemption_grace_s``: what is not uploaded by
+        then is logged (its local copy is committed, and the next run uploads it).
+        """
         engine, self._engine = self._engine, None
         reader, self._reader = self._reader, None
         if reader is not None:
@@ -323,11 +344,17 @@ class PersistCheckpointIO(CheckpointIO):
         if engine is None:
             self._raise_link_errors()
             return
+        trainer = _find_trainer()
+        preempted = bool(getattr(trainer, "received_sigterm", False))
         try:
-            engine.wait()
-            engine.prune()
+            if preempted and not self._drain_within_grace(engine):
+                return  # the process is going down; the engine's exit hook goes on uploading while it can
+            try:
+                engine.wait()
+                engine.prune()
+            finally:
+                engine.close()
         finally:
-            engine.close()
             self._log_finished()
             self._log_summary()
         self._raise_link_errors()
@@ -384,14 +411,49 @@ class PersistCheckpointIO(CheckpointIO):
                 log.error("%s", error)
                 self._link_errors.append(error)
 
+    def _drain_within_grace(self, engine: CheckpointEngine) -> bool:
+        """Wait up to the grace period for pending saves and uploads; ``False`` if time ran out."""
+        try:
+            engine.wait(timeout=self._grace_s)
+        except TimeoutError as e:
+            log.error("preempted: %s; the local copies are committed and the next run uploads them", e)
+            return False
+        return True
+
+    def _install_sigterm_handler(self) -> None:
+        """Without a Trainer (Fabric): on SIGTERM, flush within the grace period, then chain."""
+        if self._signal_installed or threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            engine = self._engine
+            log.warning("SIGTERM: waiting up to %.0f s for pending checkpoints and uploads", self._grace_s)
+            if engine is not None:
+                try:
+                    self._drain_within_grace(engine)
+                except PersistError as e:
+                    log.error("SIGTERM: a pending checkpoint failed: %s", e)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        self._signal_installed = True
+
     def _raise_link_errors(self) -> None:
         with self._lock:
             errors, self._link_errors = self._link_errors, []
         if errors:
             raise errors[0]
 
-    def _log_finished(self) -> None:
-        """Send the stats of saves that finished to the Trainer's loggers (on the training thread)."""
+    def _log_finished(self) -> Any | None:
+        """Send the stats of saves that finished to the Trainer's loggers (on the training thread).
+
+        Returns the Trainer on the call stack, if any.
+        """
         with self._lock:
             done = [h for h in self._unlogged if h.done()]
             self._unlogged = [h for h in self._unlogged if not h.done()]
@@ -409,6 +471,7 @@ class PersistCheckpointIO(CheckpointIO):
             if trainer is not None:
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=stats.step)
+        return trainer
 
     def _log_summary(self) -> None:
         if not self._summary:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -19,6 +22,8 @@ from persist_core import CheckpointEngine, CheckpointNotFoundError, ConfigError,
 from persist_core.local_writer import OsFileOps
 from tests.adapters.lightning_app import Net, make_trainer, weights
 from tests.conftest import assert_state_equal
+
+APP = Path(__file__).with_name("lightning_app.py")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -219,3 +224,69 @@ def test_a_fresh_local_dir_resumes_from_the_s3_remote(tmp_path, bucket, s3_optio
     assert_state_equal(weights(resumed), weights(straight))
     remote = [c.step for c in CheckpointEngine(tmp_path / "d", remote_url=url, storage_options=s3_options).list("remote")]
     assert remote == [8, 9]
+
+
+def test_mid_epoch_resume_matches_lightnings_own_io(tmp_path):
+    """Stopped mid-epoch, a resume through the plugin is bit-identical to one through TorchCheckpointIO."""
+    fit(None, tmp_path / "torch", max_steps=4)
+    by_torch = fit(None, tmp_path / "torch", max_steps=9, ckpt_path="last")
+    io = PersistCheckpointIO(local_dir=tmp_path / "persist")
+    fit(io, tmp_path / "persist", max_steps=4)
+    by_plugin = fit(io, tmp_path / "persist", max_steps=9, ckpt_path="last")
+    assert_state_equal(weights(by_plugin), weights(by_torch))
+
+
+def test_save_stats_reach_the_trainers_loggers(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    d = tmp_path / "ckpt"
+    fit(PersistCheckpointIO(local_dir=d), d, max_steps=5, logger=CSVLogger(tmp_path / "logs", name="run"))
+    metrics = (tmp_path / "logs" / "run" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = metrics[0].split(",")
+    assert {"persist/stall_s", "persist/write_gbps"} <= set(header)
+    stall = [row.split(",")[header.index("persist/stall_s")] for row in metrics[1:]]
+    assert sum(1 for v in stall if v) == 5  # one per checkpoint, each logged once
+
+
+def run_app(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(APP), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_ddp_two_ranks_save_and_restore_on_two_and_on_one(tmp_path):
+    d = tmp_path / "ckpt"
+    first = run_app("--local-dir", str(d), "--max-steps", "6", "--devices", "2", "--strategy", "ddp")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert ckpt_files(d) == {"epoch=1-step=5.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"}
+    # both ranks load it and go on
+    second = run_app("--local-dir", str(d), "--max-steps", "9", "--devices", "2", "--strategy", "ddp", "--resume",
+                     "--out", str(tmp_path / "two.pt"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "Restored all states from the checkpoint at " + str(d / "step-000000000006") in second.stderr
+    # and one process restores the same checkpoint
+    loaded = PersistCheckpointIO(local_dir=d).load_checkpoint(d / "last.ckpt")
+    assert loaded["global_step"] == 9
+    assert_state_equal(loaded["state_dict"], torch.load(tmp_path / "two.pt"))
+
+
+def test_sigterm_under_the_trainer_leaves_a_committed_synced_checkpoint(tmp_path, bucket, s3_endpoint, s3_options):
+    url = f"s3://{bucket}/run"
+    d = tmp_path / "ckpt"
+    run = run_app("--local-dir", str(d), "--max-steps", "50", "--term-at", "4", "--remote-url", url,
+                  env={"PERSIST_TEST_S3_ENDPOINT": s3_endpoint})
+    assert "Received SIGTERM" in run.stderr, run.stderr[-3000:]
+    assert os.readlink(d / "last.ckpt") == "step-000000000004"  # training stopped at the next batch
+    fresh = PersistCheckpointIO(local_dir=tmp_path / "fresh", remote_url=url, storage_options=s3_options)
+    assert fresh.latest_path() == f"{url}/step-000000000004"
+    assert fresh.load_checkpoint(fresh.latest_path())["global_step"] == 4
+
+
+def test_sigterm_under_fabric_flushes_the_upload_then_ends_the_process(tmp_path, bucket, s3_endpoint, s3_options):
+    url = f"s3://{bucket}/run"
+    child = subprocess.run([sys.executable, str(APP.with_name("fabric_term_child.py")), str(tmp_path / "ckpt"), url],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PERSIST_TEST_S3_ENDPOINT": s3_endpoint})
+    assert child.stdout.strip() == "saved", child.stdout + child.stderr[-3000:]
+    assert child.returncode == -signal.SIGTERM  # ended as SIGTERM ends a process, after the flush
+    fresh = PersistCheckpointIO(local_dir=tmp_path / "fresh", remote_url=url, storage_options=s3_options)
+    assert fresh.load_checkpoint(f"{url}/step-000000000007")["step"] == 7
