@@ -1,12 +1,14 @@
 """torch-persist for PyTorch Lightning: one ``CheckpointIO`` plugin.
 
 ``Trainer(plugins=[PersistCheckpointIO(local_dir=..., remote_url=...)])``; see
-:class:`PersistCheckpointIO`.
+:class:`PersistCheckpointIO`. With several processes, ``strategy=PersistDDPStrategy()`` makes
+every rank write its part.
 """
 
 from lightning_persist.checkpoint_io import PersistCheckpointIO
+from lightning_persist.strategy import PersistDDPStrategy
 
-__all__ = ["PersistCheckpointIO"]
+__all__ = ["PersistCheckpointIO", "PersistDDPStrategy"]
 
 
 def _register_with_pytorch_lightning() -> None:

@@ -35,6 +35,7 @@ from persist_core import (
     CheckpointEngine,
     CheckpointNotFoundError,
     CheckpointReader,
+    Collectives,
     ConfigError,
     KeepEveryNSeconds,
     KeepEveryNSteps,
@@ -44,6 +45,7 @@ from persist_core import (
     RetentionPolicy,
     SaveHandle,
     SaveStats,
+    SingleProcess,
     StepExistsError,
 )
 from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname
@@ -122,8 +124,11 @@ class PersistCheckpointIO(CheckpointIO):
     own) for the pending checkpoint and upload within the grace period, then runs the previous
     handler (by default: the process ends as SIGTERM would end it).
 
-    Limits: with DDP, Lightning calls this on rank 0 only, so rank 0 writes the whole state;
-    every rank can load. FSDP with sharded state dicts and DeepSpeed write their own
+    DDP: Lightning calls a ``CheckpointIO`` on rank 0 only, so with ``strategy="ddp"`` rank 0
+    writes the whole state. ``strategy=PersistDDPStrategy()`` makes every rank write about
+    ``1/world_size`` of it (rank 0 commits once all succeeded). Every rank can load either.
+
+    Limits: FSDP with sharded state dicts and DeepSpeed write their own
     checkpoints and bypass any ``CheckpointIO``. ``ModelCheckpoint(dirpath=...)`` must be a local
     directory (the remote tier is ``remote_url``).
 
@@ -177,6 +182,7 @@ class PersistCheckpointIO(CheckpointIO):
         self._write_threads = write_threads
         self._lock = threading.Lock()
         self._engine: CheckpointEngine | None = None
+        self._collectives: Collectives = SingleProcess()
         self._reader: CheckpointReader | None = None
         # Lightning path -> step: the step the path was last saved at (maybe still pending), and
         # the step its link on disk names now; retention keeps both
@@ -224,9 +230,20 @@ class PersistCheckpointIO(CheckpointIO):
             self._engine = CheckpointEngine(
                 self._local_dir, remote_url=self._remote_url, storage_options=self._storage_options,
                 keep_local=local, keep_remote=remote, verify=self._verify, max_pending=self._max_pending,
-                write_threads=self._write_threads,
+                write_threads=self._write_threads, collectives=self._collectives,
             )
         return self._engine
+
+    def _use_collectives(self, collectives: Collectives) -> None:
+        """Called by :class:`PersistDDPStrategy` on every rank: all ranks write from now on."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        self._collectives = collectives
+
+    @property
+    def _leader(self) -> bool:
+        return self._collectives.rank == 0
 
     def _get_reader(self) -> CheckpointReader:
         if self._engine is not None:
@@ -276,6 +293,8 @@ class PersistCheckpointIO(CheckpointIO):
             with self._lock:
                 self._saved[step] = handle
                 self._unlogged.append(handle)
+        if not self._leader:
+            return  # rank 0 names the checkpoint
         with self._lock:
             self._intended[target] = step
         handle.add_local_callback(lambda committed: self._on_committed(target, step, committed))
@@ -341,10 +360,11 @@ class PersistCheckpointIO(CheckpointIO):
         reader, self._reader = self._reader, None
         if reader is not None:
             reader.close()
+        trainer = _find_trainer()
         if engine is None:
+            _warn_if_bypassed(trainer)
             self._raise_link_errors()
             return
-        trainer = _find_trainer()
         preempted = bool(getattr(trainer, "received_sigterm", False))
         try:
             if preempted and not self._drain_within_grace(engine):
@@ -514,6 +534,19 @@ def _link(target: str, ckpt_dir: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _warn_if_bypassed(trainer: Any | None) -> None:
+    """Say so when the Trainer's strategy wrote its own checkpoints around this plugin."""
+    strategy = getattr(trainer, "strategy", None)
+    name = type(strategy).__name__
+    sharded = name == "FSDPStrategy" and getattr(strategy, "_state_dict_type", "full") == "sharded"
+    if name == "DeepSpeedStrategy" or sharded:
+        log.error(
+            "%s writes its own checkpoints and bypasses CheckpointIO plugins: PersistCheckpointIO wrote nothing "
+            "(no local_dir, no remote_url, no retention). Use FSDPStrategy(state_dict_type='full') or DDP with it",
+            name + ("(state_dict_type='sharded')" if sharded else ""),
+        )
 
 
 def _find_trainer() -> Any | None:

@@ -3,7 +3,7 @@
 Imports neither ``lightning`` nor ``accelerate``; the adapters build on it.
 """
 
-from persist_core.distributed import RankInfo
+from persist_core.distributed import Collectives, SingleProcess, TorchCollectives
 from persist_core.engine import CheckpointEngine
 from persist_core.errors import (
     CheckpointNotFoundError,
@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointNotFoundError",
     "CheckpointReader",
+    "Collectives",
     "ConfigError",
     "CorruptCheckpointError",
     "FileOps",
@@ -43,13 +44,14 @@ __all__ = [
     "KeepLastN",
     "KeepSteps",
     "PersistError",
-    "RankInfo",
     "RemoteError",
     "RetentionContext",
     "RetentionPolicy",
     "SaveHandle",
     "SaveStats",
+    "SingleProcess",
     "StepExistsError",
+    "TorchCollectives",
     "UnsupportedStateError",
     "WriteError",
 ]

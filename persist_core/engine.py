@@ -12,8 +12,8 @@ Call order (one process):
 
 from __future__ import annotations
 
-import dataclasses
 import errno
+import json
 import logging
 import os
 import secrets
@@ -27,24 +27,25 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import crc32c
 import torch
 
 from persist_core import _knobs
-from persist_core.distributed import RankInfo
+from persist_core.commit import commit_checkpoint
+from persist_core.distributed import Collectives, SingleProcess
 from persist_core.errors import (
     ConfigError,
     PersistError,
     StepExistsError,
     WriteError,
 )
-from persist_core.format import flatten, plan_shard
+from persist_core.format import FlatState, assign_owners, dtype_name, flatten, plan_shard, storage_groups
 from persist_core.handle import SaveHandle, SaveStats
-from persist_core.layout import parse_tmp_dirname, shard_filename, tmp_dirname
+from persist_core.layout import parse_tmp_dirname, shard_filename
 from persist_core.local_writer import (
     CHECKSUM_ALGORITHM,
     FileOps,
     OsFileOps,
-    commit_dir,
     remove_checkpoint,
     write_file,
 )
@@ -78,6 +79,12 @@ class _Settings:
             raise ConfigError(
                 f"max_pending={self.max_pending} must be at least 1 (each pending save holds one staging buffer)"
             )
+
+
+def _structure_signature(flat: FlatState, groups: list[list[int]]) -> str:
+    """A digest of the state's structure (paths, dtypes, shapes, shared storages) that ranks compare."""
+    described = [[p, dtype_name(t.dtype), list(t.shape)] for p, t in flat.tensors]
+    return f"{crc32c.crc32c(json.dumps([described, groups]).encode()):08x}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -142,7 +149,11 @@ class CheckpointEngine:
             The newest committed checkpoint, and any not yet uploaded, are never deleted.
         keep_remote: retention policy for the remote tier, applied after each upload; queued
             uploads it would not keep may be superseded by newer ones when the remote is slow.
-        rank_info: this process's rank (single process by default).
+        collectives: for a job of several processes, their collectives
+            (:class:`TorchCollectives`): every rank then calls ``save`` for the same steps in the
+            same order and writes about ``1/world_size`` of a state they all hold alike; rank 0
+            commits, applies retention and uploads. ``local_dir`` must be shared by the ranks.
+            Single process by default.
         file_ops: the file system calls the writer makes (for fault injection in tests).
 
     Raises:
@@ -162,7 +173,7 @@ class CheckpointEngine:
         storage_options: dict[str, Any] | None = None,
         keep_local: RetentionPolicy | None = None,
         keep_remote: RetentionPolicy | None = None,
-        rank_info: RankInfo | None = None,
+        collectives: Collectives | None = None,
         file_ops: FileOps | None = None,
     ) -> None:
         self._settings = _Settings(
@@ -177,7 +188,8 @@ class CheckpointEngine:
         if keep_remote is not None and remote_url is None:
             raise ConfigError("keep_remote was given without remote_url; pass remote_url='s3://...' or drop keep_remote")
         self._root = Path(local_dir).expanduser().absolute()
-        self._rank = rank_info or RankInfo()
+        self._coll = collectives or SingleProcess()
+        self._leader = self._coll.rank == 0
         self._ops = file_ops or OsFileOps()
         self._open_dir()
         self._lock = threading.Lock()
@@ -194,7 +206,7 @@ class CheckpointEngine:
         self._reader = CheckpointReader(self._root, verify=verify, tier=self._tier)
         self._sync = None
         self._syncing: dict[int, tuple[SaveHandle, float]] = {}
-        if self._tier is not None:
+        if self._tier is not None and self._leader:
             self._sync = RemoteSync(self._tier, keep_remote=keep_remote, on_done=self._on_synced)
             self._resume_uploads()
         _close_at_exit(self)
@@ -219,7 +231,7 @@ class CheckpointEngine:
                 shutil.rmtree(entry.path, ignore_errors=True)
 
     def _prefix(self, step: int | None = None) -> str:
-        return f"[rank={self._rank.rank}][step={step if step is not None else '-'}]"
+        return f"[rank={self._coll.rank}][step={step if step is not None else '-'}]"
 
     # ------------------------------------------------------------------ save
 
@@ -253,7 +265,10 @@ class CheckpointEngine:
                     f"save each step once (delete {checkpoint_dir(self._root, step)} first to overwrite it)"
                 )
         flat = flatten(state)
-        plan = plan_shard(flat)
+        groups = storage_groups(flat)
+        owners = assign_owners(flat, groups, self._coll.world_size) if self._coll.world_size > 1 else None
+        plan = plan_shard(flat, groups=groups, owners=owners, rank=self._coll.rank)
+        signature = _structure_signature(flat, groups) if owners is not None else ""
         buf, waited = self._pool.acquire(plan.file_bytes)
         try:
             t1 = time.perf_counter()
@@ -262,8 +277,8 @@ class CheckpointEngine:
         except BaseException:
             self._pool.release(buf)
             raise
-        shard = shard_filename(self._rank.rank)
-        records = tuple({"file": shard, **r, "replicated": True} for r in plan.records)
+        shard = shard_filename(self._coll.rank)
+        records = tuple(None if r is None else {"file": shard, **r, "replicated": True} for r in plan.records)
         objects = tuple((shard, b, n) for b, n in plan.objects)
         handle = SaveHandle(
             SaveStats(step=step, nbytes=plan.file_bytes, wait_s=waited, staging_s=staged - t1, stall_s=staged - t0)
@@ -275,17 +290,18 @@ class CheckpointEngine:
                         files=(), metadata=dict(metadata or {}))
         del plan, flat  # the writer needs only the staged bytes, not the caller's tensors
         handle._update(stall_s=time.perf_counter() - t0)
-        self._writer.submit(self._write_and_commit, handle, buf, base, staged)
+        self._writer.submit(self._write_and_commit, handle, buf, base, staged, signature)
         log.debug("%s staged %d bytes in %.3f s", self._prefix(step), handle.stats.nbytes, handle.stats.staging_s)
         return handle
 
-    def _write_and_commit(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float) -> None:
+    def _write_and_commit(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float,
+                          signature: str) -> None:
         """Writer thread: write and commit one checkpoint, then apply retention."""
         step = handle.step
         error: BaseException | None = None
         manifest = base
         try:
-            manifest = self._commit_local(handle, buf, base, staged_at)
+            manifest = self._commit_local(handle, buf, base, staged_at, signature)
         except BaseException as e:  # recorded on the handle and raised once by a later call
             error = self._describe_failure(e, step)
         else:
@@ -353,38 +369,38 @@ class CheckpointEngine:
             return
         handle._set_remote_done()
 
-    def _commit_local(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float) -> Manifest:
-        """Write the staged shard and commit it; returns the manifest it committed."""
+    def _commit_local(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float,
+                      signature: str) -> Manifest:
+        """Write the staged shard and commit it with the other ranks; returns the manifest committed."""
         step = handle.step
-        tmp = self._root / tmp_dirname(step, os.getpid(), secrets.token_hex(3))
-        try:
-            try:
-                os.mkdir(tmp)
-                t0 = time.perf_counter()
-                written = write_file(
-                    tmp / shard_filename(self._rank.rank),
-                    buf.memoryview(handle.stats.nbytes),
-                    pool=self._io,
-                    chunk_bytes=self._settings.chunk_bytes,
-                    direct_io=self._settings.direct_io,
-                    ops=self._ops,
-                )
-                write_s = time.perf_counter() - t0
-            finally:
+        timing: dict[str, Any] = {}
+        released = False
+
+        def write_shard(tmp: Path) -> FileEntry:
+            t0 = time.perf_counter()
+            written = write_file(tmp / shard_filename(self._coll.rank), buf.memoryview(handle.stats.nbytes),
+                                 pool=self._io, chunk_bytes=self._settings.chunk_bytes,
+                                 direct_io=self._settings.direct_io, ops=self._ops)
+            timing.update(write_s=time.perf_counter() - t0, direct_io=written.direct_io)
+            return FileEntry(name=written.name, rank=self._coll.rank, size=written.size, checksum=CHECKSUM_ALGORITHM,
+                             chunk_bytes=written.chunk_bytes, chunks=written.chunks)
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
                 self._pool.release(buf)
-            entry = FileEntry(name=written.name, rank=self._rank.rank, size=written.size, checksum=CHECKSUM_ALGORITHM,
-                              chunk_bytes=written.chunk_bytes, chunks=written.chunks)
-            final = checkpoint_dir(self._root, step)
-            manifest = dataclasses.replace(base, files=(entry,))
-            commit_dir(tmp, final, manifest.to_bytes(), ops=self._ops)
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            e.add_note(f"while writing {tmp}")
-            raise
-        handle._update(write_s=write_s, write_gbps=written.size / write_s / 1e9 if write_s > 0 else None,
-                       commit_s=time.perf_counter() - staged_at, direct_io=written.direct_io)
-        log.info("%s committed %s (%.1f MB, %.2f GB/s)", self._prefix(step), final, written.size / 1e6,
-                 handle.stats.write_gbps or 0.0)
+
+        try:
+            manifest = commit_checkpoint(self._root, base, signature, coll=self._coll, write_shard=write_shard,
+                                         release=release, ops=self._ops)
+        finally:
+            release()
+        write_s = timing["write_s"]
+        handle._update(write_s=write_s, write_gbps=handle.stats.nbytes / write_s / 1e9 if write_s > 0 else None,
+                       commit_s=time.perf_counter() - staged_at, direct_io=timing["direct_io"])
+        log.info("%s committed %s (%.1f MB, %.2f GB/s)", self._prefix(step), checkpoint_dir(self._root, step),
+                 handle.stats.nbytes / 1e6, handle.stats.write_gbps or 0.0)
         return manifest
 
     def prune(self) -> None:
@@ -400,7 +416,7 @@ class CheckpointEngine:
             self._sync.apply_retention()
 
     def _apply_retention(self) -> None:
-        if self._keep_local is None:
+        if self._keep_local is None or not self._leader:
             return
         with self._retention_lock:
             with self._lock:

@@ -181,14 +181,15 @@ class ShardPlan:
         header: the file's first ``len(header)`` bytes (a multiple of 4 KiB).
         file_bytes: total file size (a multiple of 4 KiB).
         copies: what to copy where; offsets are relative to the data section.
-        records: one per state tensor, for the manifest (entry, dtype, shape, stride, offset).
+        records: one per state tensor, for the manifest (entry, dtype, shape, stride, offset);
+            ``None`` for a tensor another rank writes.
         objects: ``(begin, length)`` of each pickled leaf inside the ``__objects__`` entry.
     """
 
     header: bytes
     file_bytes: int
     copies: list[EntryCopy]
-    records: list[dict[str, Any]]
+    records: list[dict[str, Any] | None]
     objects: list[tuple[int, int]]
 
     @property
@@ -204,12 +205,48 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return begin, begin + (last + 1) * es
 
 
-def plan_shard(flat: FlatState) -> ShardPlan:
-    """Lay out one shard file for ``flat`` (see the module docstring)."""
+def storage_groups(flat: FlatState) -> list[list[int]]:
+    """Indices of ``flat.tensors`` grouped by the storage they share, in first-seen order."""
     groups: dict[Any, list[int]] = {}
     for i, (_, t) in enumerate(flat.tensors):
         key = ("empty", i) if t.numel() == 0 else (t.device, t.untyped_storage().data_ptr())
         groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def _group_bytes(flat: FlatState, idxs: list[int]) -> int:
+    if len(idxs) == 1:
+        t = flat.tensors[idxs[0]][1]
+        return t.numel() * t.element_size()
+    spans = [_span(flat.tensors[i][1]) for i in idxs]
+    return max(e for _, e in spans) - min(b for b, _ in spans)
+
+
+def assign_owners(flat: FlatState, groups: list[list[int]], world_size: int) -> list[int]:
+    """Which rank writes each storage group of a state every rank holds alike (replicated).
+
+    Largest group first to the least loaded rank (ties: the lower rank), so each rank writes
+    about ``1/world_size`` of the bytes. Deterministic: every rank computes the same answer.
+    """
+    load = [0] * world_size
+    owners = [0] * len(groups)
+    order = sorted(range(len(groups)), key=lambda g: (-_group_bytes(flat, groups[g]), g))
+    for g in order:
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[g] = rank
+        load[rank] += _group_bytes(flat, groups[g])
+    return owners
+
+
+def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners: list[int] | None = None,
+               rank: int = 0) -> ShardPlan:
+    """Lay out one shard file for ``flat`` (see the module docstring).
+
+    With ``owners`` (one rank per storage group, see :func:`assign_owners`), only the groups
+    ``rank`` owns are laid out, and the pickled objects only on rank 0; the records of the
+    other tensors are ``None``.
+    """
+    groups = storage_groups(flat) if groups is None else groups
 
     names: set[str] = set()
 
@@ -225,8 +262,10 @@ def plan_shard(flat: FlatState) -> ShardPlan:
         return name
 
     pending: list[tuple[str, str, list[int], int, Any, torch.dtype, tuple[int, ...]]] = []
-    records: list[dict[str, Any]] = [{} for _ in flat.tensors]
-    for n_shared, idxs in enumerate(groups.values()):
+    records: list[dict[str, Any] | None] = [None for _ in flat.tensors]
+    for n_shared, idxs in enumerate(groups):
+        if owners is not None and owners[n_shared] != rank:
+            continue
         if len(idxs) == 1:
             path, t = flat.tensors[idxs[0]]
             name = unique(path)
@@ -248,7 +287,7 @@ def plan_shard(flat: FlatState) -> ShardPlan:
             records[i] = {"entry": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "stride": list(t.stride()), "offset": b - lo}
 
     objects: list[tuple[int, int]] = []
-    if flat.objects:
+    if flat.objects and rank == 0:
         blob = b"".join(flat.objects)
         pos = 0
         for o in flat.objects:

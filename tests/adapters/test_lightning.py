@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -290,3 +291,24 @@ def test_sigterm_under_fabric_flushes_the_upload_then_ends_the_process(tmp_path,
     assert child.returncode == -signal.SIGTERM  # ended as SIGTERM ends a process, after the flush
     fresh = PersistCheckpointIO(local_dir=tmp_path / "fresh", remote_url=url, storage_options=s3_options)
     assert fresh.load_checkpoint(f"{url}/step-000000000007")["step"] == 7
+
+
+def test_persist_ddp_strategy_every_rank_writes_its_half(tmp_path):
+    d = tmp_path / "ckpt"
+    common = ("--local-dir", str(d), "--devices", "2", "--strategy", "persist_ddp", "--width", "1024")
+    first = run_app(*common, "--max-steps", "6", "--out", str(tmp_path / "six.pt"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert ckpt_files(d) == {"epoch=1-step=5.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"}
+    manifest = json.loads((d / "step-000000000006" / "manifest.json").read_text())
+    sizes = [f["size"] for f in manifest["files"]]
+    assert manifest["world_size"] == 2 and len(sizes) == 2
+    assert all(0.3 < s / sum(sizes) < 0.7 for s in sizes), sizes  # each rank wrote about half
+    # restored on one process ...
+    one = PersistCheckpointIO(local_dir=d).load_checkpoint(d / "last.ckpt")
+    assert one["global_step"] == 6
+    assert_state_equal(one["state_dict"], torch.load(tmp_path / "six.pt"))
+    # ... and on two, which go on training and write again
+    second = run_app(*common, "--max-steps", "9", "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "Restored all states from the checkpoint at " + str(d / "step-000000000006") in second.stderr
+    assert json.loads((d / "step-000000000009" / "manifest.json").read_text())["world_size"] == 2

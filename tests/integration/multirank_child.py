@@ -1,0 +1,65 @@
+"""The body of each rank in the multi-rank engine tests (spawned with torch.multiprocessing)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from persist_core import CheckpointEngine, PersistError, TorchCollectives
+from persist_core.local_writer import OsFileOps
+
+
+def replicated_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    w = torch.randn(64, 64, generator=g)
+    return {"model": {"w": w, "tied": w, "b": torch.randn(64, generator=g), "emb": torch.randn(300, 32, generator=g)},
+            "optim": [torch.randn(64, 64, generator=g), torch.randn(100, generator=g).double()],
+            "step": step, "name": "run-7"}
+
+
+class FailOnRank(OsFileOps):
+    def pwrite(self, fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def run(rank: int, world: int, port: int, root: str, scenario: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    coll = TorchCollectives.new_group(timeout_s=60)
+    results = []
+    ops = FailOnRank() if scenario == "fail" and rank == 1 else None
+    with CheckpointEngine(root, collectives=coll, file_ops=ops if scenario != "fail" else None) as engine:
+        engine.save(replicated_state(10), step=10).wait()
+        nbytes = engine.list()[-1].nbytes
+        results.append(("saved", 10, nbytes))
+    if scenario == "fail":
+        engine = CheckpointEngine(root, collectives=coll, file_ops=ops)
+        try:
+            engine.save(replicated_state(20), step=20).wait()
+            results.append(("committed", 20))
+        except PersistError as e:
+            results.append(("failed", type(e).__name__, str(e)))
+        engine.close()
+    if scenario == "mismatch":
+        engine = CheckpointEngine(root, collectives=coll)
+        state = replicated_state(30)
+        if rank == 1:
+            state["model"]["extra"] = torch.zeros(3)
+        try:
+            engine.save(state, step=30).wait()
+            results.append(("committed", 30))
+        except PersistError as e:
+            results.append(("failed", type(e).__name__, str(e)))
+        engine.close()
+    # every rank restores the newest committed checkpoint
+    with CheckpointEngine(root, collectives=coll) as engine:
+        loaded = engine.load()
+    results.append(("loaded", loaded["step"], all(torch.equal(a, b) for a, b in zip(
+        [loaded["model"]["w"], loaded["model"]["emb"], *loaded["optim"]],
+        [replicated_state(loaded["step"])["model"]["w"], replicated_state(loaded["step"])["model"]["emb"],
+         *replicated_state(loaded["step"])["optim"]])), loaded["model"]["w"].data_ptr() == loaded["model"]["tied"].data_ptr()))
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()

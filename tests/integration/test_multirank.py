@@ -1,0 +1,60 @@
+"""Several ranks write one checkpoint: real gloo process groups, two processes."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from persist_core import CheckpointEngine
+from tests.conftest import assert_state_equal
+from tests.integration.multirank_child import replicated_state, run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(tmp_path, scenario: str) -> list[list]:
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(run, args=(2, free_port(), str(tmp_path / "ckpt"), scenario, str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def test_two_ranks_each_write_half_and_restore_on_two_and_on_one(tmp_path):
+    results = spawn(tmp_path, "ok")
+    ckpt = tmp_path / "ckpt" / "step-000000000010"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    sizes = {f["name"]: f["size"] for f in manifest["files"]}
+    assert set(sizes) == {"rank-00000.safetensors", "rank-00001.safetensors"}
+    total = sum(sizes.values())
+    assert all(0.3 < s / total < 0.7 for s in sizes.values()), sizes  # about half each
+    assert {t["file"] for t in manifest["tensors"]} == set(sizes)
+    for r in range(2):  # restored on two ranks, aliasing kept
+        assert results[r][-1] == ("loaded", 10, True, True)
+    loaded = CheckpointEngine(tmp_path / "ckpt").load()  # and on one
+    assert_state_equal(loaded, replicated_state(10))
+
+
+def test_a_failure_on_one_rank_commits_nothing_and_every_rank_hears(tmp_path):
+    results = spawn(tmp_path, "fail")
+    outcome0, outcome1 = results[0][1], results[1][1]
+    assert outcome1[:2] == ("failed", "WriteError")
+    assert outcome0[0] == "failed" and "rank 1" in outcome0[2] and "No space left" in outcome0[2]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000000010"]  # no manifest, no tmp
+    for r in range(2):
+        assert results[r][-1] == ("loaded", 10, True, True)
+
+
+def test_ranks_with_different_state_structure_commit_nothing(tmp_path):
+    results = spawn(tmp_path, "mismatch")
+    for r in range(2):
+        assert results[r][1][0] == "failed" and "different structure" in results[r][1][2]
+        assert results[r][-1][:2] == ("loaded", 10)
