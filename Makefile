@@ -8,7 +8,7 @@ WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-remote venv clean
+.PHONY: demo test bench bench-remote bench-lightning venv clean
 
 venv: $(STAMP)
 
@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
+	$(PY) examples/lightning_train.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
@@ -29,6 +30,9 @@ bench: $(STAMP)
 
 bench-remote: $(STAMP)
 	$(PY) benchmarks/bench_remote.py
+
+bench-lightning: $(STAMP)
+	$(PY) benchmarks/bench_lightning.py
 
 clean:
 	rm -rf $(VENV) demo-out bench-out

@@ -1,0 +1,137 @@
+"""A Lightning training loop that checkpoints every step, side by side with its alternatives.
+
+One run, the same CPU model and data for every configuration, each in a fresh process:
+
+* ``none``: no checkpointing (the baseline every ratio is against);
+* ``torch``: Lightning's default ``TorchCheckpointIO``;
+* ``async``: Lightning's ``AsyncCheckpointIO`` around it;
+* ``persist``: ``PersistCheckpointIO``.
+
+All use ``ModelCheckpoint(every_n_train_steps=1, save_top_k=2, monitor="step", mode="max")``.
+Reported per configuration: mean step time (steps after a warm-up, from batch start to batch
+start, so a checkpoint's stall counts) and its overhead over ``none``; the whole ``fit`` wall
+time (a configuration that defers work to its teardown pays it here); peak RSS over ``none``;
+and the ``.ckpt`` files left behind (exactly 2 are expected).
+
+Usage: ``python benchmarks/bench_lightning.py [--width 3072] [--steps 30] [--rounds 2] [--dir bench-out]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("none", "torch", "async", "persist")
+
+
+def child(mode: str, width: int, steps: int, batch: int, out: Path) -> dict:
+    import logging
+
+    import torch
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    sys.path.insert(0, str(ROOT))
+    from lightning_persist import PersistCheckpointIO
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+
+    class Net(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+
+        def training_step(self, batch, _):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+        def train_dataloader(self):
+            x = torch.randn(batch * 4, width)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=batch)
+
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, *args) -> None:
+            self.starts.append(time.perf_counter())
+
+    ckpt_dir = out / mode
+    io = {"none": None, "torch": TorchCheckpointIO(), "async": AsyncCheckpointIO(TorchCheckpointIO()),
+          "persist": PersistCheckpointIO(local_dir=ckpt_dir)}[mode]
+    timer = StepTimer()
+    callbacks = [timer]
+    if mode != "none":
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=2, monitor="step",
+                                         mode="max"))
+    trainer = Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=mode != "none", callbacks=callbacks,
+                      plugins=[io] if io is not None else None)
+    t0 = time.perf_counter()
+    trainer.fit(Net())
+    fit_s = time.perf_counter() - t0
+    warm = 3
+    step_times = [b - a for a, b in zip(timer.starts[warm:], timer.starts[warm + 1 :])]
+    files = sorted(p.name for p in ckpt_dir.glob("*.ckpt")) if ckpt_dir.exists() else []
+    return {"mode": mode, "step_s": statistics.mean(step_times), "fit_s": fit_s,
+            "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, "files": files}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--width", type=int, default=3072)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2, help="each mode runs this often, interleaved")
+    parser.add_argument("--dir", default="bench-out")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    out = Path(args.dir).absolute() / "lightning"
+    if args.child:
+        print(json.dumps(child(args.child, args.width, args.steps, args.batch, out)))
+        return
+
+    state_gb = 4 * (args.width * args.width + args.width) * 4 * 3 / 1e9
+    print(f"Lightning loop, 4 x Linear({args.width}) + Adam (state {state_gb:.2f} GB), batch {args.batch}, "
+          f"{args.steps} steps, checkpoint every step (save_top_k=2); {args.rounds} rounds, interleaved")
+    results: dict[str, list[dict]] = {m: [] for m in MODES}
+    for _ in range(args.rounds):
+        for mode in MODES:
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            run = subprocess.run([sys.executable, __file__, "--child", mode, "--width", str(args.width), "--steps",
+                                  str(args.steps), "--batch", str(args.batch), "--dir", args.dir],
+                                 capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            if run.returncode != 0:
+                sys.exit(f"{mode} failed:\n{run.stderr[-3000:]}")
+            results[mode].append(json.loads(run.stdout.strip().splitlines()[-1]))
+    shutil.rmtree(out, ignore_errors=True)
+
+    base = {k: statistics.median(r[k] for r in results["none"]) for k in ("step_s", "fit_s", "rss_gb")}
+    print(f"\n| configuration | step time | overhead | fit wall time | peak RSS | RSS vs none | .ckpt files left |")
+    print("|---|---|---|---|---|---|---|")
+    for mode in MODES:
+        med = {k: statistics.median(r[k] for r in results[mode]) for k in ("step_s", "fit_s", "rss_gb")}
+        files = sorted({len(r["files"]) for r in results[mode]})
+        print(f"| {mode} | {med['step_s'] * 1000:.0f} ms | {(med['step_s'] / base['step_s'] - 1) * 100:+.0f}% | "
+              f"{med['fit_s']:.1f} s | {med['rss_gb']:.2f} GB | {med['rss_gb'] / base['rss_gb']:.2f}x | "
+              f"{'/'.join(map(str, files)) if mode != 'none' else '-'} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Lightning with ``PersistCheckpointIO``: killed mid-run, resumed on a fresh machine from S3.
+
+A small LightningModule trains on the CPU with one extra line, the plugin::
+
+    io = PersistCheckpointIO(local_dir=..., remote_url="s3://demo/run-7", keep_every_n_steps=20)
+    trainer = Trainer(plugins=[io], callbacks=[ModelCheckpoint(dirpath=..., every_n_train_steps=5,
+                                                               save_top_k=2, monitor="step", mode="max", save_last=True)])
+    trainer.fit(model, ckpt_path=io.latest_path())
+
+1. machine 1 trains and is SIGKILLed (no warning) right after a checkpoint was handed over;
+2. machine 2 starts with an empty ``local_dir``: ``io.latest_path()`` finds the newest checkpoint
+   on S3, ``fit`` downloads, verifies and resumes it, and finishes the run;
+3. an uninterrupted reference run shows the resumed weights are bit-identical.
+
+The remote is a local moto S3 server (started here when ``moto`` is installed, as with
+``make demo``), else a ``file://`` directory. Usage: ``python examples/lightning_train.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TOTAL_STEPS, EVERY, KILL_AT = 40, 5, 27
+BATCHES_PER_EPOCH = 5  # checkpoints fall on epoch ends, where Lightning resumes exactly
+
+
+def train(local_dir: str, remote: str, endpoint: str | None, kill_at: int | None, checkpoint: bool) -> None:
+    """One machine's training process; prints one JSON line at the end."""
+    import torch
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    from lightning_persist import PersistCheckpointIO
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+
+    class Net(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(64, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+                                           torch.nn.ReLU(), torch.nn.Linear(2048, 1))
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(1)
+            x = torch.randn(256 * BATCHES_PER_EPOCH, 64, generator=g)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()),
+                                               batch_size=256)
+
+    class Preempted(Callback):
+        """SIGKILL, no warning, right after the checkpoint of step ``kill_at - 2`` was handed over."""
+
+        def on_train_batch_start(self, trainer, *args) -> None:
+            if trainer.global_step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    callbacks = [Preempted()] if kill_at else []
+    io = None
+    if checkpoint:
+        options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else None
+        io = PersistCheckpointIO(local_dir=local_dir, remote_url=remote, storage_options=options, keep_every_n_steps=20)
+        callbacks.append(ModelCheckpoint(dirpath=local_dir, every_n_train_steps=EVERY, save_top_k=2, monitor="step",
+                                         mode="max", save_last=True))
+    trainer = Trainer(max_steps=TOTAL_STEPS, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=checkpoint, callbacks=callbacks,
+                      plugins=[io] if io else None)
+    model = Net()
+    resume = io.latest_path() if io else None
+    trainer.fit(model, ckpt_path=resume)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
+    print(json.dumps({"resumed_from": resume, "step": trainer.global_step, "digest": digest}), flush=True)
+
+
+@contextlib.contextmanager
+def remote_storage(out: Path):
+    """A moto S3 server with a bucket when moto is installed, else a file:// directory."""
+    try:
+        import moto  # noqa: F401
+        import s3fs
+    except ImportError:
+        yield (out / "remote").as_uri(), None
+        return
+    from tests.support.moto_server import CREDENTIALS, moto_server
+
+    os.environ.update(CREDENTIALS)
+    with moto_server() as endpoint:
+        s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True).mkdir("demo")
+        yield "s3://demo/run-7", endpoint
+
+
+def machine(local_dir: Path, remote: str, endpoint: str | None, kill_at: int | None = None,
+            checkpoint: bool = True) -> dict | None:
+    cmd = [sys.executable, __file__, "--child", str(local_dir), "--remote", remote]
+    cmd += (["--endpoint", endpoint] if endpoint else []) + (["--kill-at", str(kill_at)] if kill_at else [])
+    cmd += [] if checkpoint else ["--no-checkpoint"]
+    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if run.returncode == -signal.SIGKILL:
+        return None
+    if run.returncode != 0:
+        sys.exit(f"training failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def listing(local_dir: Path) -> str:
+    return ", ".join(f"{p.name} -> {os.readlink(p)}" if p.is_symlink() else p.name for p in sorted(local_dir.iterdir()))
+
+
+def main() -> None:
+    from persist_core import CheckpointReader
+
+    out = ROOT / "demo-out" / "lightning"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    with remote_storage(out) as (remote, endpoint):
+        options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else None
+        print(f"== Lightning: machine 1 trains {TOTAL_STEPS} steps, a checkpoint every {EVERY} (top 2 + last), "
+              f"synced to {remote} (milestones every 20 steps); SIGKILL at step {KILL_AT}")
+        assert machine(out / "machine-1", remote, endpoint, kill_at=KILL_AT) is None
+        print(f"  killed. machine 1's local_dir: {listing(out / 'machine-1')}")
+        with CheckpointReader(out / "peek", remote_url=remote, storage_options=options) as reader:
+            print(f"  on the remote: steps {[c.step for c in reader.list('remote')]}")
+        print("== machine 2: empty local_dir, same code: trainer.fit(model, ckpt_path=io.latest_path())")
+        resumed = machine(out / "machine-2", remote, endpoint)
+        print(f"  resumed from {resumed['resumed_from']} and finished at step {resumed['step']}")
+        print(f"  machine 2's local_dir: {listing(out / 'machine-2')}")
+        reference = machine(out / "reference", remote, endpoint, checkpoint=False)
+        same = resumed["digest"] == reference["digest"]
+        print(f"== resumed weights bit-identical to an uninterrupted run: {same}")
+    sys.exit(0 if same else 1)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--remote", help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--kill-at", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--no-checkpoint", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        train(args.child, args.remote, args.endpoint, args.kill_at, checkpoint=not args.no_checkpoint)
+    else:
+        main()
