@@ -49,6 +49,7 @@ from persist_core import (
     StepExistsError,
 )
 from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname
+from persist_core.local_writer import fsync_dir
 from persist_core.restore import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -529,11 +530,7 @@ def _link(target: str, ckpt_dir: Path) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(Path(parent))
 
 
 def _warn_if_bypassed(trainer: Any | None) -> None:

@@ -68,15 +68,15 @@ def commit_checkpoint(
     leader = coll.rank == 0
     error: BaseException | None = None
     name: str | None = None
-    if leader:
-        try:
-            name = tmp_dirname(step, os.getpid(), secrets.token_hex(3))
-            os.mkdir(root / name)
-        except OSError as e:
-            error, name = e, None
-    name = coll.broadcast(name)
     entry: FileEntry | None = None
     try:
+        if leader:
+            try:
+                name = tmp_dirname(step, os.getpid(), secrets.token_hex(3))
+                os.mkdir(root / name)
+            except OSError as e:
+                error, name = e, None
+        name = coll.broadcast(name)
         if name is None:
             error = error or PersistError(f"rank 0 could not create a temporary directory in {root}")
         else:

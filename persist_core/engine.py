@@ -374,7 +374,6 @@ class CheckpointEngine:
         """Write the staged shard and commit it with the other ranks; returns the manifest committed."""
         step = handle.step
         timing: dict[str, Any] = {}
-        released = False
 
         def write_shard(tmp: Path) -> FileEntry:
             t0 = time.perf_counter()
@@ -385,17 +384,8 @@ class CheckpointEngine:
             return FileEntry(name=written.name, rank=self._coll.rank, size=written.size, checksum=CHECKSUM_ALGORITHM,
                              chunk_bytes=written.chunk_bytes, chunks=written.chunks)
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._pool.release(buf)
-
-        try:
-            manifest = commit_checkpoint(self._root, base, signature, coll=self._coll, write_shard=write_shard,
-                                         release=release, ops=self._ops)
-        finally:
-            release()
+        manifest = commit_checkpoint(self._root, base, signature, coll=self._coll, write_shard=write_shard,
+                                     release=lambda: self._pool.release(buf), ops=self._ops)
         write_s = timing["write_s"]
         handle._update(write_s=write_s, write_gbps=handle.stats.nbytes / write_s / 1e9 if write_s > 0 else None,
                        commit_s=time.perf_counter() - staged_at, direct_io=timing["direct_io"])

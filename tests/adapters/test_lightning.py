@@ -312,3 +312,44 @@ def test_persist_ddp_strategy_every_rank_writes_its_half(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Restored all states from the checkpoint at " + str(d / "step-000000000006") in second.stderr
     assert json.loads((d / "step-000000000009" / "manifest.json").read_text())["world_size"] == 2
+
+
+def test_the_standalone_pytorch_lightning_trainer_takes_the_plugin_too(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class PlainNet(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, _):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d)
+    model = PlainNet()
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, plugins=[io],
+                         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=d, every_n_train_steps=1, save_last=True)])
+    trainer.fit(model)
+    assert os.readlink(d / "last.ckpt") == "step-000000000003"
+    assert_state_equal(io.load_checkpoint(d / "last.ckpt")["state_dict"], weights(model))
+
+
+def test_ddp_ranks_on_a_fresh_machine_both_resume_from_the_remote(tmp_path):
+    remote = (tmp_path / "remote").as_uri()
+    first = run_app("--local-dir", str(tmp_path / "m1"), "--max-steps", "6", "--remote-url", remote)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # two ranks, one empty node-local directory: both download step 6 at once, one rename wins
+    second = run_app("--local-dir", str(tmp_path / "m2"), "--max-steps", "9", "--devices", "2", "--strategy", "ddp",
+                     "--remote-url", remote, "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"Restored all states from the checkpoint at {remote}/step-000000000006" in second.stderr
+    assert os.readlink(tmp_path / "m2" / "last.ckpt") == "step-000000000009"
+    assert not [p for p in (tmp_path / "m2").iterdir() if p.name.startswith(".tmp")]
