@@ -188,6 +188,7 @@ class CheckpointEngine:
         if keep_remote is not None and remote_url is None:
             raise ConfigError("keep_remote was given without remote_url; pass remote_url='s3://...' or drop keep_remote")
         self._root = Path(local_dir).expanduser().absolute()
+        self._direct_io = self._settings.direct_io  # writer thread: "auto" settles on the first write
         self._coll = collectives or SingleProcess()
         self._leader = self._coll.rank == 0
         self._ops = file_ops or OsFileOps()
@@ -272,16 +273,18 @@ class CheckpointEngine:
         buf, waited = self._pool.acquire(plan.file_bytes)
         try:
             t1 = time.perf_counter()
-            stage(plan, buf, self._streams)
+            behind = stage(plan, buf, self._streams, lambda end: self._pool.wait_free(buf, end))
             staged = time.perf_counter()
         except BaseException:
-            self._pool.release(buf)
+            self._pool.abandon(buf)
             raise
+        waited += behind  # copying behind the previous write: the part spent waiting for it
         shard = shard_filename(self._coll.rank)
         records = tuple(None if r is None else {"file": shard, **r, "replicated": True} for r in plan.records)
         objects = tuple((shard, b, n) for b, n in plan.objects)
         handle = SaveHandle(
-            SaveStats(step=step, nbytes=plan.file_bytes, wait_s=waited, staging_s=staged - t1, stall_s=staged - t0)
+            SaveStats(step=step, nbytes=plan.file_bytes, wait_s=waited, staging_s=staged - t1 - behind,
+                      stall_s=staged - t0)
         )
         with self._lock:
             self._pending[step] = handle
@@ -375,11 +378,18 @@ class CheckpointEngine:
         step = handle.step
         timing: dict[str, Any] = {}
 
+        settled = self._direct_io != "auto"
+
         def write_shard(tmp: Path) -> FileEntry:
             t0 = time.perf_counter()
+            if settled:  # the next save may copy into what is written already
+                self._pool.writing(buf)
             written = write_file(tmp / shard_filename(self._coll.rank), buf.memoryview(handle.stats.nbytes),
-                                 pool=self._io, chunk_bytes=self._settings.chunk_bytes,
-                                 direct_io=self._settings.direct_io, ops=self._ops)
+                                 pool=self._io, chunk_bytes=self._settings.chunk_bytes, direct_io=self._direct_io,
+                                 ops=self._ops,
+                                 on_chunk=(lambda offset, n: self._pool.chunk_written(buf, offset, n)) if settled else None)
+            if not settled:  # "auto" found out what this file system takes; keep to it
+                self._direct_io = "on" if written.direct_io else "off"
             timing.update(write_s=time.perf_counter() - t0, direct_io=written.direct_io)
             return FileEntry(name=written.name, rank=self._coll.rank, size=written.size, checksum=CHECKSUM_ALGORITHM,
                              chunk_bytes=written.chunk_bytes, chunks=written.chunks)

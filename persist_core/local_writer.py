@@ -20,6 +20,7 @@ import errno
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,10 @@ class WrittenFile:
     direct_io: bool
 
 
-def _write_chunk(ops: FileOps, fd: int, data: memoryview, offset: int) -> int:
+OnChunk = Callable[[int, int], None]
+
+
+def _write_chunk(ops: FileOps, fd: int, data: memoryview, offset: int, on_chunk: OnChunk | None) -> int:
     crc = crc32c.crc32c(data)
     done = 0
     while done < len(data):
@@ -79,13 +83,17 @@ def _write_chunk(ops: FileOps, fd: int, data: memoryview, offset: int) -> int:
         if n <= 0:
             raise OSError(errno.EIO, f"pwrite returned {n} at offset {offset + done}")
         done += n
+    if on_chunk is not None:
+        on_chunk(offset, len(data))
     return crc
 
 
-def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk_bytes: int, ops: FileOps) -> tuple[int, ...]:
+def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk_bytes: int, ops: FileOps,
+               on_chunk: OnChunk | None) -> tuple[int, ...]:
     fd = ops.open(path, flags, 0o644)
     try:
-        futures = [pool.submit(_write_chunk, ops, fd, data[o : o + chunk_bytes], o) for o in range(0, len(data), chunk_bytes)]
+        futures = [pool.submit(_write_chunk, ops, fd, data[o : o + chunk_bytes], o, on_chunk)
+                   for o in range(0, len(data), chunk_bytes)]
         wait(futures)  # every chunk finishes before the fd closes, failed or not
         crcs = tuple(f.result() for f in futures)
         ops.fsync(fd)
@@ -94,7 +102,8 @@ def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk
         ops.close(fd)
 
 
-def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int, direct_io: str, ops: FileOps) -> WrittenFile:
+def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int, direct_io: str, ops: FileOps,
+               on_chunk: OnChunk | None = None) -> WrittenFile:
     """Write ``data`` to a new file at ``path`` in parallel chunks and fsync it.
 
     Args:
@@ -105,15 +114,21 @@ def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int
         direct_io: ``"auto"`` tries ``O_DIRECT`` and falls back to buffered writes when the file
             system refuses it; ``"on"`` insists; ``"off"`` never tries.
         ops: the file system calls.
+        on_chunk: called as ``on_chunk(offset, length)`` once a chunk is written and checksummed,
+            after which the caller may reuse those bytes of ``data``. Only with ``direct_io``
+            ``"on"`` or ``"off"``: the ``"auto"`` fallback rewrites the file from ``data``.
 
     Raises:
         OSError: the write or fsync failed (the caller removes the partial file's directory).
     """
+    if on_chunk is not None and direct_io == "auto":
+        raise ValueError("on_chunk needs a settled direct_io ('on' or 'off'): the 'auto' fallback re-reads data")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     aligned = ctypes_address(data) % PAGE_BYTES == 0 and len(data) % PAGE_BYTES == 0
     if direct_io != "off" and hasattr(os, "O_DIRECT") and aligned:
         try:
-            crcs = _write_all(str(path), data, flags | os.O_DIRECT, pool=pool, chunk_bytes=chunk_bytes, ops=ops)
+            crcs = _write_all(str(path), data, flags | os.O_DIRECT, pool=pool, chunk_bytes=chunk_bytes, ops=ops,
+                              on_chunk=on_chunk)
             return WrittenFile(path.name, len(data), chunk_bytes, crcs, True)
         except OSError as e:
             if direct_io == "on" or e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
@@ -122,7 +137,7 @@ def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int
             path.unlink(missing_ok=True)
     elif direct_io == "on":
         raise OSError(errno.EINVAL, f"O_DIRECT needs a page-aligned buffer and os.O_DIRECT; cannot write {path}")
-    crcs = _write_all(str(path), data, flags, pool=pool, chunk_bytes=chunk_bytes, ops=ops)
+    crcs = _write_all(str(path), data, flags, pool=pool, chunk_bytes=chunk_bytes, ops=ops, on_chunk=on_chunk)
     return WrittenFile(path.name, len(data), chunk_bytes, crcs, False)
 
 

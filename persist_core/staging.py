@@ -4,6 +4,12 @@ The engine calls :meth:`StagingPool.acquire` from ``save()``, :func:`stage` to c
 :meth:`StagingPool.release` from the writer once the shard is on disk. One buffer is one shard
 file image (header + data section), so writing is ``pwrite`` straight from it.
 
+Overlap: when every buffer is still being written, ``acquire`` may hand out one whose writer
+reports its progress (:meth:`StagingPool.writing`, :meth:`StagingPool.chunk_written`);
+:func:`stage` then copies each byte range only once the writer is done with it, so the next
+save's copy runs right behind the previous write instead of after all of it — without a
+second copy of the state in memory.
+
 Buffers are page-aligned (``O_DIRECT`` needs that) and pinned when CUDA is available, so the
 device-to-host copy of CUDA tensors runs ``non_blocking`` on a side stream.
 """
@@ -14,6 +20,7 @@ import ctypes
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -21,6 +28,9 @@ from persist_core._knobs import PAGE_BYTES
 from persist_core.format import ShardPlan
 
 log = logging.getLogger(__name__)
+
+
+_ALL = float("inf")
 
 
 class StagingBuffer:
@@ -35,6 +45,11 @@ class StagingBuffer:
             self.tensor = raw[skew : skew + capacity]
         self.capacity = capacity
         self.pinned = pin
+        # guarded by the pool's lock: bytes [0, freed) the previous save no longer needs; the
+        # chunks written beyond that prefix; whether the next save has claimed the buffer
+        self._freed: float = _ALL
+        self._done: dict[int, int] = {}
+        self._claimed = False
 
     def memoryview(self, nbytes: int) -> memoryview:
         """A writable view of the first ``nbytes`` (no copy); valid while this buffer lives."""
@@ -44,6 +59,10 @@ class StagingBuffer:
 class StagingPool:
     """At most ``slots`` buffers; ``acquire`` blocks while all are in use (back-pressure).
 
+    Who calls what: ``save()`` calls :meth:`acquire`, :meth:`wait_free` (through :func:`stage`)
+    and, if staging fails, :meth:`abandon`; the writer calls :meth:`writing` before it writes a
+    buffer, :meth:`chunk_written` per chunk on disk, and :meth:`release` when done.
+
     Args:
         slots: how many checkpoints may be staged or writing at once.
         pin: pin buffers (page-locked) for fast, asynchronous device-to-host copies.
@@ -51,15 +70,25 @@ class StagingPool:
 
     def __init__(self, slots: int, *, pin: bool) -> None:
         self._free: list[StagingBuffer | None] = [None] * slots
+        self._writing: list[StagingBuffer] = []  # being written, with progress reported
         self._cond = threading.Condition()
         self._pin = pin
 
     def acquire(self, nbytes: int) -> tuple[StagingBuffer, float]:
-        """A buffer of at least ``nbytes`` and the seconds spent waiting for a free slot."""
+        """A buffer of at least ``nbytes`` and the seconds spent waiting for it.
+
+        A free buffer when there is one; else one still being written (claimed, so only one save
+        follows each write), whose bytes :meth:`wait_free` hands over as they are written.
+        """
         t0 = time.perf_counter()
         with self._cond:
-            self._cond.wait_for(lambda: bool(self._free))
-            buf = self._free.pop()
+            self._cond.wait_for(lambda: bool(self._free) or self._claimable(nbytes) is not None)
+            if self._free:
+                buf = self._free.pop()
+            else:
+                buf = self._claimable(nbytes)
+                buf._claimed = True
+                return buf, time.perf_counter() - t0
         waited = time.perf_counter() - t0
         if buf is None or buf.capacity < nbytes:
             log.debug("allocating a %s staging buffer of %d bytes", "pinned" if self._pin else "host", nbytes)
@@ -67,25 +96,75 @@ class StagingPool:
             buf = StagingBuffer(nbytes, pin=self._pin)
         return buf, waited
 
-    def release(self, buf: StagingBuffer) -> None:
-        """Give ``buf`` back for reuse by the next save."""
+    def _claimable(self, nbytes: int) -> StagingBuffer | None:
+        return next((b for b in self._writing if not b._claimed and b.capacity >= nbytes), None)
+
+    def wait_free(self, buf: StagingBuffer, end: int) -> float:
+        """Block until bytes ``[0, end)`` of ``buf`` may be overwritten; returns the seconds waited."""
         with self._cond:
-            self._free.append(buf)
-            self._cond.notify()
+            if buf._freed >= end:
+                return 0.0
+            t0 = time.perf_counter()
+            self._cond.wait_for(lambda: buf._freed >= end)
+            return time.perf_counter() - t0
+
+    def writing(self, buf: StagingBuffer) -> None:
+        """The writer starts writing ``buf`` and will report each chunk with :meth:`chunk_written`."""
+        with self._cond:
+            buf._freed, buf._done = 0, {}
+            self._writing.append(buf)
+            self._cond.notify_all()
+
+    def chunk_written(self, buf: StagingBuffer, offset: int, length: int) -> None:
+        """Bytes ``[offset, offset + length)`` of ``buf`` are on disk and checksummed."""
+        with self._cond:
+            buf._done[offset] = length
+            while buf._freed in buf._done:
+                buf._freed += buf._done.pop(buf._freed)
+            self._cond.notify_all()
+
+    def release(self, buf: StagingBuffer) -> None:
+        """The writer is done with ``buf``: to the save that claimed it, or back for reuse."""
+        with self._cond:
+            if buf in self._writing:
+                self._writing.remove(buf)
+            buf._freed, buf._done = _ALL, {}
+            if buf._claimed:
+                buf._claimed = False  # it belongs to the claiming save (and its writer) now
+            else:
+                self._free.append(buf)
+            self._cond.notify_all()
+
+    def abandon(self, buf: StagingBuffer) -> None:
+        """``save()`` gives up ``buf`` before handing it to the writer (its staging failed)."""
+        with self._cond:
+            if buf in self._writing and buf._claimed:
+                buf._claimed = False  # its writer still owns it and releases it
+            else:
+                buf._freed, buf._done = _ALL, {}
+                self._free.append(buf)
+            self._cond.notify_all()
 
 
-def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch.cuda.Stream]) -> None:
+def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch.cuda.Stream],
+          wait_free: Callable[[int], float] = lambda end: 0.0) -> float:
     """Copy ``plan``'s header and sources into ``buf``; returns once the bytes are there.
 
     CUDA sources are copied ``non_blocking`` on a per-device side stream (created on demand in
     ``streams``) that first waits for the device's current stream; the call waits for those
-    copies before returning, so the caller may mutate its tensors afterwards.
+    copies before returning, so the caller may mutate its tensors afterwards. Before each range
+    is written, ``wait_free(end)`` blocks until bytes ``[0, end)`` of ``buf`` may be overwritten.
+
+    Returns:
+        The seconds spent in ``wait_free``.
     """
     data = buf.tensor[: plan.file_bytes]
+    waited = wait_free(len(plan.header))
     ctypes.memmove(data.data_ptr(), plan.header, len(plan.header))
     base = len(plan.header)
     used: list[torch.cuda.Stream] = []
     for c in plan.copies:
+        waited += wait_free(base + c.end)
         dst = data[base + c.begin : base + c.end]
         src = c.source
         if isinstance(src, bytes):
@@ -107,3 +186,4 @@ def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch
             dst.copy_(src)
     for stream in used:
         stream.synchronize()
+    return waited

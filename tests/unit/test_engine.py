@@ -333,3 +333,65 @@ def test_local_callbacks_run_before_wait_local_returns(tmp_path):
         with pytest.raises(WriteError):
             handle.wait_local()
         assert seen == [True, True, False]
+
+
+def big_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(512, 1024, generator=g), "v": torch.randn(300_000, generator=g), "step": step}
+
+
+def test_next_save_copies_behind_the_running_write_without_corrupting_it(tmp_path, monkeypatch):
+    ops = GatedOps()
+    ops.gate.set()
+    with CheckpointEngine(tmp_path, file_ops=ops, chunk_bytes=64 << 10, direct_io="off") as engine:
+        engine.save(big_state(1), step=1).wait()  # settles the write mode: overlap is on from now
+        pool, waiting = engine._pool, threading.Event()
+        real_wait_free = pool.wait_free
+
+        def wait_free(buf, end):
+            if buf._freed < end:
+                waiting.set()
+            return real_wait_free(buf, end)
+
+        monkeypatch.setattr(pool, "wait_free", wait_free)
+        ops.gate.clear()
+        ops.entered.clear()
+        engine.save(big_state(2), step=2)  # its write blocks at the gate
+        assert ops.entered.wait(30)
+        second: list = []
+        t = threading.Thread(target=lambda: second.append(engine.save(big_state(3), step=3)))
+        t.start()
+        assert waiting.wait(30)  # step 3 claimed step 2's buffer and waits for bytes to be written
+        ops.gate.set()
+        t.join(30)
+        assert second[0].stats.wait_s > 0
+        engine.wait()
+        for step in (1, 2, 3):
+            assert_state_equal(engine.load(step), big_state(step))
+
+
+def test_a_failed_copy_behind_a_write_gives_the_buffer_back(tmp_path, monkeypatch):
+    import persist_core.engine as engine_module
+
+    ops = GatedOps()
+    ops.gate.set()
+    with CheckpointEngine(tmp_path, file_ops=ops, chunk_bytes=64 << 10, direct_io="off") as engine:
+        engine.save(big_state(1), step=1).wait()
+        ops.gate.clear()
+        ops.entered.clear()
+        engine.save(big_state(2), step=2)
+        assert ops.entered.wait(30)
+        real_stage = engine_module.stage
+
+        def failing_stage(*args, **kwargs):
+            raise RuntimeError("device lost mid-copy")
+
+        monkeypatch.setattr(engine_module, "stage", failing_stage)
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.save(big_state(3), step=3)  # it had claimed step 2's buffer
+        monkeypatch.setattr(engine_module, "stage", real_stage)
+        ops.gate.set()
+        engine.save(big_state(4), step=4).wait()
+        assert [c.step for c in engine.list()] == [1, 2, 4]
+        for step in (1, 2, 4):
+            assert_state_equal(engine.load(step), big_state(step))
