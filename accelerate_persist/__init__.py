@@ -1,3 +1,9 @@
-"""Adapter package; its plugin lands with its own issue. Nothing is exported yet."""
+"""torch-persist for Hugging Face Accelerate: one hook registered with an ``Accelerator``.
 
-__all__: list[str] = []
+``PersistHook(local_dir=..., remote_url=...).register(accelerator)``; see :class:`PersistHook`.
+"""
+
+from accelerate_persist.export import export_accelerate
+from accelerate_persist.hook import PersistHook
+
+__all__ = ["PersistHook", "export_accelerate"]

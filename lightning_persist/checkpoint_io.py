@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -37,9 +36,6 @@ from persist_core import (
     CheckpointReader,
     Collectives,
     ConfigError,
-    KeepEveryNSeconds,
-    KeepEveryNSteps,
-    KeepLastN,
     PersistError,
     RetentionContext,
     RetentionPolicy,
@@ -50,7 +46,9 @@ from persist_core import (
 )
 from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname
 from persist_core.local_writer import fsync_dir
+from persist_core.preemption import check_grace, drain_within, install_sigterm_flush
 from persist_core.restore import CheckpointInfo
+from persist_core.retention import policy_from_keywords
 
 log = logging.getLogger(__name__)
 
@@ -67,27 +65,6 @@ class _KeepLinked:
 
     def __repr__(self) -> str:
         return "KeepLinkedByLightning()"
-
-
-def _policy(keep_last: int | None, keep_every_n_steps: int | None, keep_every_n_seconds: float | None,
-            retention: RetentionPolicy | None) -> RetentionPolicy | None:
-    """The one place the keyword sugar becomes a policy object."""
-    sugar: list[RetentionPolicy] = []
-    for name, value, make in (("keep_last", keep_last, KeepLastN), ("keep_every_n_steps", keep_every_n_steps, KeepEveryNSteps),
-                              ("keep_every_n_seconds", keep_every_n_seconds, KeepEveryNSeconds)):
-        if value is not None:
-            try:
-                sugar.append(make(value))
-            except ConfigError as e:
-                raise ConfigError(f"{name}={value!r} is not valid ({e}); pass a positive number or None") from e
-    if retention is not None and sugar:
-        raise ConfigError(
-            f"retention={retention!r} was given together with keep_last/keep_every_n_steps/keep_every_n_seconds; "
-            "pass either the keywords or one policy (e.g. AnyOf(KeepLastN(3), KeepEveryNSteps(1000)))"
-        )
-    if retention is not None:
-        return retention
-    return None if not sugar else sugar[0] if len(sugar) == 1 else AnyOf(*sugar)
 
 
 def _is_url(path: str) -> bool:
@@ -173,10 +150,8 @@ class PersistCheckpointIO(CheckpointIO):
         self._local_dir = Path(local_dir).expanduser().absolute()
         self._remote_url = remote_url
         self._storage_options = storage_options
-        self._user_policy = _policy(keep_last, keep_every_n_steps, keep_every_n_seconds, retention)
-        if not preemption_grace_s > 0:
-            raise ConfigError(f"preemption_grace_s={preemption_grace_s!r} must be a positive number of seconds")
-        self._grace_s = float(preemption_grace_s)
+        self._user_policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds, retention)
+        self._grace_s = check_grace(preemption_grace_s)
         self._signal_installed = False
         self._verify = verify
         self._max_pending = max_pending
@@ -248,7 +223,7 @@ class PersistCheckpointIO(CheckpointIO):
 
     def _get_reader(self) -> CheckpointReader:
         if self._engine is not None:
-            return self._engine._reader
+            return self._engine.reader
         if self._reader is None:
             self._reader = CheckpointReader(self._local_dir, remote_url=self._remote_url,
                                             storage_options=self._storage_options, verify=self._verify)
@@ -368,7 +343,7 @@ class PersistCheckpointIO(CheckpointIO):
             return
         preempted = bool(getattr(trainer, "received_sigterm", False))
         try:
-            if preempted and not self._drain_within_grace(engine):
+            if preempted and not drain_within(engine.wait, self._grace_s):
                 return  # the process is going down; the engine's exit hook goes on uploading while it can
             try:
                 engine.wait()
@@ -432,37 +407,11 @@ class PersistCheckpointIO(CheckpointIO):
                 log.error("%s", error)
                 self._link_errors.append(error)
 
-    def _drain_within_grace(self, engine: CheckpointEngine) -> bool:
-        """Wait up to the grace period for pending saves and uploads; ``False`` if time ran out."""
-        try:
-            engine.wait(timeout=self._grace_s)
-        except TimeoutError as e:
-            log.error("preempted: %s; the local copies are committed and the next run uploads them", e)
-            return False
-        return True
-
     def _install_sigterm_handler(self) -> None:
         """Without a Trainer (Fabric): on SIGTERM, flush within the grace period, then chain."""
-        if self._signal_installed or threading.current_thread() is not threading.main_thread():
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            engine = self._engine
-            log.warning("SIGTERM: waiting up to %.0f s for pending checkpoints and uploads", self._grace_s)
-            if engine is not None:
-                try:
-                    self._drain_within_grace(engine)
-                except PersistError as e:
-                    log.error("SIGTERM: a pending checkpoint failed: %s", e)
-            if callable(previous):
-                previous(signum, frame)
-            elif previous != signal.SIG_IGN:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-        self._signal_installed = True
+        if not self._signal_installed:
+            self._signal_installed = install_sigterm_flush(
+                lambda: None if self._engine is None else self._engine.wait, self._grace_s)
 
     def _raise_link_errors(self) -> None:
         with self._lock:

@@ -511,6 +511,11 @@ class CheckpointEngine:
     def local_dir(self) -> Path:
         return self._root
 
+    @property
+    def reader(self) -> CheckpointReader:
+        """The engine's read side (same tiers), e.g. for ``reader.step_of(path)`` or ``reader.latest()``."""
+        return self._reader
+
     def list(self, tier: str = "local") -> list[CheckpointInfo]:
         """Committed checkpoints whose manifest and file sizes check, oldest first.
 

@@ -1,0 +1,121 @@
+"""A small Accelerate training job, runnable in-process and under ``accelerate launch``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+from accelerate_persist import PersistHook  # noqa: E402
+
+BATCHES = 12
+
+
+class Counter:
+    """An object registered for checkpointing."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+
+def fresh_accelerator(**kwargs) -> Accelerator:
+    """A new Accelerator in this process (Accelerate keeps its state in singletons)."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return Accelerator(cpu=True, **kwargs)
+
+
+def build(accelerator: Accelerator, width: int = 64):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(width, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.8)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8 * BATCHES, 16, generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    return model, optimizer, loader, scheduler, counter
+
+
+def train(accelerator, model, optimizer, loader, scheduler, counter, *, start: int, stop: int, save_every: int = 0,
+          on_save=None) -> None:
+    """Optimizer steps ``start+1 .. stop``, resuming mid-epoch by skipping the batches already seen."""
+    step, per_epoch = start, len(loader)  # batches this process sees per epoch
+    while step < stop:
+        batches = accelerator.skip_first_batches(loader, step % per_epoch) if step % per_epoch else loader
+        for x, y in batches:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            counter.seen += len(x)
+            step += 1
+            if save_every and step % save_every == 0:
+                accelerator.save_state()
+                if on_save is not None:
+                    on_save(step)
+            if step == stop:
+                return
+
+
+def weights(model) -> dict:
+    sd = model.state_dict()
+    return {k.removeprefix("module."): v.detach().clone() for k, v in sd.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local-dir", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--save-every", type=int, default=3)
+    parser.add_argument("--remote-url")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--out", help="torch.save the final weights here (main process)")
+    parser.add_argument("--kill-after-save", type=int, help="SIGKILL right after save_state() of this step returns")
+    parser.add_argument("--term-after-save", type=int, help="SIGTERM right after save_state() of this step returns")
+    parser.add_argument("--width", type=int, default=64)
+    args = parser.parse_args()
+    endpoint = os.environ.get("PERSIST_TEST_S3_ENDPOINT")
+    options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint and args.remote_url else None
+    accelerator = Accelerator(cpu=True)
+    parts = build(accelerator, args.width)
+    hook = PersistHook(local_dir=args.local_dir, remote_url=args.remote_url, storage_options=options)
+    hook.register(accelerator)
+    start = hook.resume() if args.resume else 0
+
+    def on_save(step: int) -> None:
+        if args.out and accelerator.is_main_process:
+            torch.save(weights(parts[0]), f"{args.out}.step{step}")
+        if step == args.kill_after_save:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.term_after_save:
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice; the upload is still pending
+            print("SIGTERM did not end the process", flush=True)
+
+    train(accelerator, *parts, start=start, stop=args.steps, save_every=args.save_every, on_save=on_save)
+    hook.close()
+    if args.out and accelerator.is_main_process:
+        torch.save({"start": start, "weights": weights(parts[0])}, args.out)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""``PersistHook`` with the real ``Accelerator`` (in process, and two gloo processes under torchrun)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from accelerate.utils import ProjectConfiguration
+
+from accelerate_persist import PersistHook, export_accelerate
+from persist_core import ConfigError
+from tests.adapters.accelerate_app import build, fresh_accelerator, train, weights
+from tests.conftest import assert_state_equal
+from tests.support.moto_server import free_port
+
+APP = Path(__file__).with_name("accelerate_app.py")
+
+
+def step_dirs(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.name.startswith("step-"))
+
+
+def test_save_mutate_load_restores_everything_bit_exactly(tmp_path):
+    acc = fresh_accelerator()
+    model, optimizer, loader, scheduler, counter = parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt").register(acc) as hook:
+        train(acc, *parts, start=0, stop=5)
+        saved = {"model": weights(model), "optim": copy.deepcopy(optimizer.state_dict()), "sched": scheduler.state_dict(),
+                 "seen": counter.seen}
+        path = acc.save_state()
+        assert path == str(tmp_path / "ckpt" / "step-000000000005")
+        draws = (random.random(), np.random.rand(), torch.rand(3))  # what the RNGs give right after the save
+        train(acc, *parts, start=5, stop=9)  # mutate everything
+        acc.load_state()
+        assert hook.step == 5
+        assert_state_equal(weights(model), saved["model"])
+        assert_state_equal(optimizer.state_dict(), saved["optim"])
+        assert scheduler.state_dict() == saved["sched"] and counter.seen == saved["seen"]
+        assert (random.random(), np.random.rand()) == draws[:2] and torch.equal(torch.rand(3), draws[2])
+        # load_state(path) names one checkpoint
+        acc.load_state(path)
+        assert_state_equal(weights(model), saved["model"])
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    acc = fresh_accelerator()
+    parts = build(acc)
+    train(acc, *parts, start=0, stop=17)  # 12 batches an epoch; dropout: the RNG states matter
+    reference = weights(parts[0])
+
+    acc = fresh_accelerator()
+    parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt").register(acc):
+        train(acc, *parts, start=0, stop=14, save_every=6)  # saves at 6 and 12 (an epoch's end)
+    # a new process: same code, resume() and go on
+    acc = fresh_accelerator()
+    parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt").register(acc) as hook:
+        start = hook.resume()
+        assert start == 12
+        train(acc, *parts, start=start, stop=17)
+    assert_state_equal(weights(parts[0]), reference)
+
+
+def test_total_limit_becomes_keep_last_and_a_conflict_is_an_error(tmp_path):
+    config = ProjectConfiguration(project_dir=str(tmp_path / "proj"), total_limit=2, automatic_checkpoint_naming=True)
+    acc = fresh_accelerator(project_config=config)
+    parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt").register(acc):
+        train(acc, *parts, start=0, stop=12, save_every=3)
+    assert step_dirs(tmp_path / "ckpt") == ["step-000000000009", "step-000000000012"]
+    assert not (tmp_path / "proj" / "checkpoints").exists()  # Accelerate wrote nothing of its own
+
+    acc = fresh_accelerator(project_config=config)
+    build(acc)
+    with pytest.raises(ConfigError, match="total_limit=2"):
+        PersistHook(local_dir=tmp_path / "other", keep_last=5).register(acc)
+
+
+def test_export_loads_with_plain_accelerate(tmp_path):
+    acc = fresh_accelerator()
+    parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt").register(acc):
+        train(acc, *parts, start=0, stop=6, save_every=6)
+    saved = weights(parts[0])
+    out = export_accelerate(tmp_path / "ckpt", tmp_path / "exported")
+    acc = fresh_accelerator()
+    model, optimizer, loader, scheduler, counter = build(acc)
+    acc.load_state(str(out))  # Accelerate's own load_state: no hook registered
+    assert_state_equal(weights(model), saved)
+    assert counter.seen == 6 * 8
+    # and the command line
+    cli = subprocess.run([sys.executable, "-m", "accelerate_persist.export", str(tmp_path / "ckpt"),
+                          str(tmp_path / "cli-out"), "--step", "6"], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert (tmp_path / "cli-out" / "model.safetensors").exists()
+
+
+def test_unregistered_and_unsupported_uses_are_clear_errors(tmp_path):
+    acc = fresh_accelerator()
+    build(acc)
+    hook = PersistHook(local_dir=tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match="not registered"):
+        hook.wait()
+    hook.register(acc)
+    with pytest.raises(ConfigError, match="registered already"):
+        hook.register(acc)
+    hook.close()
+    assert acc.save_state.__func__.__qualname__ == "Accelerator.save_state"  # given back
+
+
+def launch(*args: str, processes: int = 2, env: dict | None = None, timeout: float = 240):
+    """``processes`` ranks of the app with gloo, through torchrun: what ``accelerate launch`` runs for several
+    processes (its ``--cpu`` mode goes through mpirun, which this machine does not have)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+           str(free_port()), str(APP), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_two_processes_each_write_half_and_restore_on_two_and_on_one(tmp_path):
+    d = tmp_path / "ckpt"
+    first = launch("--local-dir", str(d), "--steps", "6", "--save-every", "6", "--width", "1024",
+                   "--out", str(tmp_path / "two.pt"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    manifest = json.loads((d / "step-000000000006" / "manifest.json").read_text())
+    sizes = [f["size"] for f in manifest["files"]]
+    assert manifest["world_size"] == 2 and all(0.3 < s / sum(sizes) < 0.7 for s in sizes), sizes
+    # one process restores it (DDP's "module." names are matched to the plain model)
+    acc = fresh_accelerator()
+    parts = build(acc, width=1024)
+    with PersistHook(local_dir=d).register(acc) as hook:
+        assert hook.resume() == 6
+    assert_state_equal(weights(parts[0]), torch.load(tmp_path / "two.pt")["weights"])
+    # two processes restore it and go on
+    second = launch("--local-dir", str(d), "--steps", "9", "--save-every", "3", "--width", "1024", "--resume",
+                    "--out", str(tmp_path / "again.pt"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert torch.load(tmp_path / "again.pt")["start"] == 6
+    assert step_dirs(d)[-1] == "step-000000000009"
+
+
+def test_sigkill_mid_save_leaves_the_newest_committed_checkpoint(tmp_path):
+    d = tmp_path / "ckpt"
+    run = subprocess.run([sys.executable, str(APP), "--local-dir", str(d), "--steps", "30", "--save-every", "2",
+                          "--kill-after-save", "8", "--out", str(tmp_path / "w")], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+    acc = fresh_accelerator()
+    parts = build(acc)
+    with PersistHook(local_dir=d).register(acc) as hook:
+        step = hook.resume()
+    assert step in (4, 6, 8)  # save(8) returning guarantees step 4 committed; 6 and 8 may have been in flight
+    assert_state_equal(weights(parts[0]), torch.load(f"{tmp_path / 'w'}.step{step}"))
+
+
+def test_a_fresh_local_dir_resumes_from_the_s3_remote(tmp_path, bucket, s3_endpoint, s3_options):
+    url = f"s3://{bucket}/run"
+    run = subprocess.run([sys.executable, str(APP), "--local-dir", str(tmp_path / "m1"), "--steps", "9",
+                          "--save-every", "3", "--remote-url", url, "--out", str(tmp_path / "w")],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PERSIST_TEST_S3_ENDPOINT": s3_endpoint})
+    assert run.returncode == 0, run.stderr[-3000:]
+    acc = fresh_accelerator()
+    parts = build(acc)
+    hook = PersistHook(local_dir=tmp_path / "fresh", remote_url=url, storage_options=s3_options)
+    with hook.register(acc):
+        assert hook.latest() == f"{url}/step-000000000009"
+        assert hook.resume() == 9
+    assert_state_equal(weights(parts[0]), torch.load(tmp_path / "w")["weights"])
+
+
+def test_sigterm_flushes_the_pending_upload_then_ends_the_process(tmp_path, bucket, s3_endpoint, s3_options):
+    url = f"s3://{bucket}/run"
+    run = subprocess.run([sys.executable, str(APP), "--local-dir", str(tmp_path / "m1"), "--steps", "30",
+                          "--save-every", "4", "--term-after-save", "4", "--width", "1024", "--remote-url", url],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PERSIST_TEST_S3_ENDPOINT": s3_endpoint})
+    assert run.returncode == -signal.SIGTERM, run.stdout + run.stderr[-3000:]
+    assert "did not end" not in run.stdout
+    acc = fresh_accelerator()
+    build(acc, width=1024)
+    hook = PersistHook(local_dir=tmp_path / "fresh", remote_url=url, storage_options=s3_options)
+    with hook.register(acc):
+        assert hook.resume() == 4  # committed and uploaded before the process ended
+
+
+def test_save_stats_reach_the_accelerators_trackers(tmp_path):
+    from accelerate.tracking import GeneralTracker
+
+    class Recorder(GeneralTracker):
+        name, requires_logging_directory = "recorder", False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.logged: list[tuple[dict, int]] = []
+
+        @property
+        def tracker(self):
+            return self
+
+        def store_init_configuration(self, values) -> None:
+            pass
+
+        def log(self, values, step=None, **kwargs) -> None:
+            self.logged.append((dict(values), step))
+
+    recorder = Recorder()
+    acc = fresh_accelerator(log_with=[recorder])
+    acc.init_trackers("run")
+    parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt").register(acc):
+        train(acc, *parts, start=0, stop=9, save_every=3)
+    steps = [step for values, step in recorder.logged if "persist/stall_s" in values]
+    assert steps == [3, 6, 9]  # each save reported once (the last at close)
+    assert all(values["persist/write_gbps"] > 0 for values, _ in recorder.logged if "persist/stall_s" in values)
