@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py
 	$(PY) examples/lightning_train.py
+	$(PY) examples/accelerate_train.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -19,7 +19,6 @@ The remote is a local moto S3 server (started here when ``moto`` is installed, a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import logging
@@ -93,23 +92,6 @@ def train(local_dir: str, remote: str, endpoint: str | None, kill_at: int | None
     print(json.dumps({"resumed_from": resume, "step": trainer.global_step, "digest": digest}), flush=True)
 
 
-@contextlib.contextmanager
-def remote_storage(out: Path):
-    """A moto S3 server with a bucket when moto is installed, else a file:// directory."""
-    try:
-        import moto  # noqa: F401
-        import s3fs
-    except ImportError:
-        yield (out / "remote").as_uri(), None
-        return
-    from tests.support.moto_server import CREDENTIALS, moto_server
-
-    os.environ.update(CREDENTIALS)
-    with moto_server() as endpoint:
-        s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True).mkdir("demo")
-        yield "s3://demo/run-7", endpoint
-
-
 def machine(local_dir: Path, remote: str, endpoint: str | None, kill_at: int | None = None,
             checkpoint: bool = True) -> dict | None:
     cmd = [sys.executable, __file__, "--child", str(local_dir), "--remote", remote]
@@ -123,17 +105,14 @@ def machine(local_dir: Path, remote: str, endpoint: str | None, kill_at: int | N
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def listing(local_dir: Path) -> str:
-    return ", ".join(f"{p.name} -> {os.readlink(p)}" if p.is_symlink() else p.name for p in sorted(local_dir.iterdir()))
-
-
 def main() -> None:
+    from examples._common import listing, remote_storage
     from persist_core import CheckpointReader
 
     out = ROOT / "demo-out" / "lightning"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    with remote_storage(out) as (remote, endpoint):
+    with remote_storage(out, "run-7") as (remote, endpoint):
         options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else None
         print(f"== Lightning: machine 1 trains {TOTAL_STEPS} steps, a checkpoint every {EVERY} (top 2 + last), "
               f"synced to {remote} (milestones every 20 steps); SIGKILL at step {KILL_AT}")
