@@ -193,7 +193,7 @@ class PersistCheckpointIO(CheckpointIO):
             if not entry.is_symlink():
                 continue
             real = Path(os.path.realpath(entry.path))
-            step = parse_checkpoint_dirname(real.name) if real.parent == self._local_dir else None
+            step = parse_checkpoint_dirname(real.name) if real.parent == Path(os.path.realpath(self._local_dir)) else None
             if step is not None and real.is_dir():
                 with self._lock:
                     self._on_disk.setdefault(entry.path, step)
@@ -305,7 +305,7 @@ class PersistCheckpointIO(CheckpointIO):
                 raise CheckpointNotFoundError(f"checkpoint {text!r} does not exist")
         reader = self._get_reader()
         real = Path(os.path.realpath(text)) if not _is_url(text) else None
-        if real is not None and real.parent != reader.local_dir:
+        if real is not None and real.parent != Path(os.path.realpath(reader.local_dir)):
             with CheckpointReader(real.parent, verify=self._verify) as other:  # another run's local_dir
                 return other.load(other.step_of(real), map_location=_device(map_location))
         return reader.load(reader.step_of(text), map_location=_device(map_location))

@@ -125,7 +125,7 @@ class CheckpointReader:
             step = parse_checkpoint_dirname(text[len(self._tier.url) + 1 :])
         else:
             real = Path(os.path.realpath(text))
-            step = parse_checkpoint_dirname(real.name) if real.parent == self._root else None
+            step = parse_checkpoint_dirname(real.name) if real.parent == Path(os.path.realpath(self._root)) else None
         if step is None:
             where = str(self._root) + (f" or {self._tier.url}" if self._tier else "")
             raise CheckpointNotFoundError(f"{text!r} is not a checkpoint directory of {where} (a step-NNNNNNNNNNNN entry)")

@@ -353,3 +353,18 @@ def test_ddp_ranks_on_a_fresh_machine_both_resume_from_the_remote(tmp_path):
     assert f"Restored all states from the checkpoint at {remote}/step-000000000006" in second.stderr
     assert os.readlink(tmp_path / "m2" / "last.ckpt") == "step-000000000009"
     assert not [p for p in (tmp_path / "m2").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_a_local_dir_reached_through_a_symlink(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real")
+    d = tmp_path / "alias"
+    io = PersistCheckpointIO(local_dir=d)
+    model = fit(io, d, max_steps=3)
+    assert_state_equal(PersistCheckpointIO(local_dir=d).load_checkpoint(d / "last.ckpt")["state_dict"], weights(model))
+    # a resumed run through the alias adopts the links, so retention keeps what they name
+    resumed = fit(PersistCheckpointIO(local_dir=d), d, max_steps=5, ckpt_path="last")
+    assert ckpt_files(d) == {"epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt", "last.ckpt"}
+    assert all((d / name).exists() for name in ckpt_files(d))
+    assert_state_equal(PersistCheckpointIO(local_dir=d).load_checkpoint(d / "last.ckpt")["state_dict"], weights(resumed))
+    assert PersistCheckpointIO(local_dir=tmp_path / "real").latest_path() == str(tmp_path / "real" / "step-000000000005")
