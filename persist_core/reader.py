@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -22,6 +23,7 @@ from persist_core import _knobs
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from persist_core.layout import parse_checkpoint_dirname, tmp_dirname
 from persist_core.local_writer import fsync_dir
+from persist_core.manifest import Manifest
 from persist_core.remote import RemoteTier
 from persist_core.restore import CheckpointInfo, checkpoint_dir, committed_steps, discover, load_checkpoint, read_manifest
 
@@ -180,8 +182,35 @@ class CheckpointReader:
                     raise
                 log.warning("[step=%d] local copy does not verify (%s); downloading from %s", step, e, self._tier.url)
                 self._set_aside(ckpt)
+        manifest = self._download(step)
+        return load_checkpoint(ckpt, manifest, pool=self._pool, verify=verify, map_location=map_location)
+
+    def fetch(self, step: int, progress: Callable[[int], None] | None = None) -> Path:
+        """Make ``local_dir`` hold checkpoint ``step``, downloading it (verified) if it is not there.
+
+        Returns:
+            The local checkpoint directory.
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is on neither tier.
+            CorruptCheckpointError: the remote copy does not verify.
+        """
+        ckpt = checkpoint_dir(self._root, step)
+        if step in committed_steps(self._root):
+            read_manifest(ckpt)  # its files are there with their sizes
+            return ckpt
+        if self._tier is None or step not in self._tier.committed_steps():
+            raise CheckpointNotFoundError(f"no committed checkpoint for step={step} in {self._root}"
+                                          + (f" or {self._tier.url}" if self._tier else ""))
+        self._download(step, progress)
+        return ckpt
+
+    def _download(self, step: int, progress: Callable[[int], None] | None = None) -> Manifest:
+        """Download ``step`` into ``local_dir`` and rename it into place (or take another process's copy)."""
         assert self._tier is not None
-        tmp, manifest = self._tier.download(step, self._root, tmp_dirname(step, os.getpid(), secrets.token_hex(3)))
+        ckpt = checkpoint_dir(self._root, step)
+        tmp, manifest = self._tier.download(step, self._root, tmp_dirname(step, os.getpid(), secrets.token_hex(3)),
+                                            progress)
         try:
             os.rename(tmp, ckpt)
             fsync_dir(self._root)
@@ -192,7 +221,7 @@ class CheckpointReader:
                 raise
             # another process (a rank on this node) put its download in place first: use that one
             manifest = read_manifest(ckpt)
-        return load_checkpoint(ckpt, manifest, pool=self._pool, verify=verify, map_location=map_location)
+        return manifest
 
     def _set_aside(self, ckpt: Path) -> None:
         """Move a copy that failed verification out of the way with one rename (then delete it)."""

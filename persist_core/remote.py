@@ -237,7 +237,37 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ download
 
-    def download(self, step: int, local_root: Path, tmp_name: str) -> tuple[Path, Manifest]:
+    def verify(self, step: int, progress: Callable[[int], None] | None = None) -> list[str]:
+        """Read every file of remote checkpoint ``step`` (ranged, parallel) and check each chunk's crc32c.
+
+        Returns:
+            The problems found (a missing or short file, a chunk that does not match).
+        """
+        try:
+            manifest = self.read_manifest(step)
+        except CorruptCheckpointError as e:
+            return [str(e)]
+        prefix = self._path(checkpoint_dirname(step))
+        problems: list[str] = []
+
+        def check(source: str, index: int, chunk_bytes: int, size: int, expected: int) -> None:
+            start, end = index * chunk_bytes, min((index + 1) * chunk_bytes, size)
+            data = self.retry(f"reading {source}", lambda: self._read_range(source, start, end))
+            if len(data) != end - start or crc32c.crc32c(data) != expected:
+                problems.append(f"{self.url}/{checkpoint_dirname(step)}/{source.rsplit('/', 1)[-1]}: chunk {index} "
+                                f"(bytes {start}..{end}) does not match its checksum")
+            if progress is not None:
+                progress(end - start)
+
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="persist-verify") as pool:
+            futures = [pool.submit(check, f"{prefix}/{f.name}", i, f.chunk_bytes, f.size, crc)
+                       for f in manifest.files for i, crc in enumerate(f.chunks)]
+            for fut in futures:
+                fut.result()
+        return sorted(problems)
+
+    def download(self, step: int, local_root: Path, tmp_name: str,
+                 progress: Callable[[int], None] | None = None) -> tuple[Path, Manifest]:
         """Download ``step`` into ``local_root/tmp_name`` with parallel ranged reads.
 
         Each chunk's crc32c is checked as it arrives; the manifest is written last. The caller
@@ -256,7 +286,7 @@ class RemoteTier:
                 source = f"{prefix}/{f.name}"
                 fd = os.open(tmp / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 try:
-                    futures = [pool.submit(self._fetch_chunk, source, fd, i, f.chunk_bytes, f.size, f.chunks[i])
+                    futures = [pool.submit(self._fetch_chunk, source, fd, i, f.chunk_bytes, f.size, f.chunks[i], progress)
                                for i in range(len(f.chunks))]
                     wait(futures)
                     for fut in futures:
@@ -270,7 +300,8 @@ class RemoteTier:
         fsync_dir(tmp)
         return tmp, manifest
 
-    def _fetch_chunk(self, source: str, fd: int, index: int, chunk_bytes: int, size: int, expected: int) -> None:
+    def _fetch_chunk(self, source: str, fd: int, index: int, chunk_bytes: int, size: int, expected: int,
+                     progress: Callable[[int], None] | None = None) -> None:
         start, end = index * chunk_bytes, min((index + 1) * chunk_bytes, size)
         data = self.retry(f"reading {source}", lambda: self._read_range(source, start, end))
         if len(data) != end - start or crc32c.crc32c(data) != expected:
@@ -281,3 +312,5 @@ class RemoteTier:
         done = 0
         while done < len(view):
             done += os.pwrite(fd, view[done:], start + done)
+        if progress is not None:
+            progress(len(view))

@@ -12,6 +12,7 @@ import logging
 import os
 import pickle
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,3 +231,36 @@ def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, verify: b
             raise CorruptCheckpointError(f"{ckpt}: tensor record {rec} does not match its shard: {e}") from e
         tensors.append(t)
     return unflatten(manifest.tree, tensors, objects)
+
+
+def verify_files(ckpt: Path, manifest: Manifest, progress: Callable[[int], None] | None = None) -> list[str]:
+    """Read every file of a local checkpoint and check each chunk's crc32c; the problems found.
+
+    Args:
+        ckpt: the checkpoint directory.
+        manifest: its manifest.
+        progress: called with the bytes of each chunk checked.
+    """
+    problems = []
+    for f in manifest.files:
+        path = ckpt / f.name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            problems.append(f"{path}: missing")
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            if size != f.size:
+                problems.append(f"{path}: {size} bytes, the manifest says {f.size}")
+                continue
+            for i, expected in enumerate(f.chunks):
+                data = os.pread(fd, f.chunk_bytes, i * f.chunk_bytes)
+                if crc32c.crc32c(data) != expected:
+                    problems.append(f"{path}: chunk {i} (bytes {i * f.chunk_bytes}..{i * f.chunk_bytes + len(data)}) "
+                                    "does not match its checksum")
+                if progress is not None:
+                    progress(len(data))
+        finally:
+            os.close(fd)
+    return problems

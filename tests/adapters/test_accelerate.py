@@ -222,3 +222,21 @@ def test_save_stats_reach_the_accelerators_trackers(tmp_path):
     steps = [step for values, step in recorder.logged if "persist/stall_s" in values]
     assert steps == [3, 6, 9]  # each save reported once (the last at close)
     assert all(values["persist/write_gbps"] > 0 for values, _ in recorder.logged if "persist/stall_s" in values)
+
+
+def test_persist_export_format_accelerate(tmp_path):
+    from click.testing import CliRunner
+
+    from persist_core.cli import main as persist
+
+    acc = fresh_accelerator()
+    parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt").register(acc):
+        train(acc, *parts, start=0, stop=4, save_every=4)
+    result = CliRunner().invoke(persist, ["export", str(tmp_path / "ckpt"), "--to", str(tmp_path / "acc"),
+                                          "--format", "accelerate"])
+    assert result.exit_code == 0, result.output
+    acc = fresh_accelerator()
+    model, *_ = build(acc)
+    acc.load_state(str(tmp_path / "acc"))
+    assert_state_equal(weights(model), weights(parts[0]))

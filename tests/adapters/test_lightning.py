@@ -368,3 +368,17 @@ def test_a_local_dir_reached_through_a_symlink(tmp_path):
     assert all((d / name).exists() for name in ckpt_files(d))
     assert_state_equal(PersistCheckpointIO(local_dir=d).load_checkpoint(d / "last.ckpt")["state_dict"], weights(resumed))
     assert PersistCheckpointIO(local_dir=tmp_path / "real").latest_path() == str(tmp_path / "real" / "step-000000000005")
+
+
+def test_persist_export_makes_a_file_lightnings_default_io_resumes_from(tmp_path):
+    from click.testing import CliRunner
+
+    from persist_core.cli import main as persist
+
+    d = tmp_path / "ckpt"
+    fit(PersistCheckpointIO(local_dir=d), d, max_steps=6)
+    out = tmp_path / "exported.ckpt"
+    assert CliRunner().invoke(persist, ["export", str(d), "--to", str(out)]).exit_code == 0
+    straight = fit(None, tmp_path / "plain", max_steps=9)
+    resumed = fit(None, tmp_path / "plain2", max_steps=9, ckpt_path=str(out))  # TorchCheckpointIO loads it
+    assert_state_equal(weights(resumed), weights(straight))

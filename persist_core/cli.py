@@ -1,0 +1,370 @@
+"""The ``persist`` command: see, verify, move and prune checkpoints on any tier.
+
+A LOCATION is a local directory (a ``local_dir``) or any fsspec URL (``s3://bucket/run-7``);
+``--storage-options`` takes fsspec options as JSON (or set the variables s3fs reads, e.g.
+``AWS_ENDPOINT_URL``). Exit codes: 0 ok, 1 verification failed, 2 usage or other error (one
+line; ``--debug`` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from persist_core.errors import PersistError
+from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname, parse_tmp_dirname
+from persist_core.local_writer import remove_checkpoint
+from persist_core.manifest import Manifest
+from persist_core.reader import CheckpointReader
+from persist_core.remote import RemoteTier
+from persist_core.restore import CheckpointInfo, checkpoint_dir, discover, read_manifest, verify_files
+from persist_core.retention import RetentionContext, policy_from_keywords, to_delete
+
+
+class _Error(click.ClickException):
+    """A failure that is not a verification result: exit 2."""
+
+    exit_code = 2
+
+
+def _is_url(location: str) -> bool:
+    return "://" in location and not location.startswith("file://")
+
+
+class _Location:
+    """One tier named on the command line: a local directory or a remote URL."""
+
+    def __init__(self, location: str, storage_options: dict[str, Any] | None) -> None:
+        self.name = location
+        self.tier = RemoteTier(location, storage_options) if _is_url(location) else None
+        self.root = None if self.tier else Path(location.removeprefix("file://")).expanduser().absolute()
+        if self.root is not None and not self.root.is_dir():
+            raise click.UsageError(f"{location} is not a directory (nor a URL such as s3://bucket/run)")
+
+    def list(self) -> list[CheckpointInfo]:
+        return self.tier.list() if self.tier else [info for info, _ in discover(self.root)]
+
+    def manifest(self, step: int) -> Manifest:
+        return self.tier.read_manifest(step) if self.tier else read_manifest(checkpoint_dir(self.root, step))
+
+    def step_or_latest(self, step: int | None) -> int:
+        steps = [c.step for c in self.list()]
+        if step is None:
+            if not steps:
+                raise _Error(f"no committed checkpoint in {self.name}")
+            return steps[-1]
+        if step not in steps:
+            raise _Error(f"no committed checkpoint for step {step} in {self.name}; steps: {steps}")
+        return step
+
+    def verify(self, step: int, progress: Callable[[int], None]) -> list[str]:
+        if self.tier:
+            return self.tier.verify(step, progress)
+        ckpt = checkpoint_dir(self.root, step)
+        return verify_files(ckpt, read_manifest(ckpt), progress)
+
+    def remove(self, step: int) -> None:
+        if self.tier:
+            self.tier.remove(step)
+        else:
+            remove_checkpoint(checkpoint_dir(self.root, step))
+
+    def incomplete(self) -> list[tuple[str, float]]:
+        """Directories or prefixes without a manifest, with their age in seconds."""
+        now = time.time()
+        found = []
+        if self.tier is None:
+            for entry in os.scandir(self.root):
+                step = parse_checkpoint_dirname(entry.name)
+                partial = (step is not None and not os.path.exists(os.path.join(entry.path, "manifest.json"))) or \
+                    parse_tmp_dirname(entry.name) is not None
+                if partial and entry.is_dir():
+                    found.append((entry.path, now - entry.stat().st_mtime))
+            return found
+        by_prefix: dict[str, list[float]] = {}
+        manifests = set()
+        for path, info in self.tier.fs.find(self.tier.root, detail=True).items():
+            parts = path.rstrip("/").split("/")
+            if len(parts) < 2 or parse_checkpoint_dirname(parts[-2]) is None:
+                continue
+            prefix = "/".join(parts[:-1])
+            if parts[-1] == "manifest.json":
+                manifests.add(prefix)
+            by_prefix.setdefault(prefix, []).append(_mtime(info))
+        return [(p, now - max(ts)) for p, ts in by_prefix.items() if p not in manifests]
+
+    def remove_incomplete(self, path: str) -> None:
+        if self.tier is None:
+            shutil.rmtree(path)
+        else:
+            for f in self.tier.fs.find(path):
+                self.tier.fs.rm_file(f)
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    value = info.get("LastModified") or info.get("mtime") or info.get("created") or 0
+    return value.timestamp() if hasattr(value, "timestamp") else float(value)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n} B"
+
+
+@contextmanager
+def _progress(total: int, label: str, quiet: bool) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar (bytes, rate) on a terminal; nothing with --quiet or when piped."""
+    if quiet or not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+class _Group(click.Group):
+    """Errors as one line (exit 2), the traceback only with --debug."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (PersistError, OSError, ValueError) as e:
+            if ctx.params.get("debug"):
+                raise
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_Group)
+@click.option("--storage-options", default=None, help="fsspec options as JSON, e.g. '{\"client_kwargs\": {...}}'")
+@click.option("--debug", is_flag=True, help="show tracebacks")
+@click.pass_context
+def main(ctx: click.Context, storage_options: str | None, debug: bool) -> None:
+    """See, verify, move and prune torch-persist checkpoints on a local directory or any fsspec URL."""
+    try:
+        options = json.loads(storage_options) if storage_options else None
+    except json.JSONDecodeError as e:
+        raise click.UsageError(f"--storage-options is not JSON ({e})") from e
+    ctx.obj = options
+
+
+def _open(ctx: click.Context, location: str) -> _Location:
+    return _Location(location, ctx.obj)
+
+
+@main.command("ls")
+@click.argument("location")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per checkpoint, for scripts")
+@click.option("--milestones", type=int, default=None, help="mark steps that are multiples of N")
+@click.pass_context
+def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None) -> None:
+    """Committed checkpoints: step, time, size, files (sizes checked; `verify` reads every byte)."""
+    loc = _open(ctx, location)
+    rows = []
+    for info in loc.list():
+        m = loc.manifest(info.step)
+        rows.append({"step": info.step, "time": info.time, "bytes": info.nbytes, "files": len(m.files),
+                     "ranks": m.world_size, "path": info.path,
+                     "milestone": bool(milestones) and info.step % milestones == 0})
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=location)
+    for col in ("step", "saved (UTC)", "age", "size", "files", "ranks", "milestone"):
+        table.add_column(col, justify="right" if col in ("step", "size", "files", "ranks") else "left")
+    now = time.time()
+    for r in rows:
+        table.add_row(str(r["step"]), time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"])),
+                      f"{(now - r['time']) / 3600:.1f} h", _size(r["bytes"]), str(r["files"]), str(r["ranks"]),
+                      "yes" if r["milestone"] else "")
+    Console().print(table)
+
+
+@main.command()
+@click.argument("location")
+@click.option("--step", type=int, default=None, help="default: the newest")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool) -> None:
+    """The state's tree: names, dtypes, shapes, bytes, and which rank's file holds each tensor."""
+    loc = _open(ctx, location)
+    m = loc.manifest(loc.step_or_latest(step))
+    rows = []
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        if "tensor" in node:
+            rec = m.tensors[node["tensor"]]
+            n = 1
+            for d in rec["shape"]:
+                n *= d
+            rows.append({"name": path or "<root>", "dtype": rec["dtype"], "shape": rec["shape"],
+                         "file": rec["file"], "elements": n})
+        elif "dict" in node:
+            for k, v in node["dict"]:
+                walk(v, f"{path}/{k.get('value', '?')}" if path else str(k.get("value", "?")))
+        elif "list" in node or "tuple" in node:
+            for i, v in enumerate(node.get("list", node.get("tuple", []))):
+                walk(v, f"{path}/{i}" if path else str(i))
+        elif "object" in node:
+            rows.append({"name": path, "dtype": "pickled", "shape": None, "file": None, "elements": None})
+
+    walk(m.tree, "")
+    if as_json:
+        click.echo(json.dumps({"step": m.step, "world_size": m.world_size, "bytes": m.nbytes, "entries": rows}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{location} step {m.step}: {_size(m.nbytes)} in {len(m.files)} file(s), {m.world_size} rank(s)")
+    for col in ("name", "dtype", "shape", "file"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], r["dtype"], "" if r["shape"] is None else str(tuple(r["shape"])), r["file"] or "")
+    Console().print(table)
+
+
+@main.command()
+@click.argument("location")
+@click.option("--step", type=int, default=None, help="default: every committed checkpoint")
+@click.option("--quiet", is_flag=True)
+@click.pass_context
+def verify(ctx: click.Context, location: str, step: int | None, quiet: bool) -> None:
+    """Read every byte and check every checksum; exit 1 naming what is bad."""
+    loc = _open(ctx, location)
+    steps = [loc.step_or_latest(step)] if step is not None else [c.step for c in loc.list()]
+    if not steps:
+        raise _Error(f"no committed checkpoint in {location}")
+    bad = []
+    for s in steps:
+        total = loc.manifest(s).nbytes
+        with _progress(total, f"verify step {s}", quiet) as advance:
+            problems = loc.verify(s, advance)
+        bad.extend(problems)
+        if not quiet:
+            click.echo(f"step {s}: {'OK' if not problems else 'BAD'}")
+    for p in bad:
+        click.echo(f"bad: {p}", err=True)
+    ctx.exit(1 if bad else 0)
+
+
+@main.command()
+@click.argument("url")
+@click.argument("local_dir")
+@click.option("--step", type=int, default=None, help="default: the newest")
+@click.option("--quiet", is_flag=True)
+@click.pass_context
+def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: bool) -> None:
+    """Download a checkpoint into LOCAL_DIR (parallel ranged reads, every chunk verified)."""
+    loc = _open(ctx, url)
+    s = loc.step_or_latest(step)
+    with CheckpointReader(local_dir, remote_url=url, storage_options=ctx.obj) as reader:
+        with _progress(loc.manifest(s).nbytes, f"pull step {s}", quiet) as advance:
+            path = reader.fetch(s, advance)
+    if not quiet:
+        click.echo(f"step {s} -> {path}")
+
+
+@main.command()
+@click.argument("local_dir")
+@click.argument("url")
+@click.option("--quiet", is_flag=True)
+@click.pass_context
+def push(ctx: click.Context, local_dir: str, url: str, quiet: bool) -> None:
+    """Upload the committed local checkpoints the remote does not have (manifest last)."""
+    local, remote = _open(ctx, local_dir), _open(ctx, url)
+    if local.tier is not None or remote.tier is None:
+        raise click.UsageError("push takes a local directory, then a remote URL")
+    have = set(remote.tier.committed_steps())
+    todo = [(info, m) for info, m in discover(local.root) if info.step not in have]
+    with _progress(sum(m.nbytes for _, m in todo), f"push {len(todo)} checkpoint(s)", quiet) as advance:
+        for info, m in todo:
+            remote.tier.upload(Path(info.path), m)
+            advance(m.nbytes)
+            if not quiet:
+                click.echo(f"step {info.step} -> {url}/{checkpoint_dirname(info.step)}")
+    if not todo and not quiet:
+        click.echo(f"{url} has every committed checkpoint of {local_dir}")
+
+
+@main.command()
+@click.argument("location")
+@click.option("--keep-last", type=int, default=None)
+@click.option("--keep-every-n-steps", type=int, default=None)
+@click.option("--keep-every-n-seconds", type=float, default=None)
+@click.option("--incomplete-older-than", type=float, default=3600.0, show_default=True,
+              help="remove directories/prefixes without a manifest only when older than this (seconds): "
+                   "a running job may be writing them")
+@click.option("--dry-run", is_flag=True, help="only say what would be removed")
+@click.pass_context
+def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_steps: int | None,
+       keep_every_n_seconds: float | None, incomplete_older_than: float, dry_run: bool) -> None:
+    """Prune with the engine's retention policies; never the newest committed checkpoint."""
+    policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds)
+    if policy is None:
+        raise click.UsageError("say what to keep: --keep-last, --keep-every-n-steps and/or --keep-every-n-seconds")
+    loc = _open(ctx, location)
+    context = RetentionContext(tier="remote" if loc.tier else "local", now=time.time())
+    doomed = to_delete(loc.list(), policy, context=context)
+    stale = [(p, age) for p, age in loc.incomplete() if age > incomplete_older_than]
+    verb = "would remove" if dry_run else "removed"
+    for info in doomed:
+        if not dry_run:
+            loc.remove(info.step)
+        click.echo(f"{verb} step {info.step} ({_size(info.nbytes)})")
+    for path, age in stale:
+        if not dry_run:
+            loc.remove_incomplete(path)
+        click.echo(f"{verb} incomplete {path} (no manifest, {age / 3600:.1f} h old)")
+    if not doomed and not stale:
+        click.echo("nothing to remove")
+
+
+@main.command()
+@click.argument("location")
+@click.option("--step", type=int, default=None, help="default: the newest")
+@click.option("--to", "target", required=True, help="the file (torch) or directory (accelerate) to write")
+@click.option("--format", "fmt", type=click.Choice(["torch", "accelerate"]), default="torch", show_default=True)
+@click.pass_context
+def export(ctx: click.Context, location: str, step: int | None, target: str, fmt: str) -> None:
+    """Write a checkpoint as one torch.save file (Lightning loads it) or a plain Accelerate directory."""
+    loc = _open(ctx, location)
+    s = loc.step_or_latest(step)
+    if fmt == "accelerate":
+        from accelerate_persist.export import export_accelerate  # needs the accelerate extra
+
+        out = export_accelerate(location, target, step=s, storage_options=ctx.obj)
+        click.echo(f"step {s} -> {out} (accelerator.load_state({str(out)!r}))")
+        return
+    import torch
+
+    if os.path.exists(target):
+        raise click.UsageError(f"{target} exists; choose a new file")
+    cache = Path(target).absolute().parent / f".{Path(target).name}.download" if loc.tier else loc.root
+    with CheckpointReader(cache, remote_url=location if loc.tier else None, storage_options=ctx.obj) as reader:
+        state = reader.load(s)
+    if loc.tier:
+        shutil.rmtree(cache, ignore_errors=True)
+    torch.save(state, target)
+    click.echo(f"step {s} -> {target} (torch.load / Trainer.fit(ckpt_path=...))")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The ``persist`` command through its real entry point, on a local directory and the moto S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from persist_core import CheckpointEngine
+from persist_core.cli import main
+from tests.conftest import assert_state_equal
+
+
+def state_for(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(300, 300, generator=g), "b": torch.randn(300, generator=g)}, "step": step}
+
+
+def run(*args: str, options: dict | None = None):
+    pre = ["--storage-options", json.dumps(options)] if options else []
+    return CliRunner().invoke(main, [*pre, *args], catch_exceptions=False)
+
+
+@pytest.fixture
+def local(tmp_path) -> Path:
+    d = tmp_path / "ckpt"
+    with CheckpointEngine(d) as engine:
+        for step in (10, 20, 30, 40):
+            engine.save(state_for(step), step=step)
+    return d
+
+
+@pytest.fixture
+def remote(local, bucket, s3_options) -> str:
+    url = f"s3://{bucket}/run"
+    assert run("push", str(local), url, "--quiet", options=s3_options).exit_code == 0
+    return url
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_ls_inspect_and_verify(where, local, remote, s3_options, tmp_path):
+    location, options = (str(local), None) if where == "local" else (remote, s3_options)
+    listing = run("ls", location, "--json", "--milestones", "20", options=options)
+    assert listing.exit_code == 0, listing.output
+    rows = json.loads(listing.output)
+    assert [r["step"] for r in rows] == [10, 20, 30, 40]
+    assert [r["milestone"] for r in rows] == [False, True, False, True]
+    assert "│   40 │" in run("ls", location, options=options).output  # the table
+    tree = json.loads(run("inspect", location, "--step", "20", "--json", options=options).output)
+    assert {e["name"]: e["shape"] for e in tree["entries"] if e["shape"]} == {"model/w": [300, 300], "model/b": [300]}
+    checked = run("verify", location, options=options)
+    assert checked.exit_code == 0 and checked.output.count(": OK") == 4
+
+
+def test_verify_names_a_flipped_byte_and_a_missing_file(local):
+    shard = local / "step-000000000020" / "rank-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = run("verify", str(local), "--step", "20")
+    assert result.exit_code == 1 and "step-000000000020/rank-00000.safetensors: chunk 0" in result.output
+    (local / "step-000000000030" / "rank-00000.safetensors").unlink()
+    result = run("verify", str(local))
+    assert result.exit_code == 1
+    # a checkpoint missing a file is not listed as committed, so only step 20 is reported bad
+    assert "step-000000000020" in result.output and result.output.count(": OK") == 2
+
+
+def test_verify_catches_a_corrupt_remote_object(remote, s3_options):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
+    key = f"{remote[len('s3://'):]}/step-000000000040/rank-00000.safetensors"
+    data = bytearray(fs.cat_file(key))
+    data[-5000] ^= 1
+    fs.pipe_file(key, bytes(data))
+    result = run("verify", remote, "--step", "40", options=s3_options)
+    assert result.exit_code == 1 and "step-000000000040/rank-00000.safetensors: chunk 0" in result.output
+
+
+def test_pull_push_round_trip(remote, s3_options, tmp_path):
+    result = run("pull", remote, str(tmp_path / "fresh"), "--step", "30", options=s3_options)
+    assert result.exit_code == 0, result.output
+    assert_state_equal(CheckpointEngine(tmp_path / "fresh").load(30), state_for(30))
+    again = run("push", str(tmp_path / "fresh"), remote, options=s3_options)
+    assert "has every committed checkpoint" in again.output
+
+
+def test_gc_dry_run_deletes_nothing_then_gc_keeps_policy_and_newest(local, tmp_path):
+    (local / ".tmp-step-000000000050-pid999999-abcdef").mkdir()  # a crashed writer's leftovers
+    os.utime(local / ".tmp-step-000000000050-pid999999-abcdef", (0, 0))
+    before = sorted(p.name for p in local.iterdir())
+    dry = run("gc", str(local), "--keep-last", "1", "--keep-every-n-steps", "20", "--dry-run")
+    assert dry.exit_code == 0 and "would remove step 10" in dry.output and "would remove step 30" in dry.output
+    assert "would remove incomplete" in dry.output
+    assert sorted(p.name for p in local.iterdir()) == before
+    done = run("gc", str(local), "--keep-last", "1", "--keep-every-n-steps", "20")
+    assert done.exit_code == 0
+    assert sorted(p.name for p in local.iterdir()) == ["step-000000000020", "step-000000000040"]
+    assert run("gc", str(local)).exit_code == 2  # nothing to keep said: a usage error
+
+
+def test_gc_on_the_remote(remote, s3_options):
+    assert run("gc", remote, "--keep-last", "2", options=s3_options).exit_code == 0
+    rows = json.loads(run("ls", remote, "--json", options=s3_options).output)
+    assert [r["step"] for r in rows] == [30, 40]
+
+
+def test_export_torch_file_loads(local, remote, s3_options, tmp_path):
+    assert run("export", str(local), "--step", "20", "--to", str(tmp_path / "a.pt")).exit_code == 0
+    assert_state_equal(torch.load(tmp_path / "a.pt"), state_for(20))
+    assert run("export", remote, "--to", str(tmp_path / "b.pt"), options=s3_options).exit_code == 0
+    assert_state_equal(torch.load(tmp_path / "b.pt"), state_for(40))
+
+
+def test_errors_are_one_line_with_exit_2(tmp_path):
+    result = run("ls", str(tmp_path / "missing"))
+    assert result.exit_code == 2 and "is not a directory" in result.output
+    (tmp_path / "empty").mkdir()
+    result = run("verify", str(tmp_path / "empty"))
+    assert result.exit_code == 2 and result.output.strip().startswith("Error: no committed checkpoint")
+    assert run("--storage-options", "{nope", "ls", str(tmp_path)).exit_code == 2
+
+
+def test_the_console_script(local):
+    exe = Path(sys.executable).with_name("persist")
+    result = subprocess.run([str(exe), "ls", str(local), "--json"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert [r["step"] for r in json.loads(result.stdout)] == [10, 20, 30, 40]
