@@ -3,6 +3,15 @@
 Imports neither ``lightning`` nor ``accelerate``; the adapters build on it.
 """
 
+from persist_core.decisions import (
+    Continuous,
+    DecisionContext,
+    EveryNSeconds,
+    EveryNSteps,
+    OptimalInterval,
+    PreemptionNotice,
+    SavePolicy,
+)
 from persist_core.distributed import Collectives, SingleProcess, TorchCollectives
 from persist_core.engine import CheckpointEngine
 from persist_core.errors import (
@@ -30,6 +39,13 @@ from persist_core.retention import (
 )
 
 __all__ = [
+    "Continuous",
+    "DecisionContext",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "OptimalInterval",
+    "PreemptionNotice",
+    "SavePolicy",
     "AnyOf",
     "CheckpointEngine",
     "CheckpointInfo",

@@ -21,6 +21,8 @@ import shutil
 import threading
 import time
 import weakref
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ import torch
 
 from persist_core import _knobs
 from persist_core.commit import commit_checkpoint
+from persist_core.decisions import Clock, DecisionContext, PreemptionNotice, SavePolicy, check_save_policy
 from persist_core.distributed import Collectives, SingleProcess
 from persist_core.errors import (
     ConfigError,
@@ -50,6 +53,7 @@ from persist_core.local_writer import (
     write_file,
 )
 from persist_core.manifest import FileEntry, Manifest
+from persist_core.preemption import check_grace, drain_within
 from persist_core.reader import CheckpointReader
 from persist_core.restore import CheckpointInfo, checkpoint_dir, discover
 from persist_core._sync import RemoteSync, SyncJob
@@ -154,6 +158,12 @@ class CheckpointEngine:
             same order and writes about ``1/world_size`` of a state they all hold alike; rank 0
             commits, applies retention and uploads. ``local_dir`` must be shared by the ranks.
             Single process by default.
+        save_policy: when :meth:`maybe_save` saves (``Continuous(min_interval_s=30)``,
+            ``EveryNSteps(1000)``, ``OptimalInterval(mtbf_s=...)``, ``AnyOf(...)``).
+        preemption: a :class:`PreemptionNotice`; once set, the next ``maybe_save`` saves
+            whatever the policy says, then waits up to ``preemption_grace_s`` for the commit and
+            upload, and :attr:`preempted` tells the loop to stop.
+        clock: the monotonic clock decisions use (a fake one in tests).
         file_ops: the file system calls the writer makes (for fault injection in tests).
 
     Raises:
@@ -174,6 +184,10 @@ class CheckpointEngine:
         keep_local: RetentionPolicy | None = None,
         keep_remote: RetentionPolicy | None = None,
         collectives: Collectives | None = None,
+        save_policy: SavePolicy | None = None,
+        preemption: PreemptionNotice | None = None,
+        preemption_grace_s: float = 120.0,
+        clock: Clock = time.monotonic,
         file_ops: FileOps | None = None,
     ) -> None:
         self._settings = _Settings(
@@ -189,6 +203,13 @@ class CheckpointEngine:
             raise ConfigError("keep_remote was given without remote_url; pass remote_url='s3://...' or drop keep_remote")
         self._root = Path(local_dir).expanduser().absolute()
         self._direct_io = self._settings.direct_io  # writer thread: "auto" settles on the first write
+        self._save_policy = None if save_policy is None else check_save_policy(save_policy)
+        self._preemption = preemption
+        self._grace_s = check_grace(preemption_grace_s)
+        self._clock = clock
+        self._last_save: tuple[int, float] | None = None  # (step, clock) of the last save started
+        self._recent: deque[SaveHandle] = deque(maxlen=5)
+        self._preempt_saved = False
         self._coll = collectives or SingleProcess()
         self._leader = self._coll.rank == 0
         self._ops = file_ops or OsFileOps()
@@ -255,6 +276,7 @@ class CheckpointEngine:
             PersistError: an earlier save failed in the background (raised once).
         """
         t0 = time.perf_counter()
+        t_decided = self._clock()
         self._check_open()
         self._raise_unreported()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -289,6 +311,8 @@ class CheckpointEngine:
         with self._lock:
             self._pending[step] = handle
             self._latest_step = max(self._latest_step, step)
+            self._last_save = (step, t_decided)
+        self._recent.append(handle)
         base = Manifest(step=step, time=time.time(), world_size=1, tree=flat.tree, tensors=records, objects=objects,
                         files=(), metadata=dict(metadata or {}))
         del plan, flat  # the writer needs only the staged bytes, not the caller's tensors
@@ -296,6 +320,70 @@ class CheckpointEngine:
         self._writer.submit(self._write_and_commit, handle, buf, base, staged, signature)
         log.debug("%s staged %d bytes in %.3f s", self._prefix(step), handle.stats.nbytes, handle.stats.staging_s)
         return handle
+
+    def maybe_save(self, make_state: Callable[[], Any], step: int, *,
+                   metadata: dict[str, Any] | None = None) -> SaveHandle | None:
+        """Save if the save policy — or a preemption notice — says so; builds the state only then.
+
+        After a preemption notice, the first call saves ``step`` (unless it is saved already),
+        waits up to ``preemption_grace_s`` for the commit and upload, and sets :attr:`preempted`.
+
+        Args:
+            make_state: returns the state (called only when saving).
+            step: this decision point's step.
+            metadata: as for :meth:`save`.
+
+        Returns:
+            The save's handle, or ``None`` when it did not save.
+
+        Raises:
+            ConfigError: the engine has no ``save_policy``. Otherwise as :meth:`save`.
+        """
+        preempting = self.preemption_pending()
+        handle = self.save(make_state(), step, metadata=metadata) if self.should_save(step) else None
+        if preempting:
+            self.finish_preemption()
+        return handle
+
+    def should_save(self, step: int) -> bool:
+        """The decision alone, for adapters that agree on it across ranks before they save.
+
+        Raises:
+            ConfigError: the engine has no ``save_policy`` (and no preemption is pending).
+        """
+        self._check_open()
+        with self._lock:
+            known = step in self._pending or (self._last_save is not None and self._last_save[0] == step)
+        if self.preemption_pending():
+            return not known
+        if self._save_policy is None:
+            raise ConfigError("maybe_save() needs CheckpointEngine(save_policy=...), e.g. Continuous(min_interval_s=30)")
+        return not known and bool(self._save_policy.should_save(self._decision_context(step)))
+
+    def preemption_pending(self) -> bool:
+        """A preemption notice arrived and :meth:`finish_preemption` has not run yet."""
+        return self._preemption is not None and self._preemption.is_set() and not self._preempt_saved
+
+    def finish_preemption(self) -> None:
+        """Wait up to ``preemption_grace_s`` for pending commits and uploads; set :attr:`preempted`."""
+        self._preempt_saved = True
+        log.warning("%s preempted: waiting up to %.0f s for the commit and upload", self._prefix(), self._grace_s)
+        drain_within(self.wait, self._grace_s)
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption notice arrived and its checkpoint was handled: the loop should stop."""
+        return self._preempt_saved
+
+    def _decision_context(self, step: int) -> DecisionContext:
+        with self._lock:
+            in_flight = bool(self._pending)
+        done = [h.stats for h in self._recent if h.done() and h.stats.commit_s is not None]
+        cost = sum(s.stall_s for s in done) / len(done) if done else None
+        commit = sum(s.stall_s + (s.commit_s or 0.0) for s in done) / len(done) if done else None
+        last_step, last_time = self._last_save if self._last_save is not None else (None, None)
+        return DecisionContext(step=step, now=self._clock(), last_step=last_step, last_time=last_time,
+                               in_flight=in_flight, cost_s=cost, commit_s=commit)
 
     def _write_and_commit(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float,
                           signature: str) -> None:

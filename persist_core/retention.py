@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from persist_core.errors import ConfigError
 from persist_core.restore import CheckpointInfo
@@ -119,7 +119,7 @@ class KeepSteps:
 
 def check_policy(policy: object, *, name: str) -> RetentionPolicy:
     """``policy`` if it has a callable ``should_keep``, else :class:`ConfigError` naming ``name``."""
-    if not callable(getattr(policy, "should_keep", None)):
+    if not callable(getattr(policy, "should_keep", None)) or getattr(policy, "kind", "retention") != "retention":
         raise ConfigError(
             f"{name}={policy!r} is not a retention policy: pass e.g. KeepLastN(3), AnyOf(...), "
             "or an object with should_keep(checkpoints, *, context)"
@@ -128,12 +128,19 @@ def check_policy(policy: object, *, name: str) -> RetentionPolicy:
 
 
 class AnyOf:
-    """Keep a checkpoint when any of ``policies`` keeps it."""
+    """Any of ``policies``: for retention, keep a checkpoint when any keeps it; for save
+    decisions (:mod:`persist_core.decisions`), save when any says so. All members are of one kind.
+    """
 
-    def __init__(self, *policies: RetentionPolicy) -> None:
+    def __init__(self, *policies: Any) -> None:
         if not policies:
             raise ConfigError("AnyOf() needs at least one policy, e.g. AnyOf(KeepLastN(3), KeepEveryNSteps(1000))")
-        self.policies = tuple(check_policy(p, name=f"AnyOf argument {i}") for i, p in enumerate(policies))
+        if all(callable(getattr(p, "should_save", None)) for p in policies):
+            self.kind = "save"
+            self.policies = tuple(policies)
+        else:
+            self.kind = "retention"
+            self.policies = tuple(check_policy(p, name=f"AnyOf argument {i}") for i, p in enumerate(policies))
 
     def __repr__(self) -> str:
         return f"AnyOf({', '.join(map(repr, self.policies))})"
@@ -145,8 +152,15 @@ class AnyOf:
         return hash(self.policies)
 
     def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
+        if self.kind != "retention":
+            raise ConfigError(f"{self!r} combines save-decision policies; it cannot decide retention")
         answers = [_answers(p, checkpoints, context) for p in self.policies]
         return [any(col) for col in zip(*answers)] if answers else []
+
+    def should_save(self, context: Any) -> bool:
+        if self.kind != "save":
+            raise ConfigError(f"{self!r} combines retention policies; it cannot decide when to save")
+        return any(p.should_save(context) for p in self.policies)
 
 
 def _answers(policy: RetentionPolicy, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> list[bool]:

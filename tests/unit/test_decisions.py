@@ -1,0 +1,172 @@
+"""Save-decision policies (tables, a fake clock, no sleeps), maybe_save, and the preemption notice."""
+
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from persist_core import (
+    AnyOf,
+    CheckpointEngine,
+    ConfigError,
+    Continuous,
+    DecisionContext,
+    EveryNSeconds,
+    EveryNSteps,
+    KeepLastN,
+    OptimalInterval,
+)
+from persist_core.local_writer import OsFileOps
+from tests.conftest import assert_state_equal
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def ctx(step=10, now=100.0, last_step=None, last_time=None, in_flight=False, cost_s=None, commit_s=None):
+    return DecisionContext(step=step, now=now, last_step=last_step, last_time=last_time, in_flight=in_flight,
+                           cost_s=cost_s, commit_s=commit_s)
+
+
+@pytest.mark.parametrize("policy, context, expected", [
+    (EveryNSteps(5), ctx(step=10), True),
+    (EveryNSteps(5), ctx(step=11), False),
+    (EveryNSeconds(30), ctx(), True),  # never saved: save now
+    (EveryNSeconds(30), ctx(now=129.0, last_time=100.0), False),
+    (EveryNSeconds(30), ctx(now=130.0, last_time=100.0), True),
+    (Continuous(), ctx(now=100.0, last_time=99.9), True),
+    (Continuous(), ctx(in_flight=True), False),  # never a second save in flight
+    (Continuous(min_interval_s=30), ctx(now=120.0, last_time=100.0), False),
+    (Continuous(min_interval_s=30), ctx(now=131.0, last_time=100.0), True),
+    (OptimalInterval(mtbf_s=3600), ctx(), True),  # nothing measured yet
+    # sqrt(2 * 0.5 s * 3600 s) = 60 s
+    (OptimalInterval(mtbf_s=3600), ctx(now=159.0, last_time=100.0, cost_s=0.5, commit_s=2.0), False),
+    (OptimalInterval(mtbf_s=3600), ctx(now=160.5, last_time=100.0, cost_s=0.5, commit_s=2.0), True),
+    (OptimalInterval(mtbf_s=3600), ctx(now=1000.0, last_time=100.0, cost_s=0.5, in_flight=True), False),
+    (AnyOf(EveryNSteps(1000), Continuous(min_interval_s=60)), ctx(step=1000, in_flight=True), True),
+    (AnyOf(EveryNSteps(1000), Continuous(min_interval_s=60)), ctx(step=999, now=150.0, last_time=100.0), False),
+])
+def test_policy_table(policy, context, expected):
+    assert policy.should_save(context) is expected
+
+
+def test_optimal_interval_follows_the_measured_cost():
+    policy = OptimalInterval(mtbf_s=7200)
+    assert policy.interval_s(ctx(cost_s=0.25)) == pytest.approx(math.sqrt(2 * 0.25 * 7200))
+    assert policy.interval_s(ctx(cost_s=1.0, commit_s=500.0)) == 500.0  # never faster than a save commits
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: EveryNSteps(0), "n must be an int >= 1"),
+    (lambda: EveryNSeconds(-1), "seconds must be a positive number"),
+    (lambda: Continuous(min_interval_s=-5), "non-negative"),
+    (lambda: OptimalInterval(mtbf_s=0), "mtbf_s must be a positive number"),
+])
+def test_bad_arguments(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+def test_policy_kinds_do_not_mix(tmp_path):
+    with pytest.raises(ConfigError, match="save-decision"):
+        CheckpointEngine(tmp_path, save_policy=KeepLastN(3))
+    with pytest.raises(ConfigError, match="retention policy"):
+        CheckpointEngine(tmp_path, keep_local=AnyOf(EveryNSteps(3)))
+    with pytest.raises(ConfigError, match="needs CheckpointEngine"):
+        CheckpointEngine(tmp_path / "x").maybe_save(dict, step=1)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class GatedOps(OsFileOps):
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def pwrite(self, fd, data, offset):
+        assert self.gate.wait(60)
+        return super().pwrite(fd, data, offset)
+
+
+def state_for(step: int) -> dict:
+    return {"w": torch.full((64, 64), float(step)), "step": step}
+
+
+def test_continuous_never_has_two_saves_in_flight_and_keeps_its_interval(tmp_path):
+    clock, ops, built = FakeClock(), GatedOps(), []
+
+    def make(step):
+        return lambda: built.append(step) or state_for(step)
+
+    with CheckpointEngine(tmp_path, save_policy=Continuous(min_interval_s=10), clock=clock, file_ops=ops) as engine:
+        ops.gate.clear()
+        assert engine.maybe_save(make(1), step=1) is not None  # the first decision point saves
+        clock.now += 60
+        for step in (2, 3, 4):  # step 1 is still being written: no second save, no state built
+            assert engine.maybe_save(make(step), step=step) is None
+        ops.gate.set()
+        engine.wait()
+        assert engine.maybe_save(make(5), step=5) is not None
+        engine.wait()
+        clock.now += 9  # committed, but the minimum interval has not passed
+        assert engine.maybe_save(make(6), step=6) is None
+        clock.now += 1
+        assert engine.maybe_save(make(7), step=7) is not None
+        assert engine.maybe_save(make(7), step=7) is None  # a step is saved once
+    assert built == [1, 5, 7]
+    assert [c.step for c in CheckpointEngine(tmp_path).list()] == [1, 5, 7]
+
+
+def test_optimal_interval_uses_the_cost_of_the_saves_it_measured(tmp_path):
+    clock = FakeClock()
+    policy = OptimalInterval(mtbf_s=3600)
+    with CheckpointEngine(tmp_path, save_policy=policy, clock=clock) as engine:
+        engine.maybe_save(lambda: state_for(1), step=1).wait()
+        context = engine._decision_context(2)
+        assert context.cost_s is not None and context.cost_s > 0
+        interval = policy.interval_s(context)
+        clock.now += interval * 0.9
+        assert engine.maybe_save(lambda: state_for(2), step=2) is None
+        clock.now += interval * 0.2
+        assert engine.maybe_save(lambda: state_for(3), step=3) is not None
+
+
+CHILD = """
+import os, signal, sys, torch
+sys.path.insert(0, {root!r})
+from persist_core import CheckpointEngine, EveryNSteps, PreemptionNotice
+engine = CheckpointEngine({local!r}, remote_url={remote!r}, save_policy=EveryNSteps(1000), preemption=PreemptionNotice())
+for step in range(1, 10_000):
+    w = torch.full((256, 256), float(step))
+    if step == 37:
+        os.kill(os.getpid(), signal.SIGTERM)  # the notice arrives mid-step
+    engine.maybe_save(lambda: {{"w": w, "step": step}}, step=step)
+    if engine.preempted:
+        print(step, flush=True)
+        break
+engine.close()
+"""
+
+
+def test_a_preemption_notice_saves_the_step_it_arrived_at_and_syncs_it(tmp_path):
+    local, remote = tmp_path / "ckpt", (tmp_path / "remote").as_uri()
+    child = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT), local=str(local), remote=remote)],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.strip() == "37"
+    fresh = CheckpointEngine(tmp_path / "fresh", remote_url=remote)
+    assert [c.step for c in fresh.list("remote")] == [37]  # committed and uploaded before the exit
+    assert_state_equal(fresh.load(37), {"w": torch.full((256, 256), 37.0), "step": 37})
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the parent's handler is untouched
