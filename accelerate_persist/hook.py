@@ -47,6 +47,7 @@ from persist_core import (
     TorchCollectives,
 )
 from persist_core.layout import checkpoint_dirname
+from persist_core.decisions import PreemptionNotice, SavePolicy, check_save_policy
 from persist_core.preemption import check_grace, install_sigterm_flush
 from persist_core.retention import policy_from_keywords
 
@@ -94,6 +95,10 @@ class PersistHook:
         verify: check checksums on load.
         max_pending: checkpoints staged or writing at once (each holds a host copy of the state).
         preemption_grace_s: how long SIGTERM waits for pending work (default 120 s).
+        save_policy: when :meth:`maybe_save` saves (``Continuous(min_interval_s=30)``,
+            ``EveryNSteps(1000)``, ``OptimalInterval(mtbf_s=...)``). With one, SIGTERM only sets a
+            flag: the next ``maybe_save`` saves on every process, flushes within the grace
+            period, and :attr:`preempted` tells the loop to stop.
     """
 
     def __init__(
@@ -109,6 +114,7 @@ class PersistHook:
         verify: bool = True,
         max_pending: int = 1,
         preemption_grace_s: float = 120.0,
+        save_policy: SavePolicy | None = None,
     ) -> None:
         self._local_dir = Path(local_dir).expanduser().absolute()
         self._remote_url = remote_url
@@ -117,13 +123,15 @@ class PersistHook:
         self._verify = verify
         self._max_pending = max_pending
         self._grace_s = check_grace(preemption_grace_s)
+        self._save_policy = None if save_policy is None else check_save_policy(save_policy)
+        self._notice: PreemptionNotice | None = None
         self._accelerator: Any = None
         self._engine: CheckpointEngine | None = None
         self._originals: dict[str, Any] = {}
         self._optimizer_steps = 0
         self._saved: set[int] = set()
         self._unlogged: list[SaveHandle] = []
-        self._signal_installed = False
+        self._restore_signal: Any = None
 
     # ------------------------------------------------------------------ registration
 
@@ -154,10 +162,13 @@ class PersistHook:
                     f"{self._policy!r}: set one of them (the hook applies retention after each commit)"
                 )
         collectives = TorchCollectives.new_group() if accelerator.num_processes > 1 else SingleProcess()
+        if self._save_policy is not None and self._notice is None:
+            self._notice = PreemptionNotice()
         self._engine = CheckpointEngine(
             self._local_dir, remote_url=self._remote_url, storage_options=self._storage_options,
             keep_local=self._policy, keep_remote=self._policy if self._remote_url else None, verify=self._verify,
-            max_pending=self._max_pending, collectives=collectives,
+            max_pending=self._max_pending, collectives=collectives, save_policy=self._save_policy,
+            preemption=self._notice, preemption_grace_s=self._grace_s,
         )
         self._accelerator = accelerator
         self._originals = {name: getattr(accelerator, name) for name in ("save_state", "load_state", "end_training")}
@@ -166,8 +177,8 @@ class PersistHook:
         accelerator.end_training = self._end_training
         for optimizer in accelerator._optimizers:
             self._count_steps(optimizer)
-        if not self._signal_installed:
-            self._signal_installed = install_sigterm_flush(
+        if self._restore_signal is None and self._notice is None:
+            self._restore_signal = install_sigterm_flush(
                 lambda: None if self._engine is None else self._engine.wait, self._grace_s)
         return self
 
@@ -290,6 +301,36 @@ class PersistHook:
             return 0
         return self._optimizer_steps
 
+    def maybe_save(self) -> bool:
+        """Save if the ``save_policy`` (or a preemption notice) says so; every process calls this.
+
+        The decision is agreed across processes (the main process's policy; a preemption notice
+        on any process counts for all), so no process waits for a save the others skipped.
+
+        Returns:
+            Whether it saved. After a preemption notice, :attr:`preempted` is True.
+
+        Raises:
+            ConfigError: no ``save_policy`` was given.
+        """
+        engine = self._engine_or_raise()
+        if self._save_policy is None:
+            raise ConfigError("maybe_save() needs PersistHook(save_policy=...), e.g. Continuous(min_interval_s=30)")
+        preempting = engine.preemption_pending()
+        decision = engine.should_save(self._optimizer_steps)
+        votes = _gather(self._accelerator, (decision, preempting))
+        decision = votes[0][0] or any(p for _, p in votes)
+        if decision:
+            self._save_state()
+        if any(p for _, p in votes):
+            engine.finish_preemption()
+        return decision
+
+    @property
+    def preempted(self) -> bool:
+        """A preemption notice arrived and its checkpoint is committed (and uploaded): stop the loop."""
+        return self._engine is not None and self._engine.preempted
+
     def latest(self) -> str | None:
         """The newest committed checkpoint's path or URL, or ``None``."""
         with CheckpointReader(self._local_dir, remote_url=self._remote_url, storage_options=self._storage_options) as r:
@@ -315,6 +356,12 @@ class PersistHook:
             self._log_finished()
             for name, original in self._originals.items():
                 setattr(acc, name, original)
+            if self._notice is not None:
+                self._notice.restore()
+                self._notice = None
+            if self._restore_signal is not None:
+                self._restore_signal()
+                self._restore_signal = None
             self._accelerator, self._engine, self._originals = None, None, {}
 
     def __enter__(self) -> PersistHook:

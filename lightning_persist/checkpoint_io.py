@@ -152,7 +152,7 @@ class PersistCheckpointIO(CheckpointIO):
         self._storage_options = storage_options
         self._user_policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds, retention)
         self._grace_s = check_grace(preemption_grace_s)
-        self._signal_installed = False
+        self._restore_signal: Any = None
         self._verify = verify
         self._max_pending = max_pending
         self._write_threads = write_threads
@@ -334,6 +334,9 @@ class PersistCheckpointIO(CheckpointIO):
         """
         engine, self._engine = self._engine, None
         reader, self._reader = self._reader, None
+        if self._restore_signal is not None:
+            self._restore_signal()
+            self._restore_signal = None
         if reader is not None:
             reader.close()
         trainer = _find_trainer()
@@ -409,8 +412,8 @@ class PersistCheckpointIO(CheckpointIO):
 
     def _install_sigterm_handler(self) -> None:
         """Without a Trainer (Fabric): on SIGTERM, flush within the grace period, then chain."""
-        if not self._signal_installed:
-            self._signal_installed = install_sigterm_flush(
+        if self._restore_signal is None:
+            self._restore_signal = install_sigterm_flush(
                 lambda: None if self._engine is None else self._engine.wait, self._grace_s)
 
     def _raise_link_errors(self) -> None:

@@ -35,14 +35,18 @@ def check_grace(grace_s: float) -> float:
     return float(grace_s)
 
 
-def install_sigterm_flush(wait: Callable[[], Callable[[float], None] | None], grace_s: float) -> bool:
+def install_sigterm_flush(wait: Callable[[], Callable[[float], None] | None],
+                          grace_s: float) -> Callable[[], None] | None:
     """On SIGTERM, drain what ``wait()`` returns (an engine's ``wait``, or ``None``), then chain.
 
-    Installs nothing off the main thread (Python only delivers signals there); returns whether
-    it installed the handler.
+    Installs nothing off the main thread (Python only delivers signals there).
+
+    Returns:
+        A function that puts the previous handler back (if this one is still installed), or
+        ``None`` when nothing was installed.
     """
     if threading.current_thread() is not threading.main_thread():
-        return False
+        return None
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum: int, frame: Any) -> None:
@@ -60,4 +64,9 @@ def install_sigterm_flush(wait: Callable[[], Callable[[float], None] | None], gr
             os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    return True
+
+    def restore() -> None:
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
+
+    return restore

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from accelerate_persist import PersistHook  # noqa: E402
+from persist_core import Continuous, EveryNSteps  # noqa: E402
 
 BATCHES = 12
 
@@ -55,8 +57,12 @@ def build(accelerator: Accelerator, width: int = 64):
 
 
 def train(accelerator, model, optimizer, loader, scheduler, counter, *, start: int, stop: int, save_every: int = 0,
-          on_save=None) -> None:
-    """Optimizer steps ``start+1 .. stop``, resuming mid-epoch by skipping the batches already seen."""
+          on_save=None, hook=None, on_step=None) -> None:
+    """Optimizer steps ``start+1 .. stop``, resuming mid-epoch by skipping the batches already seen.
+
+    With a ``hook`` that has a save policy, ``hook.maybe_save()`` runs after every step and the
+    loop stops once the hook is preempted.
+    """
     step, per_epoch = start, len(loader)  # batches this process sees per epoch
     while step < stop:
         batches = accelerator.skip_first_batches(loader, step % per_epoch) if step % per_epoch else loader
@@ -68,10 +74,18 @@ def train(accelerator, model, optimizer, loader, scheduler, counter, *, start: i
             optimizer.zero_grad()
             counter.seen += len(x)
             step += 1
+            if on_step is not None:
+                on_step(step)
             if save_every and step % save_every == 0:
                 accelerator.save_state()
                 if on_save is not None:
                     on_save(step)
+            if hook is not None:
+                saved = hook.maybe_save()
+                if saved and on_save is not None:
+                    on_save(step)
+                if hook.preempted:
+                    return
             if step == stop:
                 return
 
@@ -92,12 +106,17 @@ def main() -> None:
     parser.add_argument("--kill-after-save", type=int, help="SIGKILL right after save_state() of this step returns")
     parser.add_argument("--term-after-save", type=int, help="SIGTERM right after save_state() of this step returns")
     parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--policy", choices=["continuous", "every4"], help="save with hook.maybe_save() instead")
+    parser.add_argument("--term-at", type=int, help="SIGTERM (on the main process) during this step")
+    parser.add_argument("--decisions", help="write this process's save decisions here (JSON)")
     args = parser.parse_args()
     endpoint = os.environ.get("PERSIST_TEST_S3_ENDPOINT")
     options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint and args.remote_url else None
     accelerator = Accelerator(cpu=True)
     parts = build(accelerator, args.width)
-    hook = PersistHook(local_dir=args.local_dir, remote_url=args.remote_url, storage_options=options)
+    policy = {"continuous": Continuous(), "every4": EveryNSteps(4), None: None}[args.policy]
+    hook = PersistHook(local_dir=args.local_dir, remote_url=args.remote_url, storage_options=options,
+                       save_policy=policy)
     hook.register(accelerator)
     start = hook.resume() if args.resume else 0
 
@@ -110,7 +129,20 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice; the upload is still pending
             print("SIGTERM did not end the process", flush=True)
 
-    train(accelerator, *parts, start=start, stop=args.steps, save_every=args.save_every, on_save=on_save)
+    decisions: list[int] = []
+
+    def on_step(step: int) -> None:
+        if step == args.term_at and accelerator.is_main_process:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def record(step: int) -> None:
+        decisions.append(step)
+        on_save(step)
+
+    train(accelerator, *parts, start=start, stop=args.steps, save_every=0 if policy else args.save_every,
+          on_save=record, hook=hook if policy else None, on_step=on_step)
+    if args.decisions:
+        Path(f"{args.decisions}.{accelerator.process_index}").write_text(json.dumps(decisions))
     hook.close()
     if args.out and accelerator.is_main_process:
         torch.save({"start": start, "weights": weights(parts[0])}, args.out)

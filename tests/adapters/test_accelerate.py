@@ -111,11 +111,14 @@ def test_unregistered_and_unsupported_uses_are_clear_errors(tmp_path):
     hook = PersistHook(local_dir=tmp_path / "ckpt")
     with pytest.raises(ConfigError, match="not registered"):
         hook.wait()
+    before = signal.getsignal(signal.SIGTERM)
     hook.register(acc)
+    assert signal.getsignal(signal.SIGTERM) is not before  # the flush-on-SIGTERM handler
     with pytest.raises(ConfigError, match="registered already"):
         hook.register(acc)
     hook.close()
     assert acc.save_state.__func__.__qualname__ == "Accelerator.save_state"  # given back
+    assert signal.getsignal(signal.SIGTERM) is before  # and the signal handler too
 
 
 def launch(*args: str, processes: int = 2, env: dict | None = None, timeout: float = 240):
@@ -240,3 +243,28 @@ def test_persist_export_format_accelerate(tmp_path):
     model, *_ = build(acc)
     acc.load_state(str(tmp_path / "acc"))
     assert_state_equal(weights(model), weights(parts[0]))
+
+
+def test_two_processes_agree_on_every_continuous_decision(tmp_path):
+    d = tmp_path / "ckpt"
+    run = launch("--local-dir", str(d), "--steps", "24", "--policy", "continuous", "--width", "512",
+                 "--decisions", str(tmp_path / "decisions"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"decisions.{r}").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1] and len(ranks[0]) >= 2  # the same saves on both, at the same steps
+    committed = [int(p.name[5:]) for p in d.iterdir() if p.name.startswith("step-")]
+    assert sorted(committed) == ranks[0]
+
+
+def test_sigterm_with_a_save_policy_saves_that_step_syncs_it_and_stops(tmp_path):
+    remote = (tmp_path / "remote").as_uri()
+    run = subprocess.run([sys.executable, str(APP), "--local-dir", str(tmp_path / "m1"), "--steps", "100",
+                          "--policy", "every4", "--term-at", "10", "--remote-url", remote,
+                          "--out", str(tmp_path / "w")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]  # it left on its own, after the flush
+    acc = fresh_accelerator()
+    parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "fresh", remote_url=remote).register(acc) as hook:
+        assert hook.resume() == 10  # the step the notice arrived at (not a multiple of 4)
+    assert_state_equal(weights(parts[0]), torch.load(f"{tmp_path / 'w'}.step10"))
+    assert torch.load(tmp_path / "w")["weights"] is not None
