@@ -47,7 +47,7 @@ from persist_core import (
     TorchCollectives,
 )
 from persist_core.layout import checkpoint_dirname
-from persist_core.decisions import PreemptionNotice, SavePolicy, check_save_policy
+from persist_core.decisions import PreemptionNotice, SavePolicy, check_save_policy, describe_summary
 from persist_core.preemption import check_grace, install_sigterm_flush
 from persist_core.retention import policy_from_keywords
 
@@ -351,6 +351,7 @@ class PersistHook:
         engine, acc = self._engine, self._accelerator
         try:
             if engine is not None:
+                log.info("torch-persist: %s", describe_summary(engine.summary()))
                 engine.close()
         finally:
             self._log_finished()

@@ -5,10 +5,11 @@
 every rank write its part.
 """
 
+from lightning_persist.autosave import PersistAutoSave
 from lightning_persist.checkpoint_io import PersistCheckpointIO
 from lightning_persist.strategy import PersistDDPStrategy
 
-__all__ = ["PersistCheckpointIO", "PersistDDPStrategy"]
+__all__ = ["PersistAutoSave", "PersistCheckpointIO", "PersistDDPStrategy"]
 
 
 def _register_with_pytorch_lightning() -> None:

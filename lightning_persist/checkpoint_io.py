@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import _load as torch_load
+from lightning.pytorch.callbacks import Callback
 
 from persist_core import (
     AnyOf,
@@ -44,6 +45,7 @@ from persist_core import (
     SingleProcess,
     StepExistsError,
 )
+from persist_core.decisions import SavePolicy, describe_summary
 from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname
 from persist_core.local_writer import fsync_dir
 from persist_core.preemption import check_grace, drain_within, install_sigterm_flush
@@ -352,11 +354,23 @@ class PersistCheckpointIO(CheckpointIO):
                 engine.wait()
                 engine.prune()
             finally:
+                log.info("torch-persist: %s", describe_summary(engine.summary()))
                 engine.close()
         finally:
             self._log_finished()
             self._log_summary()
         self._raise_link_errors()
+
+    def autosave(self, policy: SavePolicy, filename: str = "autosave.ckpt") -> Callback:
+        """A callback that saves when ``policy`` says so (and at a SIGTERM), through this plugin.
+
+        Example: ``Trainer(plugins=[io], callbacks=[io.autosave(Continuous(min_interval_s=30))])``.
+        The newest autosave is ``local_dir/autosave.ckpt``; retention (``keep_last`` ...) decides
+        what else stays.
+        """
+        from lightning_persist.autosave import PersistAutoSave
+
+        return PersistAutoSave(self, policy, filename)
 
     # ------------------------------------------------------------------ resume
 

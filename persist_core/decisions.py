@@ -182,3 +182,15 @@ class PreemptionNotice:
 
 
 Clock = Callable[[], float]
+
+
+def describe_summary(summary: dict[str, Any]) -> str:
+    """:meth:`CheckpointEngine.summary` in one line: intervals, stall share, upload lag."""
+
+    def sec(v: Any) -> str:
+        return "-" if v is None else f"{v:.1f} s"
+    stall = summary["stall_fraction"]
+    return (f"{summary['saves']} saves, interval P50 {sec(summary['interval_p50_s'])} / P90 "
+            f"{sec(summary['interval_p90_s'])} ({summary['interval_p50_steps'] or '-'} steps), training stalled "
+            f"{'-' if stall is None else f'{stall:.1%}'} of the time, upload lag P50 {sec(summary['upload_lag_p50_s'])}")
+

@@ -91,6 +91,11 @@ def _structure_signature(flat: FlatState, groups: list[list[int]]) -> str:
     return f"{crc32c.crc32c(json.dumps([described, groups]).encode()):08x}"
 
 
+def _quantile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of sorted ``values`` (nearest rank), or ``None`` when empty."""
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -209,6 +214,8 @@ class CheckpointEngine:
         self._clock = clock
         self._last_save: tuple[int, float] | None = None  # (step, clock) of the last save started
         self._recent: deque[SaveHandle] = deque(maxlen=5)
+        self._history: deque[tuple[float, int, SaveHandle]] = deque(maxlen=10_000)  # (clock, step, handle)
+        self._started = clock()
         self._preempt_saved = False
         self._coll = collectives or SingleProcess()
         self._leader = self._coll.rank == 0
@@ -312,6 +319,7 @@ class CheckpointEngine:
             self._pending[step] = handle
             self._latest_step = max(self._latest_step, step)
             self._last_save = (step, t_decided)
+            self._history.append((t_decided, step, handle))
         self._recent.append(handle)
         base = Manifest(step=step, time=time.time(), world_size=1, tree=flat.tree, tensors=records, objects=objects,
                         files=(), metadata=dict(metadata or {}))
@@ -358,7 +366,7 @@ class CheckpointEngine:
             return not known
         if self._save_policy is None:
             raise ConfigError("maybe_save() needs CheckpointEngine(save_policy=...), e.g. Continuous(min_interval_s=30)")
-        return not known and bool(self._save_policy.should_save(self._decision_context(step)))
+        return not known and bool(self._save_policy.should_save(self.decision_context(step)))
 
     def preemption_pending(self) -> bool:
         """A preemption notice arrived and :meth:`finish_preemption` has not run yet."""
@@ -375,7 +383,33 @@ class CheckpointEngine:
         """A preemption notice arrived and its checkpoint was handled: the loop should stop."""
         return self._preempt_saved
 
-    def _decision_context(self, step: int) -> DecisionContext:
+    def summary(self) -> dict[str, float | int | None]:
+        """How checkpointing went so far: saves, intervals, stall fraction, upload lag.
+
+        Keys: ``saves``; ``interval_p50_s``/``interval_p90_s`` and ``interval_p50_steps``
+        (between save starts); ``stall_fraction`` (the share of wall time since the engine
+        started that ``save()`` blocked the caller); ``upload_lag_p50_s`` (local commit to remote
+        commit). ``None`` where there is nothing to measure yet.
+        """
+        with self._lock:
+            history = list(self._history)
+        times = [t for t, _, _ in history]
+        steps = [s for _, s, _ in history]
+        gaps = sorted(b - a for a, b in zip(times, times[1:]))
+        step_gaps = sorted(b - a for a, b in zip(steps, steps[1:]))
+        lags = sorted(h.stats.lag_s for _, _, h in history if h.stats.lag_s is not None)
+        elapsed = self._clock() - self._started
+        return {
+            "saves": len(history),
+            "interval_p50_s": _quantile(gaps, 0.5),
+            "interval_p90_s": _quantile(gaps, 0.9),
+            "interval_p50_steps": _quantile(step_gaps, 0.5),
+            "stall_fraction": sum(h.stats.stall_s for _, _, h in history) / elapsed if elapsed > 0 else None,
+            "upload_lag_p50_s": _quantile(lags, 0.5),
+        }
+
+    def decision_context(self, step: int) -> DecisionContext:
+        """What a save-decision policy sees at ``step`` now (the last save, whether one is in flight, costs)."""
         with self._lock:
             in_flight = bool(self._pending)
         done = [h.stats for h in self._recent if h.done() and h.stats.commit_s is not None]

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_persist import PersistCheckpointIO, PersistDDPStrategy  # noqa: E402
+from persist_core import EveryNSteps  # noqa: E402
 
 BATCHES_PER_EPOCH = 6
 
@@ -86,14 +87,20 @@ def main() -> None:
     parser.add_argument("--out", help="torch.save the final weights here (rank 0)")
     parser.add_argument("--term-at", type=int)
     parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--autosave-every", type=int, help="io.autosave(EveryNSteps(N)) instead of ModelCheckpoint")
     args = parser.parse_args()
     endpoint = os.environ.get("PERSIST_TEST_S3_ENDPOINT")
     options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint and args.remote_url else None
     io = PersistCheckpointIO(local_dir=args.local_dir, remote_url=args.remote_url, storage_options=options)
     extra = [TermAtStep(args.term_at)] if args.term_at else []
     strategy = PersistDDPStrategy() if args.strategy == "persist_ddp" else args.strategy
-    trainer = make_trainer(io, args.local_dir, args.max_steps, callbacks=extra, devices=args.devices,
-                           strategy=strategy)
+    if args.autosave_every:
+        trainer = Trainer(max_steps=args.max_steps, plugins=[io], accelerator="cpu", devices=args.devices,
+                          strategy=strategy, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          enable_checkpointing=False, callbacks=[*extra, io.autosave(EveryNSteps(args.autosave_every))])
+    else:
+        trainer = make_trainer(io, args.local_dir, args.max_steps, callbacks=extra, devices=args.devices,
+                               strategy=strategy)
     model = Net(width=args.width)
     trainer.fit(model, ckpt_path=io.latest_path() if args.resume else None)
     if args.out and trainer.is_global_zero:

@@ -382,3 +382,28 @@ def test_persist_export_makes_a_file_lightnings_default_io_resumes_from(tmp_path
     straight = fit(None, tmp_path / "plain", max_steps=9)
     resumed = fit(None, tmp_path / "plain2", max_steps=9, ckpt_path=str(out))  # TorchCheckpointIO loads it
     assert_state_equal(weights(resumed), weights(straight))
+
+
+def test_autosave_follows_its_policy_and_retention(tmp_path):
+    from lightning.pytorch import Trainer
+
+    from persist_core import EveryNSteps
+
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d, keep_last=2)
+    autosave = io.autosave(EveryNSteps(3))
+    Trainer(max_steps=10, plugins=[io], accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False, callbacks=[autosave]).fit(Net())
+    assert autosave.saved_steps == [3, 6, 9]
+    assert os.readlink(d / "autosave.ckpt") == "step-000000000009"
+    assert step_dirs(d) == {"step-000000000006", "step-000000000009"}
+    assert io.load_checkpoint(d / "autosave.ckpt")["global_step"] == 9
+
+
+def test_sigterm_with_autosave_saves_the_step_it_arrived_at_and_syncs_it(tmp_path):
+    remote = (tmp_path / "remote").as_uri()
+    run = run_app("--local-dir", str(tmp_path / "ckpt"), "--max-steps", "50", "--term-at", "4",
+                  "--autosave-every", "1000", "--remote-url", remote)
+    assert "Received SIGTERM" in run.stderr, run.stderr[-3000:]
+    fresh = PersistCheckpointIO(local_dir=tmp_path / "fresh", remote_url=remote)
+    assert fresh.latest_path() == f"{remote}/step-000000000004"  # not a multiple of 1000: the preemption save

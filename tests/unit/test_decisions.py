@@ -133,7 +133,7 @@ def test_optimal_interval_uses_the_cost_of_the_saves_it_measured(tmp_path):
     policy = OptimalInterval(mtbf_s=3600)
     with CheckpointEngine(tmp_path, save_policy=policy, clock=clock) as engine:
         engine.maybe_save(lambda: state_for(1), step=1).wait()
-        context = engine._decision_context(2)
+        context = engine.decision_context(2)
         assert context.cost_s is not None and context.cost_s > 0
         interval = policy.interval_s(context)
         clock.now += interval * 0.9
@@ -168,3 +168,20 @@ def test_a_preemption_notice_saves_the_step_it_arrived_at_and_syncs_it(tmp_path)
     fresh = CheckpointEngine(tmp_path / "fresh", remote_url=remote)
     assert [c.step for c in fresh.list("remote")] == [37]  # committed and uploaded before the exit
     assert_state_equal(fresh.load(37), {"w": torch.full((256, 256), 37.0), "step": 37})
+
+
+def test_summary_reports_intervals_and_the_stall_fraction(tmp_path):
+    from persist_core.decisions import describe_summary
+
+    clock = FakeClock()
+    with CheckpointEngine(tmp_path, clock=clock) as engine:
+        assert engine.summary()["interval_p50_s"] is None
+        for step, advance in ((1, 0), (5, 10), (9, 10), (13, 40)):
+            clock.now += advance
+            engine.save(state_for(step), step=step).wait()
+        clock.now += 40
+        summary = engine.summary()
+    assert summary["saves"] == 4
+    assert (summary["interval_p50_s"], summary["interval_p90_s"], summary["interval_p50_steps"]) == (10, 40, 4)
+    assert 0 < summary["stall_fraction"] < 1  # real stalls over 100 fake seconds
+    assert "interval P50 10.0 s / P90 40.0 s (4 steps)" in describe_summary(summary)

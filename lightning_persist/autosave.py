@@ -1,0 +1,47 @@
+"""``PersistAutoSave``: a callback that saves when a save-decision policy says so.
+
+Made with :meth:`PersistCheckpointIO.autosave`. At each training batch end, rank 0 asks the
+policy (``Continuous``, ``EveryNSteps``, ``OptimalInterval``, ...) with the engine's view of the
+last save and what saves cost, and broadcasts the answer, so every rank saves the same step or
+none does. When Lightning has received SIGTERM during the batch, it saves that step whatever
+the policy says; Lightning then stops and the plugin's ``teardown`` flushes the commit and
+upload within the grace period.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from persist_core.decisions import SavePolicy, check_save_policy
+
+
+class PersistAutoSave(Callback):
+    """Saves ``local_dir/<filename>`` (one link, replaced each time) when ``policy`` says so.
+
+    Args:
+        io: the plugin the Trainer uses.
+        policy: the save-decision policy.
+        filename: the name of the link to the newest autosaved checkpoint.
+    """
+
+    def __init__(self, io: Any, policy: SavePolicy, filename: str = "autosave.ckpt") -> None:
+        self._io = io
+        self._policy = check_save_policy(policy)
+        self._filename = filename
+        self.saved_steps: list[int] = []
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        step = trainer.global_step
+        decision = False
+        if trainer.is_global_zero:
+            engine = self._io._get_engine()
+            decision = bool(trainer.received_sigterm) or (
+                step not in self._io._saved and bool(self._policy.should_save(engine.decision_context(step)))
+            )
+        decision = trainer.strategy.broadcast(decision, src=0)
+        if decision:
+            trainer.save_checkpoint(os.path.join(str(self._io.local_dir), self._filename))
+            self.saved_steps.append(step)
