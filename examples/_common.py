@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -26,3 +30,22 @@ def remote_storage(out: Path, run: str):
 
 def listing(local_dir: Path) -> str:
     return ", ".join(f"{p.name} -> {os.readlink(p)}" if p.is_symlink() else p.name for p in sorted(local_dir.iterdir()))
+
+
+def run_machine(cmd: list[str]) -> dict | None:
+    """Run one machine's training process: its last JSON line, or ``None`` when it was SIGKILLed."""
+    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if run.returncode == -signal.SIGKILL:
+        return None
+    if run.returncode != 0:
+        sys.exit(f"training failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def remote_steps(scratch: Path, remote: str, endpoint: str | None) -> list[int]:
+    """The committed steps on the remote."""
+    from persist_core import CheckpointReader
+
+    options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else None
+    with CheckpointReader(scratch, remote_url=remote, storage_options=options) as reader:
+        return [c.step for c in reader.list("remote")]

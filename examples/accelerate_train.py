@@ -28,7 +28,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -94,29 +93,23 @@ def machine(local_dir: Path | None, remote: str, endpoint: str | None, kill_afte
     cmd = [sys.executable, __file__, "--child", "--remote", remote]
     cmd += (["--local-dir", str(local_dir)] if local_dir else []) + (["--endpoint", endpoint] if endpoint else [])
     cmd += ["--kill-after", str(kill_after)] if kill_after else []
-    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    if run.returncode == -signal.SIGKILL:
-        return None
-    if run.returncode != 0:
-        sys.exit(f"training failed:\n{run.stderr[-3000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    from examples._common import run_machine
+
+    return run_machine(cmd)
 
 
 def main() -> None:
-    from examples._common import listing, remote_storage
-    from persist_core import CheckpointReader
+    from examples._common import listing, remote_steps, remote_storage
 
     out = ROOT / "demo-out" / "accelerate"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     with remote_storage(out, "run-8") as (remote, endpoint):
-        options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else None
         print(f"== Accelerate: machine 1 trains {TOTAL_STEPS} steps, save_state() every {EVERY} (keep 2 + every 20th), "
               f"synced to {remote}; SIGKILL right after save_state() at step {KILL_AFTER_SAVE}")
         assert machine(out / "machine-1", remote, endpoint, kill_after=KILL_AFTER_SAVE) is None
         print(f"  killed. machine 1's local_dir: {listing(out / 'machine-1')}")
-        with CheckpointReader(out / "peek", remote_url=remote, storage_options=options) as reader:
-            print(f"  on the remote: steps {[c.step for c in reader.list('remote')]}")
+        print(f"  on the remote: steps {remote_steps(out / 'peek', remote, endpoint)}")
         print("== machine 2: empty local_dir, same code: step = hook.resume()")
         resumed = machine(out / "machine-2", remote, endpoint)
         print(f"  resumed at step {resumed['resumed_from']} and finished at step {resumed['step']}")

@@ -25,7 +25,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -97,29 +96,23 @@ def machine(local_dir: Path, remote: str, endpoint: str | None, kill_at: int | N
     cmd = [sys.executable, __file__, "--child", str(local_dir), "--remote", remote]
     cmd += (["--endpoint", endpoint] if endpoint else []) + (["--kill-at", str(kill_at)] if kill_at else [])
     cmd += [] if checkpoint else ["--no-checkpoint"]
-    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    if run.returncode == -signal.SIGKILL:
-        return None
-    if run.returncode != 0:
-        sys.exit(f"training failed:\n{run.stderr[-3000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    from examples._common import run_machine
+
+    return run_machine(cmd)
 
 
 def main() -> None:
-    from examples._common import listing, remote_storage
-    from persist_core import CheckpointReader
+    from examples._common import listing, remote_steps, remote_storage
 
     out = ROOT / "demo-out" / "lightning"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     with remote_storage(out, "run-7") as (remote, endpoint):
-        options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else None
         print(f"== Lightning: machine 1 trains {TOTAL_STEPS} steps, a checkpoint every {EVERY} (top 2 + last), "
               f"synced to {remote} (milestones every 20 steps); SIGKILL at step {KILL_AT}")
         assert machine(out / "machine-1", remote, endpoint, kill_at=KILL_AT) is None
         print(f"  killed. machine 1's local_dir: {listing(out / 'machine-1')}")
-        with CheckpointReader(out / "peek", remote_url=remote, storage_options=options) as reader:
-            print(f"  on the remote: steps {[c.step for c in reader.list('remote')]}")
+        print(f"  on the remote: steps {remote_steps(out / 'peek', remote, endpoint)}")
         print("== machine 2: empty local_dir, same code: trainer.fit(model, ckpt_path=io.latest_path())")
         resumed = machine(out / "machine-2", remote, endpoint)
         print(f"  resumed from {resumed['resumed_from']} and finished at step {resumed['step']}")
