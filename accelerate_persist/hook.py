@@ -382,13 +382,9 @@ class PersistHook:
         acc = self._accelerator
         for handle in done:
             s = handle.stats
-            metrics = {"persist/stall_s": s.stall_s}
-            for name in ("write_gbps", "upload_gbps", "lag_s"):
-                if getattr(s, name) is not None:
-                    metrics[f"persist/{name}"] = getattr(s, name)
             log.info("[step=%d] stall %.3f s, write %.2f GB/s", s.step, s.stall_s, s.write_gbps or 0.0)
             if acc is not None and getattr(acc, "trackers", None):
-                acc.log(metrics, step=s.step)
+                acc.log(s.metrics(), step=s.step)
 
 
 # ---------------------------------------------------------------------- state pieces

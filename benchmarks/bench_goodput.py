@@ -63,7 +63,7 @@ def child(local_dir: str, policy_text: str, steps: int, width: int) -> None:
         engine.maybe_save(lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step)
         print(json.dumps({"event": "step", "step": step}), flush=True)
     engine.wait()
-    done = [h.stats for h in engine._recent if h.stats.commit_s is not None]
+    done = [h.stats for _, _, h in list(engine._history)[-5:] if h.stats.commit_s is not None]
     print(json.dumps({"event": "done", "summary": engine.summary(),
                       "save_s": statistics.median(s.stall_s + s.commit_s for s in done) if done else None}), flush=True)
     engine.close()

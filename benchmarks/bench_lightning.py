@@ -123,7 +123,7 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
 
     base = {k: statistics.median(r[k] for r in results["none"]) for k in ("step_s", "fit_s", "rss_gb")}
-    print(f"\n| configuration | step time | overhead | fit wall time | peak RSS | RSS vs none | .ckpt files left |")
+    print("\n| configuration | step time | overhead | fit wall time | peak RSS | RSS vs none | .ckpt files left |")
     print("|---|---|---|---|---|---|---|")
     for mode in MODES:
         med = {k: statistics.median(r[k] for r in results[mode]) for k in ("step_s", "fit_s", "rss_gb")}

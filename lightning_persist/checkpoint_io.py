@@ -448,16 +448,11 @@ class PersistCheckpointIO(CheckpointIO):
         for handle in done:
             stats = handle.stats
             self._summary.append(stats)
-            metrics = {"persist/stall_s": stats.stall_s}
-            for name in ("write_gbps", "upload_gbps", "lag_s"):
-                value = getattr(stats, name)
-                if value is not None:
-                    metrics[f"persist/{name}"] = value
             log.info("[step=%d] stall %.3f s, write %.2f GB/s, upload %s GB/s, lag %s s", stats.step, stats.stall_s,
                      stats.write_gbps or 0.0, _fmt(stats.upload_gbps), _fmt(stats.lag_s))
             if trainer is not None:
                 for logger in trainer.loggers:
-                    logger.log_metrics(metrics, step=stats.step)
+                    logger.log_metrics(stats.metrics(), step=stats.step)
         return trainer
 
     def _log_summary(self) -> None:

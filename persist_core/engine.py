@@ -212,8 +212,6 @@ class CheckpointEngine:
         self._preemption = preemption
         self._grace_s = check_grace(preemption_grace_s)
         self._clock = clock
-        self._last_save: tuple[int, float] | None = None  # (step, clock) of the last save started
-        self._recent: deque[SaveHandle] = deque(maxlen=5)
         self._history: deque[tuple[float, int, SaveHandle]] = deque(maxlen=10_000)  # (clock, step, handle)
         self._started = clock()
         self._preempt_saved = False
@@ -318,9 +316,7 @@ class CheckpointEngine:
         with self._lock:
             self._pending[step] = handle
             self._latest_step = max(self._latest_step, step)
-            self._last_save = (step, t_decided)
             self._history.append((t_decided, step, handle))
-        self._recent.append(handle)
         base = Manifest(step=step, time=time.time(), world_size=1, tree=flat.tree, tensors=records, objects=objects,
                         files=(), metadata=dict(metadata or {}))
         del plan, flat  # the writer needs only the staged bytes, not the caller's tensors
@@ -361,7 +357,7 @@ class CheckpointEngine:
         """
         self._check_open()
         with self._lock:
-            known = step in self._pending or (self._last_save is not None and self._last_save[0] == step)
+            known = step in self._pending or (bool(self._history) and self._history[-1][1] == step)
         if self.preemption_pending():
             return not known
         if self._save_policy is None:
@@ -412,10 +408,12 @@ class CheckpointEngine:
         """What a save-decision policy sees at ``step`` now (the last save, whether one is in flight, costs)."""
         with self._lock:
             in_flight = bool(self._pending)
-        done = [h.stats for h in self._recent if h.done() and h.stats.commit_s is not None]
+            n = len(self._history)  # the last saves measure what a save costs now (no copy of the history)
+            recent = [self._history[i] for i in range(max(0, n - 5), n)]
+        done = [h.stats for _, _, h in recent if h.done() and h.stats.commit_s is not None]
         cost = sum(s.stall_s for s in done) / len(done) if done else None
         commit = sum(s.stall_s + (s.commit_s or 0.0) for s in done) / len(done) if done else None
-        last_step, last_time = self._last_save if self._last_save is not None else (None, None)
+        last_time, last_step = recent[-1][:2] if recent else (None, None)
         return DecisionContext(step=step, now=self._clock(), last_step=last_step, last_time=last_time,
                                in_flight=in_flight, cost_s=cost, commit_s=commit)
 

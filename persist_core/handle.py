@@ -53,6 +53,15 @@ class SaveStats:
     lag_steps: int | None = None
     superseded: bool = False
 
+    def metrics(self, prefix: str = "persist/") -> dict[str, float]:
+        """The numbers adapters report to loggers: stall, and write/upload speed and lag once known."""
+        out = {f"{prefix}stall_s": self.stall_s}
+        for name in ("write_gbps", "upload_gbps", "lag_s"):
+            value = getattr(self, name)
+            if value is not None:
+                out[f"{prefix}{name}"] = value
+        return out
+
 
 class SaveHandle:
     """The progress of one ``CheckpointEngine.save``.
