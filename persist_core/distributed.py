@@ -35,6 +35,19 @@ class Collectives(Protocol):
         ...
 
 
+def decision_channel(coll: Collectives) -> Collectives | None:
+    """The collectives the *training* thread may call to agree on a save decision.
+
+    They must not be the commit's own (the writer thread runs those at the same time, and two
+    threads on one group interleave their calls differently on each rank). A single process
+    needs none; :class:`TorchCollectives` from :meth:`TorchCollectives.new_group` carries a
+    second group for it. ``None`` when ``coll`` has no such channel.
+    """
+    if coll.world_size == 1:
+        return coll
+    return getattr(coll, "decisions", None)
+
+
 class SingleProcess:
     """The collectives of a job with one process."""
 
@@ -59,10 +72,13 @@ class TorchCollectives:
     at once, after ``torch.distributed`` is initialized.
     """
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, decisions: Any = None) -> None:
         import torch.distributed as dist
 
         self._dist = dist
+        #: collectives over a second group, for the training thread's save decisions
+        #: (``maybe_save``); ``None`` when built from one group only
+        self.decisions: TorchCollectives | None = None if decisions is None else TorchCollectives(decisions)
         self._group = group
         self._rank = dist.get_rank(group)
         self._world = dist.get_world_size(group)
@@ -70,7 +86,10 @@ class TorchCollectives:
 
     @classmethod
     def new_group(cls, timeout_s: float = 1800.0) -> TorchCollectives:
-        """A gloo group over all ranks (a collective call: every rank must make it).
+        """Two gloo groups over all ranks (a collective call: every rank must make it).
+
+        One carries the commit (the engine's writer thread), the other the training thread's
+        save decisions (:attr:`decisions`, used by ``maybe_save``), so the two never interleave.
 
         Args:
             timeout_s: how long a rank waits for the others in one commit before the save fails
@@ -78,7 +97,8 @@ class TorchCollectives:
         """
         import torch.distributed as dist
 
-        return cls(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+        timeout = timedelta(seconds=timeout_s)
+        return cls(dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout))
 
     @property
     def rank(self) -> int:

@@ -35,7 +35,7 @@ import torch
 from persist_core import _knobs
 from persist_core.commit import commit_checkpoint
 from persist_core.decisions import Clock, DecisionContext, PreemptionNotice, SavePolicy, check_save_policy
-from persist_core.distributed import Collectives, SingleProcess
+from persist_core.distributed import Collectives, SingleProcess, decision_channel
 from persist_core.errors import (
     ConfigError,
     PersistError,
@@ -332,6 +332,10 @@ class CheckpointEngine:
         After a preemption notice, the first call saves ``step`` (unless it is saved already),
         waits up to ``preemption_grace_s`` for the commit and upload, and sets :attr:`preempted`.
 
+        With several processes (``collectives``), every rank must call it at the same steps: rank
+        0's policy decides for all, and a preemption notice on any rank counts for every rank, so
+        all save the same step and none waits for a save the others skipped.
+
         Args:
             make_state: returns the state (called only when saving).
             step: this decision point's step.
@@ -341,23 +345,46 @@ class CheckpointEngine:
             The save's handle, or ``None`` when it did not save.
 
         Raises:
-            ConfigError: the engine has no ``save_policy``. Otherwise as :meth:`save`.
+            ConfigError: the engine has no ``save_policy``; the ranks passed different steps, or
+                their collectives have no decision channel. Otherwise as :meth:`save`.
         """
         preempting = self.preemption_pending()
-        handle = self.save(make_state(), step, metadata=metadata) if self.should_save(step) else None
+        decided = self.should_save(step)
+        if self._coll.world_size > 1:
+            decided, preempting = self._agree(step, decided, preempting)
+        handle = self.save(make_state(), step, metadata=metadata) if decided else None
         if preempting:
             self.finish_preemption()
         return handle
 
+    def _agree(self, step: int, decided: bool, preempting: bool) -> tuple[bool, bool]:
+        """Rank 0's decision, or a save on every rank when any rank has a preemption notice."""
+        channel = decision_channel(self._coll)
+        if channel is None:
+            raise ConfigError(
+                f"maybe_save across {self._coll.world_size} processes needs collectives with a decision channel "
+                f"({self._coll!r} has no 'decisions'); create them with TorchCollectives.new_group()")
+        votes = channel.all_gather((step, decided, preempting))
+        steps = [v[0] for v in votes]
+        if len(set(steps)) > 1:
+            raise ConfigError(f"maybe_save was called at different steps on the ranks ({steps}, by rank); "
+                              "every rank must call it at the same decision points with the same step")
+        if any(v[2] for v in votes):  # a notice on any rank: every rank saves this step unless it is saved
+            return not self._known(step), True
+        return votes[0][1], False
+
+    def _known(self, step: int) -> bool:
+        with self._lock:
+            return step in self._pending or (bool(self._history) and self._history[-1][1] == step)
+
     def should_save(self, step: int) -> bool:
-        """The decision alone, for adapters that agree on it across ranks before they save.
+        """This process's decision alone, for adapters that agree on it across ranks themselves.
 
         Raises:
             ConfigError: the engine has no ``save_policy`` (and no preemption is pending).
         """
         self._check_open()
-        with self._lock:
-            known = step in self._pending or (bool(self._history) and self._history[-1][1] == step)
+        known = self._known(step)
         if self.preemption_pending():
             return not known
         if self._save_policy is None:

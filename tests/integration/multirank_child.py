@@ -63,3 +63,34 @@ def run(rank: int, world: int, port: int, root: str, scenario: str, out: str) ->
          *replicated_state(loaded["step"])["optim"]])), loaded["model"]["w"].data_ptr() == loaded["model"]["tied"].data_ptr()))
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def run_decisions(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """Each rank's clock runs at its own pace, so alone they would decide differently."""
+    from persist_core import ConfigError, EveryNSeconds, PreemptionNotice
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    coll = TorchCollectives.new_group(timeout_s=60)
+    now = [0.0]
+    notice = PreemptionNotice(signals=()) if rank == 1 else None  # a notice that reaches rank 1 only
+    results: dict = {"saved": [], "local": []}
+    engine = CheckpointEngine(root, collectives=coll, save_policy=EveryNSeconds(3), preemption=notice,
+                              clock=lambda: now[0] * (1.0 + 0.7 * rank))
+    for step in range(1, 40):
+        now[0] = float(step)
+        if step == 17 and notice is not None:
+            notice.trigger()
+        results["local"].append(engine.should_save(step))
+        if engine.maybe_save(lambda: replicated_state(step), step=step) is not None:
+            results["saved"].append(step)
+        if engine.preempted:
+            break
+    results["preempted"] = engine.preempted
+    results["committed"] = [c.step for c in engine.list()]
+    try:  # the ranks disagree on the step: a clear error on every rank, no hang
+        engine.maybe_save(lambda: replicated_state(50), step=50 + rank)
+    except ConfigError as e:
+        results["mismatch"] = str(e)
+    engine.close()
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()

@@ -57,3 +57,21 @@ def test_ranks_with_different_state_structure_commit_nothing(tmp_path):
     for r in range(2):
         assert results[r][1][0] == "failed" and "different structure" in results[r][1][2]
         assert results[r][-1][:2] == ("loaded", 10)
+
+
+def test_ranks_agree_on_every_save_decision_and_on_a_preemption_seen_by_one(tmp_path):
+    from tests.integration.multirank_child import run_decisions
+
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(run_decisions, args=(2, free_port(), str(tmp_path / "ckpt"), str(out)), nprocs=2, join=True)
+    r0, r1 = (torch.load(out / f"rank{r}.pt") for r in range(2))
+    # alone, rank 1's faster clock would have saved at other steps (should_save is the local view)
+    assert r0["local"] != r1["local"]
+    # rank 0's EveryNSeconds(3) on its clock (t = step) for all, then step 17: the notice rank 1 got
+    assert r0["saved"] == r1["saved"] == [1, 4, 7, 10, 13, 16, 17]
+    assert r0["preempted"] and r1["preempted"]
+    assert r0["committed"] == [1, 4, 7, 10, 13, 16, 17]
+    assert "different steps" in r0["mismatch"] and "[50, 51]" in r1["mismatch"]
+    manifest = json.loads((tmp_path / "ckpt" / "step-000000000017" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2

@@ -185,3 +185,24 @@ def test_summary_reports_intervals_and_the_stall_fraction(tmp_path):
     assert (summary["interval_p50_s"], summary["interval_p90_s"], summary["interval_p50_steps"]) == (10, 40, 4)
     assert 0 < summary["stall_fraction"] < 1  # real stalls over 100 fake seconds
     assert "interval P50 10.0 s / P90 40.0 s (4 steps)" in describe_summary(summary)
+
+
+class TwoRanksWithoutDecisions:
+    """Collectives of a two-rank job built by hand, with no channel for the training thread."""
+
+    rank, world_size = 0, 2
+
+    def broadcast(self, obj):
+        return obj
+
+    def all_gather(self, obj):
+        return [obj, obj]
+
+
+def test_maybe_save_across_ranks_needs_a_decision_channel(tmp_path):
+    engine = CheckpointEngine(tmp_path, collectives=TwoRanksWithoutDecisions(), save_policy=EveryNSteps(1))
+    built = []
+    with pytest.raises(ConfigError, match="decision channel.*TorchCollectives.new_group"):
+        engine.maybe_save(lambda: built.append(1), step=1)
+    assert built == [] and engine.list() == []
+    engine.close()
