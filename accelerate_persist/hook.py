@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -99,6 +100,8 @@ class PersistHook:
             ``EveryNSteps(1000)``, ``OptimalInterval(mtbf_s=...)``). With one, SIGTERM only sets a
             flag: the next ``maybe_save`` saves on every process, flushes within the grace
             period, and :attr:`preempted` tells the loop to stop.
+        preemption_signals: the signals that mean "preempted" when a ``save_policy`` is given
+            (default SIGTERM; e.g. ``(signal.SIGTERM, signal.SIGUSR1)`` for a scheduler's warning).
     """
 
     def __init__(
@@ -115,6 +118,7 @@ class PersistHook:
         max_pending: int = 1,
         preemption_grace_s: float = 120.0,
         save_policy: SavePolicy | None = None,
+        preemption_signals: tuple[int, ...] = (signal.SIGTERM,),
     ) -> None:
         self._local_dir = Path(local_dir).expanduser().absolute()
         self._remote_url = remote_url
@@ -125,6 +129,9 @@ class PersistHook:
         self._grace_s = check_grace(preemption_grace_s)
         self._save_policy = None if save_policy is None else check_save_policy(save_policy)
         self._notice: PreemptionNotice | None = None
+        self._signals = tuple(preemption_signals)
+        if not self._signals:
+            raise ConfigError("preemption_signals=() is empty; pass at least one, e.g. (signal.SIGTERM,)")
         self._accelerator: Any = None
         self._engine: CheckpointEngine | None = None
         self._originals: dict[str, Any] = {}
@@ -163,7 +170,7 @@ class PersistHook:
                 )
         collectives = TorchCollectives.new_group() if accelerator.num_processes > 1 else SingleProcess()
         if self._save_policy is not None and self._notice is None:
-            self._notice = PreemptionNotice()
+            self._notice = PreemptionNotice(self._signals)
         self._engine = CheckpointEngine(
             self._local_dir, remote_url=self._remote_url, storage_options=self._storage_options,
             keep_local=self._policy, keep_remote=self._policy if self._remote_url else None, verify=self._verify,
@@ -316,13 +323,10 @@ class PersistHook:
         engine = self._engine_or_raise()
         if self._save_policy is None:
             raise ConfigError("maybe_save() needs PersistHook(save_policy=...), e.g. Continuous(min_interval_s=30)")
-        preempting = engine.preemption_pending()
-        decision = engine.should_save(self._optimizer_steps)
-        votes = _gather(self._accelerator, (decision, preempting))
-        decision = votes[0][0] or any(p for _, p in votes)
+        decision, preempting = engine.decide(self._optimizer_steps)  # agreed across processes
         if decision:
             self._save_state()
-        if any(p for _, p in votes):
+        if preempting:
             engine.finish_preemption()
         return decision
 

@@ -3,23 +3,32 @@
 A training job (CPU, a 4 x Linear(--width) model with Adam) must reach ``--steps`` steps. It
 is SIGKILLed at random times — exponential inter-arrival with mean ``--mtbf`` seconds, the same
 failure times for every policy — and restarted, resuming from the newest committed checkpoint
-with ``engine.maybe_save`` deciding when to save. Per policy:
+with ``engine.maybe_save`` deciding when to save (``keep_local=KeepLastN(2)``). Each policy
+runs once per failure sequence (``--seeds``). Per policy:
 
-* goodput: ``--steps`` / total wall time, restarts included (higher is better);
+* goodput: steps / total wall time over all sequences, restarts included (higher is better);
 * work lost per failure: steps done after the last committed checkpoint, redone after a restart;
 * P50 checkpoint interval and the fraction of time stalled by saves (from ``engine.summary()``
-  of the last, uninterrupted, run) and the median save duration (call to committed).
+  of the last, uninterrupted, run), the median save duration (call to committed), and how much
+  slower a training step is while a save is being written than while none is.
 
 Bars (issue 6): continuous reaches a P50 interval no longer than 2x the save's own duration,
 and goodput at least as good as the best fixed interval tried.
 
-Usage: ``python benchmarks/bench_goodput.py [--steps 300] [--mtbf 8] [--width 1536] [--dir bench-out]``
+The run also prints the Young/Daly view of the result: with ``C`` the cost of one save to
+training (its stall plus the slowdown of the steps it overlaps) and ``D`` its duration, saving
+every ``T`` costs about ``C/T + (T/2 + D)/MTBF`` of the run; continuous (``T = D``) is the best
+interval only when ``sqrt(2 C MTBF) <= D``, i.e. when failures come at least every ``D^2 / 2C``.
+
+Usage: ``python benchmarks/bench_goodput.py [--steps 300] [--mtbf 30] [--seeds 2] [--width 1536]
+[--dir bench-out]``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import selectors
 import shutil
@@ -40,12 +49,13 @@ def child(local_dir: str, policy_text: str, steps: int, width: int) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from persist_core import CheckpointEngine, CheckpointNotFoundError, Continuous, EveryNSteps, OptimalInterval  # noqa: F401
+    from persist_core import (  # noqa: F401
+        CheckpointEngine, CheckpointNotFoundError, Continuous, EveryNSteps, KeepLastN, OptimalInterval)
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    engine = CheckpointEngine(local_dir, save_policy=eval(policy_text), keep_local=None)
+    engine = CheckpointEngine(local_dir, save_policy=eval(policy_text), keep_local=KeepLastN(2))
     start = 0
     try:
         state = engine.load()
@@ -56,31 +66,39 @@ def child(local_dir: str, policy_text: str, steps: int, width: int) -> None:
         pass
     print(json.dumps({"event": "start", "step": start}), flush=True)
     x = torch.randn(64, width)
+    # training step time while a save is being written from start to end of the step, and while none is
+    step_s: dict[tuple[bool, bool], list[float]] = {(True, True): [], (False, False): [], (True, False): [],
+                                                    (False, True): []}
     for step in range(start + 1, steps + 1):
+        writing = engine.decision_context(step).in_flight
+        t0 = time.perf_counter()
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+        step_s[writing, engine.decision_context(step).in_flight].append(time.perf_counter() - t0)
         engine.maybe_save(lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step)
         print(json.dumps({"event": "step", "step": step}), flush=True)
     engine.wait()
     done = [h.stats for _, _, h in list(engine._history)[-5:] if h.stats.commit_s is not None]
+    med = {k[0]: statistics.median(v) if len(v) >= 3 else None for k, v in step_s.items() if k[0] == k[1]}
     print(json.dumps({"event": "done", "summary": engine.summary(),
-                      "save_s": statistics.median(s.stall_s + s.commit_s for s in done) if done else None}), flush=True)
+                      "save_s": statistics.median(s.stall_s + s.commit_s for s in done) if done else None,
+                      "stall_s": statistics.median(s.stall_s for s in done) if done else None,
+                      "step_writing_s": med[True], "step_idle_s": med[False]}), flush=True)
     engine.close()
 
 
-def run_policy(name: str, policy: str, args: argparse.Namespace, failures: list[float], out: Path) -> dict:
-    local = out / name
+def run_policy(policy: str, args: argparse.Namespace, failures: list[float], local: Path) -> dict:
+    """One job to ``--steps`` under ``policy``, killed at ``failures`` (seconds after each start)."""
     shutil.rmtree(local, ignore_errors=True)
     t0 = time.perf_counter()
-    lost, kills, last_summary, save_s = [], 0, None, None
+    lost, kills, done = [], 0, None
     failure_iter = iter(failures)
-    while True:
+    while done is None:
         deadline = time.perf_counter() + next(failure_iter, 1e9)
         proc = subprocess.Popen([sys.executable, __file__, "--child", str(local), "--policy", policy, "--steps",
                                  str(args.steps), "--width", str(args.width)], stdout=subprocess.PIPE, text=True)
         reached = None
-        finished = False
         # read progress until the failure time; the child prints one line per step
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
@@ -99,25 +117,21 @@ def run_policy(name: str, policy: str, args: argparse.Namespace, failures: list[
             if ev["event"] == "step":
                 reached = ev["step"]
             elif ev["event"] == "done":
-                last_summary, save_s, finished = ev["summary"], ev["save_s"], True
+                done = ev
         proc.wait()
         proc.stdout.close()
-        if finished:
-            break
-        # how far the next run starts: the newest committed checkpoint
-        resumed = max(committed_steps(local), default=0) if local.exists() else 0
-        if reached is not None:
-            lost.append(reached - resumed)
+        if done is None and reached is not None:  # how far the next run starts: the newest committed checkpoint
+            lost.append(reached - (max(committed_steps(local), default=0) if local.exists() else 0))
     wall = time.perf_counter() - t0
     shutil.rmtree(local, ignore_errors=True)
-    return {"policy": name, "goodput": args.steps / wall, "wall_s": wall, "failures": kills,
-            "lost_per_failure": statistics.mean(lost) if lost else 0.0, "summary": last_summary, "save_s": save_s}
+    return {"wall_s": wall, "failures": kills, "lost": lost, "done": done}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--mtbf", type=float, default=8.0, help="mean seconds between failures")
+    parser.add_argument("--mtbf", type=float, default=30.0, help="mean seconds between failures")
+    parser.add_argument("--seeds", type=int, default=2, help="failure sequences; every policy runs each")
     parser.add_argument("--width", type=int, default=1536)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--dir", default="bench-out")
@@ -129,32 +143,69 @@ def main() -> None:
         return
     out = Path(args.dir).absolute() / "goodput"
     out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(args.seed)
-    failures = [rng.expovariate(1 / args.mtbf) for _ in range(50)]
+    sequences = []
+    for k in range(args.seeds):
+        rng = random.Random(args.seed + k)
+        sequences.append([rng.expovariate(1 / args.mtbf) for _ in range(200)])
     policies = [("every 10 steps", "EveryNSteps(10)"), ("every 40 steps", "EveryNSteps(40)"),
                 ("every 120 steps", "EveryNSteps(120)"), ("continuous", "Continuous()"),
                 (f"optimal (mtbf {args.mtbf:g} s)", f"OptimalInterval(mtbf_s={args.mtbf})")]
     state_gb = 4 * (args.width * args.width + args.width) * 4 * 3 / 1e9
     print(f"{args.steps} steps of 4 x Linear({args.width}) + Adam (state {state_gb:.2f} GB); SIGKILL with MTBF "
-          f"{args.mtbf:g} s (the same failure times for every policy)")
-    rows = [run_policy(name, policy, args, failures, out) for name, policy in policies]
-    print("\n| policy | goodput (steps/s) | failures | work lost / failure (steps) | P50 interval | save duration | stalled |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          f"{args.mtbf:g} s; {args.seeds} failure sequences, the same for every policy (policies interleaved)")
+    runs: dict[str, list[dict]] = {name: [] for name, _ in policies}
+    for k, failures in enumerate(sequences):  # interleaved, so drift on a shared machine hits every policy alike
+        for name, policy in policies:
+            r = run_policy(policy, args, failures, out / name.replace(" ", "-"))
+            runs[name].append(r)
+            print(f"  sequence {k}: {name}: {r['wall_s']:.1f} s, {r['failures']} failures", flush=True)
+    print("\n| policy | goodput (steps/s) | failures | work lost / failure (steps) | P50 interval | save duration "
+          "| stalled | step slower while writing |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
 
     def secs(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f} s"
 
-    for r in rows:
-        s = r["summary"] or {}
-        stall = s.get("stall_fraction")
-        print(f"| {r['policy']} | {r['goodput']:.2f} | {r['failures']} | {r['lost_per_failure']:.1f} | "
-              f"{secs(s.get('interval_p50_s'))} | {secs(r['save_s'])} | {'-' if stall is None else f'{stall:.1%}'} |")
-    best_fixed = max(r["goodput"] for r in rows[:3])
-    cont = rows[3]
-    p50 = (cont["summary"] or {}).get("interval_p50_s")
-    ratio = "-" if p50 is None or not cont["save_s"] else f"{p50 / cont['save_s']:.2f}x"
+    def pct(v: float | None, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    def med(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    rows = {}
+    for name, _ in policies:
+        rs = runs[name]
+        lost = [x for r in rs for x in r["lost"]]
+        done = [r["done"] for r in rs]
+        row = {
+            "goodput": args.steps * len(rs) / sum(r["wall_s"] for r in rs),
+            "failures": sum(r["failures"] for r in rs),
+            "lost": statistics.mean(lost) if lost else 0.0,
+            "p50": med([(d["summary"] or {}).get("interval_p50_s") for d in done]),
+            "stalled": med([(d["summary"] or {}).get("stall_fraction") for d in done]),
+            "save_s": med([d["save_s"] for d in done]),
+            "stall_s": med([d["stall_s"] for d in done]),
+            "slowdown": med([d["step_writing_s"] / d["step_idle_s"] - 1 for d in done
+                             if d["step_writing_s"] and d["step_idle_s"]]),
+        }
+        rows[name] = row
+        print(f"| {name} | {row['goodput']:.2f} | {row['failures']} | {row['lost']:.1f} | {secs(row['p50'])} | "
+              f"{secs(row['save_s'])} | {pct(row['stalled'], '.1%')} | "
+              f"{pct(row['slowdown'], '+.0%')} |")
+    names = [n for n, _ in policies]
+    best_fixed = max(rows[n]["goodput"] for n in names[:3])
+    cont = rows["continuous"]
+    ratio = "-" if not cont["p50"] or not cont["save_s"] else f"{cont['p50'] / cont['save_s']:.2f}x"
     print(f"\ncontinuous: P50 interval / save duration = {ratio} (bar <= 2x); "
           f"goodput / best fixed = {cont['goodput'] / best_fixed:.2f}x (bar >= 1x)")
+    slow = med([r["slowdown"] for r in rows.values()]) or 0.0  # continuous has few steps without a write
+    if cont["stall_s"] and cont["save_s"]:
+        cost = cont["stall_s"] + slow * cont["save_s"]
+        print(f"Young/Daly: one save costs training C = {cont['stall_s']:.3f} s stall + {slow:.0%} slower steps over "
+              f"its {cont['save_s']:.2f} s = {cost:.3f} s; the best interval sqrt(2 C MTBF) = "
+              f"{math.sqrt(2 * cost * args.mtbf):.2f} s; continuous (every {cont['save_s']:.2f} s) is the best "
+              f"policy only when failures come at least every D^2/2C = {cont['save_s'] ** 2 / (2 * cost):.2f} s")
 
 
 if __name__ == "__main__":

@@ -158,8 +158,14 @@ class PreemptionNotice:
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("a PreemptionNotice must be created on the main thread (signals are delivered there)")
         for sig in signals:
-            self._previous[sig] = signal.getsignal(sig)
-            signal.signal(sig, self._handle)
+            try:
+                previous = signal.getsignal(sig)
+                signal.signal(sig, self._handle)
+            except (TypeError, ValueError, OSError) as e:
+                self.restore()
+                raise ConfigError(f"signals={signals!r}: {sig!r} cannot be caught ({e}); pass catchable signals such "
+                                  "as signal.SIGTERM or signal.SIGUSR1") from None
+            self._previous[sig] = previous
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signum = signum

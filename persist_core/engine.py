@@ -348,17 +348,26 @@ class CheckpointEngine:
             ConfigError: the engine has no ``save_policy``; the ranks passed different steps, or
                 their collectives have no decision channel. Otherwise as :meth:`save`.
         """
-        preempting = self.preemption_pending()
-        decided = self.should_save(step)
-        if self._coll.world_size > 1:
-            decided, preempting = self._agree(step, decided, preempting)
+        decided, preempting = self.decide(step)
         handle = self.save(make_state(), step, metadata=metadata) if decided else None
         if preempting:
             self.finish_preemption()
         return handle
 
-    def _agree(self, step: int, decided: bool, preempting: bool) -> tuple[bool, bool]:
-        """Rank 0's decision, or a save on every rank when any rank has a preemption notice."""
+    def decide(self, step: int) -> tuple[bool, bool]:
+        """``(save now, preempting)`` at ``step``, the same on every rank (a collective call then).
+
+        Rank 0's policy decides; a preemption notice on any rank makes every rank save ``step``
+        (unless saved already) and then :meth:`finish_preemption`. For adapters that build the
+        state their own way; :meth:`maybe_save` is this plus the save.
+
+        Raises:
+            ConfigError: as for :meth:`maybe_save`.
+        """
+        preempting = self.preemption_pending()
+        decided = self.should_save(step)
+        if self._coll.world_size == 1:
+            return decided, preempting
         channel = decision_channel(self._coll)
         if channel is None:
             raise ConfigError(

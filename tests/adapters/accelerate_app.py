@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--policy", choices=["continuous", "every4"], help="save with hook.maybe_save() instead")
     parser.add_argument("--term-at", type=int, help="SIGTERM (on the main process) during this step")
+    parser.add_argument("--term-signal", default="SIGTERM", help="the signal --term-at sends (the hook takes it)")
     parser.add_argument("--decisions", help="write this process's save decisions here (JSON)")
     args = parser.parse_args()
     endpoint = os.environ.get("PERSIST_TEST_S3_ENDPOINT")
@@ -115,8 +116,9 @@ def main() -> None:
     accelerator = Accelerator(cpu=True)
     parts = build(accelerator, args.width)
     policy = {"continuous": Continuous(), "every4": EveryNSteps(4), None: None}[args.policy]
+    term_signal = getattr(signal, args.term_signal)
     hook = PersistHook(local_dir=args.local_dir, remote_url=args.remote_url, storage_options=options,
-                       save_policy=policy)
+                       save_policy=policy, preemption_signals=tuple({signal.SIGTERM, term_signal}))
     hook.register(accelerator)
     start = hook.resume() if args.resume else 0
 
@@ -133,7 +135,7 @@ def main() -> None:
 
     def on_step(step: int) -> None:
         if step == args.term_at and accelerator.is_main_process:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), term_signal)
 
     def record(step: int) -> None:
         decisions.append(step)

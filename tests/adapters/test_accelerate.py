@@ -111,6 +111,8 @@ def test_unregistered_and_unsupported_uses_are_clear_errors(tmp_path):
     hook = PersistHook(local_dir=tmp_path / "ckpt")
     with pytest.raises(ConfigError, match="not registered"):
         hook.wait()
+    with pytest.raises(ConfigError, match=r"preemption_signals=\(\) is empty"):
+        PersistHook(local_dir=tmp_path / "ckpt", preemption_signals=())
     before = signal.getsignal(signal.SIGTERM)
     hook.register(acc)
     assert signal.getsignal(signal.SIGTERM) is not before  # the flush-on-SIGTERM handler
@@ -256,10 +258,11 @@ def test_two_processes_agree_on_every_continuous_decision(tmp_path):
     assert sorted(committed) == ranks[0]
 
 
-def test_sigterm_with_a_save_policy_saves_that_step_syncs_it_and_stops(tmp_path):
+@pytest.mark.parametrize("term_signal", ["SIGTERM", "SIGUSR1"])  # SIGUSR1: given as preemption_signals
+def test_a_preemption_signal_with_a_save_policy_saves_that_step_syncs_it_and_stops(tmp_path, term_signal):
     remote = (tmp_path / "remote").as_uri()
     run = subprocess.run([sys.executable, str(APP), "--local-dir", str(tmp_path / "m1"), "--steps", "100",
-                          "--policy", "every4", "--term-at", "10", "--remote-url", remote,
+                          "--policy", "every4", "--term-at", "10", "--term-signal", term_signal, "--remote-url", remote,
                           "--out", str(tmp_path / "w")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]  # it left on its own, after the flush
     acc = fresh_accelerator()

@@ -21,6 +21,7 @@ from persist_core import (
     EveryNSteps,
     KeepLastN,
     OptimalInterval,
+    PreemptionNotice,
 )
 from persist_core.local_writer import OsFileOps
 from tests.conftest import assert_state_equal
@@ -206,3 +207,12 @@ def test_maybe_save_across_ranks_needs_a_decision_channel(tmp_path):
         engine.maybe_save(lambda: built.append(1), step=1)
     assert built == [] and engine.list() == []
     engine.close()
+
+
+def test_a_preemption_notice_refuses_a_signal_it_cannot_catch_and_leaves_handlers_as_they_were():
+    import signal
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(ConfigError, match="SIGKILL.*cannot be caught"):
+        PreemptionNotice(signals=(signal.SIGUSR1, signal.SIGKILL))
+    assert signal.getsignal(signal.SIGUSR1) is before
