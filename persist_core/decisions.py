@@ -11,7 +11,8 @@ of cases test it with a fake clock. Combine with :class:`~persist_core.retention
 * :class:`Continuous` — as soon as the previous save has committed locally and
   ``min_interval_s`` passed (Orbax's continuous checkpointing): never a second save in flight.
 * :class:`OptimalInterval` — Young/Daly: every ``sqrt(2 · C · MTBF)`` seconds, ``C`` the measured
-  cost (stall) of recent saves, updated as it changes; never faster than the previous save commits.
+  cost of recent saves to training (stall, plus the slowdown of the steps their writes overlap,
+  :class:`SlowdownMeter`), updated as it changes; never faster than the previous save commits.
 
 Preemption (see :class:`PreemptionNotice`) overrides every policy: the next decision point saves.
 """
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import math
 import signal
+import statistics
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -38,8 +41,11 @@ class DecisionContext:
         last_step: the step of the last save started, or ``None``.
         last_time: when (``now``'s clock) the last save started, or ``None``.
         in_flight: a save is staged or being written (not yet committed locally).
-        cost_s: the measured cost of recent saves (training-visible stall, seconds), or ``None``.
+        cost_s: what one recent save cost training, seconds: its stall, plus the slowdown of the
+            steps its background write overlapped once that is measured; or ``None``.
         commit_s: how long recent saves took from the call to committed, or ``None``.
+        slowdown: how much longer training takes between decision points while a save is being
+            written than while none is (0.2: 20% longer), or ``None`` until measured.
     """
 
     step: int
@@ -49,6 +55,7 @@ class DecisionContext:
     in_flight: bool = False
     cost_s: float | None = None
     commit_s: float | None = None
+    slowdown: float | None = None
 
     @property
     def since_last_s(self) -> float:
@@ -110,7 +117,7 @@ class Continuous:
 
 @dataclass(frozen=True)
 class OptimalInterval:
-    """Young/Daly: save every ``sqrt(2 · C · mtbf_s)`` seconds, ``C`` the measured stall of a save.
+    """Young/Daly: save every ``sqrt(2 · C · mtbf_s)`` seconds, ``C`` a save's measured cost to training.
 
     Until a save has been measured it saves at the first decision point. It never starts a
     save while the previous one is in flight.
@@ -129,6 +136,39 @@ class OptimalInterval:
 
     def should_save(self, context: DecisionContext) -> bool:
         return not context.in_flight and context.since_last_s >= self.interval_s(context)
+
+
+class SlowdownMeter:
+    """How much slower training runs while a save is being written in the background.
+
+    The engine calls :meth:`observe` at each decision point and :meth:`staged` when ``save()``
+    returns. The time from one point to the next counts when a save was being written at both
+    ends ("writing") or at neither ("idle"); gaps that straddle a commit are left out. Medians of
+    the last ``window`` gaps keep an evaluation pass or a slow batch from skewing it.
+    """
+
+    def __init__(self, window: int = 64, min_samples: int = 5) -> None:
+        self._writing: deque[float] = deque(maxlen=window)
+        self._idle: deque[float] = deque(maxlen=window)
+        self._min = min_samples
+        self._mark: tuple[int | None, float, bool] | None = None  # (step, time, writing) of the last point
+
+    def observe(self, step: int, now: float, writing: bool) -> None:
+        if self._mark is not None and self._mark[0] != step:
+            _, then, was_writing = self._mark
+            if was_writing == writing:
+                (self._writing if writing else self._idle).append(now - then)
+        self._mark = (step, now, writing)
+
+    def staged(self, step: int, now: float) -> None:
+        self._mark = (step, now, True)
+
+    def slowdown(self) -> float | None:
+        """Median writing gap / median idle gap - 1 (never below 0), or ``None`` before enough of both."""
+        if len(self._writing) < self._min or len(self._idle) < self._min:
+            return None
+        idle = statistics.median(self._idle)
+        return max(0.0, statistics.median(self._writing) / idle - 1.0) if idle > 0 else None
 
 
 def check_save_policy(policy: object) -> SavePolicy:
@@ -195,8 +235,10 @@ def describe_summary(summary: dict[str, Any]) -> str:
 
     def sec(v: Any) -> str:
         return "-" if v is None else f"{v:.1f} s"
-    stall = summary["stall_fraction"]
+    stall, slow = summary["stall_fraction"], summary.get("write_slowdown")
     return (f"{summary['saves']} saves, interval P50 {sec(summary['interval_p50_s'])} / P90 "
             f"{sec(summary['interval_p90_s'])} ({summary['interval_p50_steps'] or '-'} steps), training stalled "
-            f"{'-' if stall is None else f'{stall:.1%}'} of the time, upload lag P50 {sec(summary['upload_lag_p50_s'])}")
+            f"{'-' if stall is None else f'{stall:.1%}'} of the time"
+            f"{'' if slow is None else f' and ran {slow:.0%} slower while a save was written'}, upload lag P50 "
+            f"{sec(summary['upload_lag_p50_s'])}")
 

@@ -34,7 +34,8 @@ import torch
 
 from persist_core import _knobs
 from persist_core.commit import commit_checkpoint
-from persist_core.decisions import Clock, DecisionContext, PreemptionNotice, SavePolicy, check_save_policy
+from persist_core.decisions import (
+    Clock, DecisionContext, PreemptionNotice, SavePolicy, SlowdownMeter, check_save_policy)
 from persist_core.distributed import Collectives, SingleProcess, decision_channel
 from persist_core.errors import (
     ConfigError,
@@ -215,6 +216,7 @@ class CheckpointEngine:
         self._history: deque[tuple[float, int, SaveHandle]] = deque(maxlen=10_000)  # (clock, step, handle)
         self._started = clock()
         self._preempt_saved = False
+        self._meter = SlowdownMeter()  # training thread only: decision points and save() returns
         self._coll = collectives or SingleProcess()
         self._leader = self._coll.rank == 0
         self._ops = file_ops or OsFileOps()
@@ -322,6 +324,7 @@ class CheckpointEngine:
         del plan, flat  # the writer needs only the staged bytes, not the caller's tensors
         handle._update(stall_s=time.perf_counter() - t0)
         self._writer.submit(self._write_and_commit, handle, buf, base, staged, signature)
+        self._meter.staged(step, self._clock())
         log.debug("%s staged %d bytes in %.3f s", self._prefix(step), handle.stats.nbytes, handle.stats.staging_s)
         return handle
 
@@ -394,6 +397,9 @@ class CheckpointEngine:
         """
         self._check_open()
         known = self._known(step)
+        with self._lock:
+            writing = bool(self._pending)
+        self._meter.observe(step, self._clock(), writing)
         if self.preemption_pending():
             return not known
         if self._save_policy is None:
@@ -420,8 +426,10 @@ class CheckpointEngine:
 
         Keys: ``saves``; ``interval_p50_s``/``interval_p90_s`` and ``interval_p50_steps``
         (between save starts); ``stall_fraction`` (the share of wall time since the engine
-        started that ``save()`` blocked the caller); ``upload_lag_p50_s`` (local commit to remote
-        commit). ``None`` where there is nothing to measure yet.
+        started that ``save()`` blocked the caller); ``write_slowdown`` (how much longer training
+        takes between decision points while a save is being written, 0.2 = 20%; measured with
+        ``maybe_save``/``should_save``); ``upload_lag_p50_s`` (local commit to remote commit).
+        ``None`` where there is nothing to measure yet.
         """
         with self._lock:
             history = list(self._history)
@@ -437,6 +445,7 @@ class CheckpointEngine:
             "interval_p90_s": _quantile(gaps, 0.9),
             "interval_p50_steps": _quantile(step_gaps, 0.5),
             "stall_fraction": sum(h.stats.stall_s for _, _, h in history) / elapsed if elapsed > 0 else None,
+            "write_slowdown": self._meter.slowdown(),
             "upload_lag_p50_s": _quantile(lags, 0.5),
         }
 
@@ -447,11 +456,14 @@ class CheckpointEngine:
             n = len(self._history)  # the last saves measure what a save costs now (no copy of the history)
             recent = [self._history[i] for i in range(max(0, n - 5), n)]
         done = [h.stats for _, _, h in recent if h.done() and h.stats.commit_s is not None]
-        cost = sum(s.stall_s for s in done) / len(done) if done else None
-        commit = sum(s.stall_s + (s.commit_s or 0.0) for s in done) / len(done) if done else None
+        slowdown = self._meter.slowdown()
+        cost = commit = None
+        if done:  # a save costs training its stall, and slower steps for as long as it writes
+            cost = sum(s.stall_s + (slowdown or 0.0) * (s.commit_s or 0.0) for s in done) / len(done)
+            commit = sum(s.stall_s + (s.commit_s or 0.0) for s in done) / len(done)
         last_time, last_step = recent[-1][:2] if recent else (None, None)
         return DecisionContext(step=step, now=self._clock(), last_step=last_step, last_time=last_time,
-                               in_flight=in_flight, cost_s=cost, commit_s=commit)
+                               in_flight=in_flight, cost_s=cost, commit_s=commit, slowdown=slowdown)
 
     def _write_and_commit(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float,
                           signature: str) -> None:

@@ -216,3 +216,51 @@ def test_a_preemption_notice_refuses_a_signal_it_cannot_catch_and_leaves_handler
     with pytest.raises(ConfigError, match="SIGKILL.*cannot be caught"):
         PreemptionNotice(signals=(signal.SIGUSR1, signal.SIGKILL))
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_slowdown_meter_compares_gaps_while_writing_with_gaps_while_idle():
+    from persist_core.decisions import SlowdownMeter
+
+    meter = SlowdownMeter(min_samples=3)
+    now = 0.0
+    for step in range(1, 5):  # idle: 1 s from point to point
+        now += 1.0
+        meter.observe(step, now, writing=False)
+    assert meter.slowdown() is None  # nothing measured while writing yet
+    meter.observe(4, now + 0.1, writing=False)  # the same step twice adds no gap
+    meter.staged(4, now + 0.3)  # a save returned at 4 (its stall is not a gap)
+    now += 0.3
+    for step in range(5, 9):  # writing: 1.5 s from point to point
+        now += 1.5
+        meter.observe(step, now, writing=True)
+    now += 7.0
+    meter.observe(9, now, writing=False)  # committed in between: straddles, left out
+    assert meter.slowdown() == pytest.approx(0.5)
+    faster = SlowdownMeter(min_samples=1)
+    faster.observe(1, 0.0, False), faster.observe(2, 2.0, False)
+    faster.staged(2, 2.0), faster.observe(3, 3.0, True)
+    assert faster.slowdown() == 0.0  # never below zero
+
+
+def test_a_save_costs_its_stall_plus_the_slowdown_of_the_steps_it_overlaps(tmp_path):
+    clock, ops = FakeClock(), GatedOps()
+    policy = OptimalInterval(mtbf_s=3600)
+    with CheckpointEngine(tmp_path, save_policy=EveryNSteps(10), clock=clock, file_ops=ops) as engine:
+        for step in range(1, 31):
+            if step % 10 == 1:
+                ops.gate.clear()  # saves at 10, 20 stay in flight for the next steps
+            if step % 10 == 5:
+                ops.gate.set()
+                engine.wait()
+            clock.now += 1.5 if step % 10 in (1, 2, 3, 4) and step > 10 else 1.0
+            engine.maybe_save(lambda: state_for(step), step=step)
+        engine.wait()
+        context = engine.decision_context(31)
+        summary = engine.summary()
+    assert context.slowdown == pytest.approx(0.5) == summary["write_slowdown"]
+    done = [handle.stats for _, _, handle in engine._history]  # the saves of steps 10, 20, 30
+    assert [s.step for s in done] == [10, 20, 30]
+    stall = sum(s.stall_s for s in done) / 3
+    write = sum(s.commit_s for s in done) / 3
+    assert context.cost_s == pytest.approx(stall + 0.5 * write)
+    assert policy.interval_s(context) == pytest.approx(max((2 * context.cost_s * 3600) ** 0.5, context.commit_s))
