@@ -79,12 +79,11 @@ def child(local_dir: str, policy_text: str, steps: int, width: int) -> None:
         engine.maybe_save(lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step)
         print(json.dumps({"event": "step", "step": step}), flush=True)
     engine.wait()
-    done = [h.stats for _, _, h in list(engine._history)[-5:] if h.stats.commit_s is not None]
     med = {k[0]: statistics.median(v) if len(v) >= 3 else None for k, v in step_s.items() if k[0] == k[1]}
-    print(json.dumps({"event": "done", "summary": engine.summary(),
-                      "save_s": statistics.median(s.stall_s + s.commit_s for s in done) if done else None,
-                      "stall_s": statistics.median(s.stall_s for s in done) if done else None,
-                      "step_writing_s": med[True], "step_idle_s": med[False]}), flush=True)
+    summary = engine.summary()
+    print(json.dumps({"event": "done", "summary": summary, "save_s": summary["save_p50_s"],
+                      "stall_s": summary["stall_p50_s"], "step_writing_s": med[True], "step_idle_s": med[False]}),
+          flush=True)
     engine.close()
 
 

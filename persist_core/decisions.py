@@ -12,7 +12,7 @@ of cases test it with a fake clock. Combine with :class:`~persist_core.retention
   ``min_interval_s`` passed (Orbax's continuous checkpointing): never a second save in flight.
 * :class:`OptimalInterval` — Young/Daly: every ``sqrt(2 · C · MTBF)`` seconds, ``C`` the measured
   cost of recent saves to training (stall, plus the slowdown of the steps their writes overlap,
-  :class:`SlowdownMeter`), updated as it changes; never faster than the previous save commits.
+  :class:`~persist_core.history.SlowdownMeter`), updated as it changes; never faster than the previous save commits.
 
 Preemption (see :class:`PreemptionNotice`) overrides every policy: the next decision point saves.
 """
@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import math
 import signal
-import statistics
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -136,39 +134,6 @@ class OptimalInterval:
 
     def should_save(self, context: DecisionContext) -> bool:
         return not context.in_flight and context.since_last_s >= self.interval_s(context)
-
-
-class SlowdownMeter:
-    """How much slower training runs while a save is being written in the background.
-
-    The engine calls :meth:`observe` at each decision point and :meth:`staged` when ``save()``
-    returns. The time from one point to the next counts when a save was being written at both
-    ends ("writing") or at neither ("idle"); gaps that straddle a commit are left out. Medians of
-    the last ``window`` gaps keep an evaluation pass or a slow batch from skewing it.
-    """
-
-    def __init__(self, window: int = 64, min_samples: int = 5) -> None:
-        self._writing: deque[float] = deque(maxlen=window)
-        self._idle: deque[float] = deque(maxlen=window)
-        self._min = min_samples
-        self._mark: tuple[int | None, float, bool] | None = None  # (step, time, writing) of the last point
-
-    def observe(self, step: int, now: float, writing: bool) -> None:
-        if self._mark is not None and self._mark[0] != step:
-            _, then, was_writing = self._mark
-            if was_writing == writing:
-                (self._writing if writing else self._idle).append(now - then)
-        self._mark = (step, now, writing)
-
-    def staged(self, step: int, now: float) -> None:
-        self._mark = (step, now, True)
-
-    def slowdown(self) -> float | None:
-        """Median writing gap / median idle gap - 1 (never below 0), or ``None`` before enough of both."""
-        if len(self._writing) < self._min or len(self._idle) < self._min:
-            return None
-        idle = statistics.median(self._idle)
-        return max(0.0, statistics.median(self._writing) / idle - 1.0) if idle > 0 else None
 
 
 def check_save_policy(policy: object) -> SavePolicy:

@@ -21,7 +21,6 @@ import shutil
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,8 +33,7 @@ import torch
 
 from persist_core import _knobs
 from persist_core.commit import commit_checkpoint
-from persist_core.decisions import (
-    Clock, DecisionContext, PreemptionNotice, SavePolicy, SlowdownMeter, check_save_policy)
+from persist_core.decisions import Clock, DecisionContext, PreemptionNotice, SavePolicy, check_save_policy
 from persist_core.distributed import Collectives, SingleProcess, decision_channel
 from persist_core.errors import (
     ConfigError,
@@ -45,6 +43,7 @@ from persist_core.errors import (
 )
 from persist_core.format import FlatState, assign_owners, dtype_name, flatten, plan_shard, storage_groups
 from persist_core.handle import SaveHandle, SaveStats
+from persist_core.history import SaveHistory
 from persist_core.layout import parse_tmp_dirname, shard_filename
 from persist_core.local_writer import (
     CHECKSUM_ALGORITHM,
@@ -90,11 +89,6 @@ def _structure_signature(flat: FlatState, groups: list[list[int]]) -> str:
     """A digest of the state's structure (paths, dtypes, shapes, shared storages) that ranks compare."""
     described = [[p, dtype_name(t.dtype), list(t.shape)] for p, t in flat.tensors]
     return f"{crc32c.crc32c(json.dumps([described, groups]).encode()):08x}"
-
-
-def _quantile(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile of sorted ``values`` (nearest rank), or ``None`` when empty."""
-    return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -213,10 +207,8 @@ class CheckpointEngine:
         self._preemption = preemption
         self._grace_s = check_grace(preemption_grace_s)
         self._clock = clock
-        self._history: deque[tuple[float, int, SaveHandle]] = deque(maxlen=10_000)  # (clock, step, handle)
-        self._started = clock()
+        self._history = SaveHistory(clock)
         self._preempt_saved = False
-        self._meter = SlowdownMeter()  # training thread only: decision points and save() returns
         self._coll = collectives or SingleProcess()
         self._leader = self._coll.rank == 0
         self._ops = file_ops or OsFileOps()
@@ -318,13 +310,13 @@ class CheckpointEngine:
         with self._lock:
             self._pending[step] = handle
             self._latest_step = max(self._latest_step, step)
-            self._history.append((t_decided, step, handle))
+        self._history.add(t_decided, step, handle)
         base = Manifest(step=step, time=time.time(), world_size=1, tree=flat.tree, tensors=records, objects=objects,
                         files=(), metadata=dict(metadata or {}))
         del plan, flat  # the writer needs only the staged bytes, not the caller's tensors
         handle._update(stall_s=time.perf_counter() - t0)
         self._writer.submit(self._write_and_commit, handle, buf, base, staged, signature)
-        self._meter.staged(step, self._clock())
+        self._history.meter.staged(step, self._clock())
         log.debug("%s staged %d bytes in %.3f s", self._prefix(step), handle.stats.nbytes, handle.stats.staging_s)
         return handle
 
@@ -387,7 +379,8 @@ class CheckpointEngine:
 
     def _known(self, step: int) -> bool:
         with self._lock:
-            return step in self._pending or (bool(self._history) and self._history[-1][1] == step)
+            pending = step in self._pending
+        return pending or self._history.last_step() == step
 
     def should_save(self, step: int) -> bool:
         """This process's decision alone, for adapters that agree on it across ranks themselves.
@@ -399,7 +392,7 @@ class CheckpointEngine:
         known = self._known(step)
         with self._lock:
             writing = bool(self._pending)
-        self._meter.observe(step, self._clock(), writing)
+        self._history.meter.observe(step, self._clock(), writing)
         if self.preemption_pending():
             return not known
         if self._save_policy is None:
@@ -425,45 +418,20 @@ class CheckpointEngine:
         """How checkpointing went so far: saves, intervals, stall fraction, upload lag.
 
         Keys: ``saves``; ``interval_p50_s``/``interval_p90_s`` and ``interval_p50_steps``
-        (between save starts); ``stall_fraction`` (the share of wall time since the engine
-        started that ``save()`` blocked the caller); ``write_slowdown`` (how much longer training
+        (between save starts); ``stall_p50_s`` and ``save_p50_s`` (a save's stall, and its time
+        from the call to committed locally); ``stall_fraction`` (the share of wall time since the
+        engine started that ``save()`` blocked the caller); ``write_slowdown`` (how much longer training
         takes between decision points while a save is being written, 0.2 = 20%; measured with
         ``maybe_save``/``should_save``); ``upload_lag_p50_s`` (local commit to remote commit).
         ``None`` where there is nothing to measure yet.
         """
-        with self._lock:
-            history = list(self._history)
-        times = [t for t, _, _ in history]
-        steps = [s for _, s, _ in history]
-        gaps = sorted(b - a for a, b in zip(times, times[1:]))
-        step_gaps = sorted(b - a for a, b in zip(steps, steps[1:]))
-        lags = sorted(h.stats.lag_s for _, _, h in history if h.stats.lag_s is not None)
-        elapsed = self._clock() - self._started
-        return {
-            "saves": len(history),
-            "interval_p50_s": _quantile(gaps, 0.5),
-            "interval_p90_s": _quantile(gaps, 0.9),
-            "interval_p50_steps": _quantile(step_gaps, 0.5),
-            "stall_fraction": sum(h.stats.stall_s for _, _, h in history) / elapsed if elapsed > 0 else None,
-            "write_slowdown": self._meter.slowdown(),
-            "upload_lag_p50_s": _quantile(lags, 0.5),
-        }
+        return self._history.summary()
 
     def decision_context(self, step: int) -> DecisionContext:
         """What a save-decision policy sees at ``step`` now (the last save, whether one is in flight, costs)."""
         with self._lock:
             in_flight = bool(self._pending)
-            n = len(self._history)  # the last saves measure what a save costs now (no copy of the history)
-            recent = [self._history[i] for i in range(max(0, n - 5), n)]
-        done = [h.stats for _, _, h in recent if h.done() and h.stats.commit_s is not None]
-        slowdown = self._meter.slowdown()
-        cost = commit = None
-        if done:  # a save costs training its stall, and slower steps for as long as it writes
-            cost = sum(s.stall_s + (slowdown or 0.0) * (s.commit_s or 0.0) for s in done) / len(done)
-            commit = sum(s.stall_s + (s.commit_s or 0.0) for s in done) / len(done)
-        last_time, last_step = recent[-1][:2] if recent else (None, None)
-        return DecisionContext(step=step, now=self._clock(), last_step=last_step, last_time=last_time,
-                               in_flight=in_flight, cost_s=cost, commit_s=commit, slowdown=slowdown)
+        return self._history.context(step, in_flight)
 
     def _write_and_commit(self, handle: SaveHandle, buf: StagingBuffer, base: Manifest, staged_at: float,
                           signature: str) -> None:

@@ -219,7 +219,7 @@ def test_a_preemption_notice_refuses_a_signal_it_cannot_catch_and_leaves_handler
 
 
 def test_slowdown_meter_compares_gaps_while_writing_with_gaps_while_idle():
-    from persist_core.decisions import SlowdownMeter
+    from persist_core.history import SlowdownMeter
 
     meter = SlowdownMeter(min_samples=3)
     now = 0.0
@@ -243,7 +243,7 @@ def test_slowdown_meter_compares_gaps_while_writing_with_gaps_while_idle():
 
 
 def test_a_save_costs_its_stall_plus_the_slowdown_of_the_steps_it_overlaps(tmp_path):
-    clock, ops = FakeClock(), GatedOps()
+    clock, ops, handles = FakeClock(), GatedOps(), []
     policy = OptimalInterval(mtbf_s=3600)
     with CheckpointEngine(tmp_path, save_policy=EveryNSteps(10), clock=clock, file_ops=ops) as engine:
         for step in range(1, 31):
@@ -253,12 +253,15 @@ def test_a_save_costs_its_stall_plus_the_slowdown_of_the_steps_it_overlaps(tmp_p
                 ops.gate.set()
                 engine.wait()
             clock.now += 1.5 if step % 10 in (1, 2, 3, 4) and step > 10 else 1.0
-            engine.maybe_save(lambda: state_for(step), step=step)
+            handle = engine.maybe_save(lambda: state_for(step), step=step)
+            if handle is not None:
+                handles.append(handle)
         engine.wait()
         context = engine.decision_context(31)
         summary = engine.summary()
     assert context.slowdown == pytest.approx(0.5) == summary["write_slowdown"]
-    done = [handle.stats for _, _, handle in engine._history]  # the saves of steps 10, 20, 30
+    assert summary["save_p50_s"] == sorted(h.stats.stall_s + h.stats.commit_s for h in handles)[1]
+    done = [handle.stats for handle in handles]
     assert [s.step for s in done] == [10, 20, 30]
     stall = sum(s.stall_s for s in done) / 3
     write = sum(s.commit_s for s in done) / 3

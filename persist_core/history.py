@@ -1,0 +1,127 @@
+"""The record of saves a running engine keeps: what save decisions look at, and ``summary()``.
+
+:class:`SaveHistory` holds the saves started (clock time, step, handle) and a
+:class:`SlowdownMeter`; it turns them into the :class:`~persist_core.decisions.DecisionContext`
+a save policy sees and into the engine's summary (intervals, stall share, slowdown while a save
+writes, save duration, upload lag). The engine's training thread feeds it; :meth:`SaveHistory.summary`
+may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import deque
+from typing import Any
+
+from persist_core.decisions import Clock, DecisionContext
+from persist_core.handle import SaveHandle, SaveStats
+
+_RECENT = 5  # the last saves measure what a save costs now
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``values`` (nearest rank), or ``None`` when empty."""
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
+class SlowdownMeter:
+    """How much slower training runs while a save is being written in the background.
+
+    The engine calls :meth:`observe` at each decision point and :meth:`staged` when ``save()``
+    returns. The time from one point to the next counts when a save was being written at both
+    ends ("writing") or at neither ("idle"); gaps that straddle a commit are left out. Medians of
+    the last ``window`` gaps keep an evaluation pass or a slow batch from skewing it.
+    """
+
+    def __init__(self, window: int = 64, min_samples: int = 5) -> None:
+        self._writing: deque[float] = deque(maxlen=window)
+        self._idle: deque[float] = deque(maxlen=window)
+        self._min = min_samples
+        self._mark: tuple[int | None, float, bool] | None = None  # (step, time, writing) of the last point
+
+    def observe(self, step: int, now: float, writing: bool) -> None:
+        if self._mark is not None and self._mark[0] != step:
+            _, then, was_writing = self._mark
+            if was_writing == writing:
+                (self._writing if writing else self._idle).append(now - then)
+        self._mark = (step, now, writing)
+
+    def staged(self, step: int, now: float) -> None:
+        self._mark = (step, now, True)
+
+    def slowdown(self) -> float | None:
+        """Median writing gap / median idle gap - 1 (never below 0), or ``None`` before enough of both."""
+        if len(self._writing) < self._min or len(self._idle) < self._min:
+            return None
+        idle = statistics.median(self._idle)
+        return max(0.0, statistics.median(self._writing) / idle - 1.0) if idle > 0 else None
+
+
+class SaveHistory:
+    """The saves an engine started, and what they cost.
+
+    Args:
+        clock: the monotonic clock of the engine's decisions.
+        maxlen: saves remembered (the oldest are forgotten first).
+    """
+
+    def __init__(self, clock: Clock, maxlen: int = 10_000) -> None:
+        self._clock = clock
+        self._started = clock()
+        self._lock = threading.Lock()
+        self._saves: deque[tuple[float, int, SaveHandle]] = deque(maxlen=maxlen)
+        self.meter = SlowdownMeter()
+
+    def add(self, when: float, step: int, handle: SaveHandle) -> None:
+        with self._lock:
+            self._saves.append((when, step, handle))
+
+    def last_step(self) -> int | None:
+        with self._lock:
+            return self._saves[-1][1] if self._saves else None
+
+    def _recent(self) -> list[tuple[float, int, SaveHandle]]:
+        with self._lock:  # no copy of the whole history per decision
+            n = len(self._saves)
+            return [self._saves[i] for i in range(max(0, n - _RECENT), n)]
+
+    def context(self, step: int, in_flight: bool) -> DecisionContext:
+        """What a save policy sees at ``step`` now."""
+        recent = self._recent()
+        done = [h.stats for _, _, h in recent if h.done() and h.stats.commit_s is not None]
+        slowdown = self.meter.slowdown()
+        cost = commit = None
+        if done:  # a save costs training its stall, and slower steps for as long as it writes
+            cost = sum(s.stall_s + (slowdown or 0.0) * (s.commit_s or 0.0) for s in done) / len(done)
+            commit = sum(_duration(s) for s in done) / len(done)
+        last_time, last_step = recent[-1][:2] if recent else (None, None)
+        return DecisionContext(step=step, now=self._clock(), last_step=last_step, last_time=last_time,
+                               in_flight=in_flight, cost_s=cost, commit_s=commit, slowdown=slowdown)
+
+    def summary(self) -> dict[str, Any]:
+        """See :meth:`CheckpointEngine.summary`."""
+        with self._lock:
+            saves = list(self._saves)
+        times = [t for t, _, _ in saves]
+        steps = [s for _, s, _ in saves]
+        stats = [h.stats for _, _, h in saves]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        elapsed = self._clock() - self._started
+        return {
+            "saves": len(saves),
+            "interval_p50_s": _quantile(gaps, 0.5),
+            "interval_p90_s": _quantile(gaps, 0.9),
+            "interval_p50_steps": _quantile([b - a for a, b in zip(steps, steps[1:])], 0.5),
+            "stall_p50_s": _quantile([s.stall_s for s in stats], 0.5),
+            "save_p50_s": _quantile([_duration(s) for s in stats if s.commit_s is not None], 0.5),
+            "stall_fraction": sum(s.stall_s for s in stats) / elapsed if elapsed > 0 else None,
+            "write_slowdown": self.meter.slowdown(),
+            "upload_lag_p50_s": _quantile([s.lag_s for s in stats if s.lag_s is not None], 0.5),
+        }
+
+
+def _duration(stats: SaveStats) -> float:
+    """From the call to ``save()`` to the checkpoint committed locally."""
+    return stats.stall_s + (stats.commit_s or 0.0)
