@@ -3,8 +3,8 @@
 Made with :meth:`PersistCheckpointIO.autosave`. At each training batch end, rank 0 asks the
 policy (``Continuous``, ``EveryNSteps``, ``OptimalInterval``, ...) with the engine's view of the
 last save and what saves cost, and broadcasts the answer, so every rank saves the same step or
-none does. When Lightning has received SIGTERM during the batch, it saves that step whatever
-the policy says; Lightning then stops and the plugin's ``teardown`` flushes the commit and
+none does. When Lightning has received SIGTERM during the batch (on any rank), every rank saves
+that step whatever the policy says; Lightning then stops and the plugin's ``teardown`` flushes the commit and
 upload within the grace period.
 """
 
@@ -37,11 +37,11 @@ class PersistAutoSave(Callback):
         step = trainer.global_step
         decision = False
         if trainer.is_global_zero:
-            engine = self._io._get_engine()
-            decision = bool(trainer.received_sigterm) or (
-                step not in self._io._saved and bool(self._policy.should_save(engine.decision_context(step)))
-            )
+            decision = step not in self._io._saved and self._io._get_engine().should_save(step, policy=self._policy)
         decision = trainer.strategy.broadcast(decision, src=0)
+        # SIGTERM on any rank: every rank saves this step (Lightning then stops; teardown flushes)
+        if trainer.strategy.reduce_boolean_decision(bool(trainer.received_sigterm), all=False):
+            decision = True
         if decision:
             trainer.save_checkpoint(os.path.join(str(self._io.local_dir), self._filename))
             self.saved_steps.append(step)

@@ -382,11 +382,18 @@ class CheckpointEngine:
             pending = step in self._pending
         return pending or self._history.last_step() == step
 
-    def should_save(self, step: int) -> bool:
+    def should_save(self, step: int, *, policy: SavePolicy | None = None) -> bool:
         """This process's decision alone, for adapters that agree on it across ranks themselves.
 
+        Each call is a decision point: the time between them, with and without a save being
+        written, measures how much a save slows training (``summary()["write_slowdown"]``).
+
+        Args:
+            step: this decision point's step.
+            policy: ask this policy instead of the engine's ``save_policy`` (an adapter's own).
+
         Raises:
-            ConfigError: the engine has no ``save_policy`` (and no preemption is pending).
+            ConfigError: no policy (and no preemption is pending).
         """
         self._check_open()
         known = self._known(step)
@@ -395,9 +402,10 @@ class CheckpointEngine:
         self._history.meter.observe(step, self._clock(), writing)
         if self.preemption_pending():
             return not known
-        if self._save_policy is None:
+        policy = policy or self._save_policy
+        if policy is None:
             raise ConfigError("maybe_save() needs CheckpointEngine(save_policy=...), e.g. Continuous(min_interval_s=30)")
-        return not known and bool(self._save_policy.should_save(self.decision_context(step)))
+        return not known and bool(policy.should_save(self.decision_context(step)))
 
     def preemption_pending(self) -> bool:
         """A preemption notice arrived and :meth:`finish_preemption` has not run yet."""

@@ -267,3 +267,13 @@ def test_a_save_costs_its_stall_plus_the_slowdown_of_the_steps_it_overlaps(tmp_p
     write = sum(s.commit_s for s in done) / 3
     assert context.cost_s == pytest.approx(stall + 0.5 * write)
     assert policy.interval_s(context) == pytest.approx(max((2 * context.cost_s * 3600) ** 0.5, context.commit_s))
+
+
+def test_should_save_asks_an_adapters_own_policy_when_given_one(tmp_path):
+    with CheckpointEngine(tmp_path) as engine:  # no save_policy of its own
+        with pytest.raises(ConfigError, match="save_policy"):
+            engine.should_save(4)
+        assert engine.should_save(4, policy=EveryNSteps(2))
+        assert not engine.should_save(5, policy=EveryNSteps(2))
+        engine.save(state_for(6), step=6)
+        assert not engine.should_save(6, policy=EveryNSteps(2))  # saved already
