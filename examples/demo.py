@@ -29,7 +29,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from persist_core import AnyOf, CheckpointEngine, CheckpointNotFoundError, KeepEveryNSteps, KeepLastN  # noqa: E402
+from persist_core import (  # noqa: E402
+    AnyOf, CheckpointEngine, CheckpointNotFoundError, EveryNSteps, KeepEveryNSteps, KeepLastN)
+from persist_core.decisions import describe_summary  # noqa: E402
 
 TOTAL_STEPS, SAVE_EVERY, KILL_AFTER_SAVE_AT = 60, 5, 35
 
@@ -61,8 +63,9 @@ def train(ckpt: Path, remote: str, save: bool) -> None:
     """The training job (a child process); prints one JSON line per event."""
     torch.set_num_threads(1)
     model, opt = build()
-    engine = CheckpointEngine(ckpt, remote_url=remote, keep_local=KeepLastN(2),
-                              keep_remote=AnyOf(KeepLastN(3), KeepEveryNSteps(20))) if remote else CheckpointEngine(ckpt)
+    engine = CheckpointEngine(ckpt, remote_url=remote or None, save_policy=EveryNSteps(SAVE_EVERY),
+                              keep_local=KeepLastN(2) if remote else None,
+                              keep_remote=AnyOf(KeepLastN(3), KeepEveryNSteps(20)) if remote else None)
     start = 0
     try:
         state = engine.load()
@@ -80,14 +83,18 @@ def train(ckpt: Path, remote: str, save: bool) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if save and step % SAVE_EVERY == 0:
-            state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step,
-                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
-            stats = engine.save(state, step=step).stats
+        handle = engine.maybe_save(lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "step": step,
+                                            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}},
+                                   step=step) if save else None
+        if handle is not None:
+            stats = handle.stats
             print(json.dumps({"event": "saved", "step": step, "loss": loss.item(), "stall_ms": stats.stall_s * 1e3,
                               "wait_ms": stats.wait_s * 1e3, "mb": stats.nbytes / 1e6}), flush=True)
+    engine.wait()
+    summary = describe_summary(engine.summary()) if save else None
     engine.close()
-    print(json.dumps({"event": "done", "step": TOTAL_STEPS, "loss": loss.item(), "digest": digest(model)}), flush=True)
+    print(json.dumps({"event": "done", "step": TOTAL_STEPS, "loss": loss.item(), "digest": digest(model),
+                      "summary": summary}), flush=True)
 
 
 def run_child(ckpt: Path, remote: str, save: bool, kill_after_save_at: int | None = None) -> list[dict]:
@@ -117,6 +124,8 @@ def show(events: list[dict]) -> None:
                   f"(of which waiting for the previous write {ev['wait_ms']:.1f} ms), {ev['mb']:.0f} MB")
         elif ev["event"] == "done":
             print(f"  finished step {ev['step']}  loss {ev['loss']:.4f}")
+            if ev["summary"]:
+                print(f"  engine.summary(): {ev['summary']}")
         elif ev["event"] == "exit" and ev["code"] == -signal.SIGKILL:
             print("  >>> killed with SIGKILL")
 
@@ -139,7 +148,7 @@ def main() -> None:
     t0 = time.perf_counter()
     resumed = run_child(ckpt, remote, save=True)
     show(resumed)
-    print(f"   ({time.perf_counter() - t0:.1f} s); now {tiers(ckpt, remote, out / 'peek')}")
+    print(f"== after run 2 ({time.perf_counter() - t0:.1f} s): {tiers(ckpt, remote, out / 'peek')}")
     print("== run 3: a fresh machine (empty local directory), same remote: engine.load() alone")
     fresh = CheckpointEngine(out / "fresh-machine", remote_url=remote)
     state = fresh.load()
