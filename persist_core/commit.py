@@ -7,8 +7,8 @@ and the protocol is the classic one: shard, fsync, manifest, fsync, rename, fsyn
 ::
 
     rank 0       mkdir local_dir/.tmp-step-N-pid-token          -> broadcast its name
-    every rank   write + fsync rank-R.safetensors in it         -> all_gather (file entry, records, or error)
-    rank 0       all ranks ok and the same state structure? every file there with its size?
+    every rank   write + fsync rank-R.safetensors in it         -> all_gather (file entry, records, step, or error)
+    rank 0       all ranks ok, the same step and state structure? every file there with its size?
                  write + fsync manifest.json, rename to step-N, fsync local_dir
                                                                 -> broadcast the outcome
     any failure on any rank: no manifest, the temporary directory removed, every rank's save fails
@@ -89,12 +89,18 @@ def commit_checkpoint(
     finally:
         release()
     reports = coll.all_gather((entry, base.tensors if coll.world_size > 1 else None, signature,
-                               None if error is None else f"{type(error).__name__}: {error}"))
+                               None if error is None else f"{type(error).__name__}: {error}", step))
     manifest = base
     outcome: str | None = None
     if leader:
-        problems = [f"rank {r}: {msg}" for r, (_, _, _, msg) in enumerate(reports) if msg]
-        if not problems and any(sig != signature for _, _, sig, _ in reports):
+        problems = [f"rank {r}: {msg}" for r, (_, _, _, msg, _) in enumerate(reports) if msg]
+        steps = [s for *_, s in reports]
+        if not problems and any(s != step for s in steps):
+            problems.append(
+                f"the ranks saved different steps ({steps}, by rank): every rank must call save for the same steps "
+                "in the same order (maybe_save agrees on them across ranks)"
+            )
+        if not problems and any(sig != signature for _, _, sig, _, _ in reports):
             problems.append(
                 "the ranks hold states of different structure (tensor names, dtypes or shapes), so the state "
                 "cannot be split between them; save on rank 0 only, or make the state the same on every rank"
@@ -126,10 +132,10 @@ def commit_checkpoint(
     return manifest
 
 
-def _merge(base: Manifest, reports: list[tuple[FileEntry, tuple | None, str, str | None]]) -> Manifest:
+def _merge(base: Manifest, reports: list[tuple[FileEntry, tuple | None, str, str | None, int]]) -> Manifest:
     """Rank 0's manifest with every rank's file and the records of the tensors each wrote."""
     tensors = list(base.tensors)
-    for _, records, _, _ in reports[1:]:
+    for _, records, _, _, _ in reports[1:]:
         for i, record in enumerate(records or ()):
             if record is not None:
                 tensors[i] = record
@@ -137,4 +143,4 @@ def _merge(base: Manifest, reports: list[tuple[FileEntry, tuple | None, str, str
     if missing:
         raise PersistError(f"no rank wrote tensors {missing[:5]} of the state")
     return dataclasses.replace(base, world_size=len(reports), tensors=tuple(tensors),
-                               files=tuple(entry for entry, _, _, _ in reports))
+                               files=tuple(entry for entry, *_ in reports))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -76,6 +77,13 @@ class TermAtStep(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class RankSkewed:
+    """A custom save policy that would save every 3rd step on rank 0 and every 2nd elsewhere."""
+
+    def should_save(self, context) -> bool:
+        return context.step % (3 if int(os.environ.get("LOCAL_RANK", "0")) == 0 else 2) == 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--local-dir", required=True)
@@ -88,21 +96,27 @@ def main() -> None:
     parser.add_argument("--term-at", type=int)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--autosave-every", type=int, help="io.autosave(EveryNSteps(N)) instead of ModelCheckpoint")
+    parser.add_argument("--autosave-skewed", action="store_true",
+                        help="io.autosave(a policy that answers differently on each rank) instead")
     args = parser.parse_args()
     endpoint = os.environ.get("PERSIST_TEST_S3_ENDPOINT")
     options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint and args.remote_url else None
     io = PersistCheckpointIO(local_dir=args.local_dir, remote_url=args.remote_url, storage_options=options)
     extra = [TermAtStep(args.term_at)] if args.term_at else []
     strategy = PersistDDPStrategy() if args.strategy == "persist_ddp" else args.strategy
-    if args.autosave_every:
+    if args.autosave_every or args.autosave_skewed:
+        policy = RankSkewed() if args.autosave_skewed else EveryNSteps(args.autosave_every)
         trainer = Trainer(max_steps=args.max_steps, plugins=[io], accelerator="cpu", devices=args.devices,
                           strategy=strategy, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                          enable_checkpointing=False, callbacks=[*extra, io.autosave(EveryNSteps(args.autosave_every))])
+                          enable_checkpointing=False, callbacks=[*extra, io.autosave(policy)])
     else:
         trainer = make_trainer(io, args.local_dir, args.max_steps, callbacks=extra, devices=args.devices,
                                strategy=strategy)
     model = Net(width=args.width)
     trainer.fit(model, ckpt_path=io.latest_path() if args.resume else None)
+    for callback in trainer.callbacks:
+        if hasattr(callback, "saved_steps"):  # the autosave callback: which steps this rank saved
+            print(json.dumps({"rank": trainer.global_rank, "autosaved": callback.saved_steps}), flush=True)
     if args.out and trainer.is_global_zero:
         torch.save(weights(model), args.out)
 

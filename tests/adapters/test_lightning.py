@@ -407,3 +407,17 @@ def test_sigterm_with_autosave_saves_the_step_it_arrived_at_and_syncs_it(tmp_pat
     assert "Received SIGTERM" in run.stderr, run.stderr[-3000:]
     fresh = PersistCheckpointIO(local_dir=tmp_path / "fresh", remote_url=remote)
     assert fresh.latest_path() == f"{remote}/step-000000000004"  # not a multiple of 1000: the preemption save
+
+
+def test_two_ranks_autosave_the_steps_rank_0_decides_even_when_their_policies_disagree(tmp_path):
+    # a time-based policy can answer differently on each rank (here: a policy that does so by
+    # construction); rank 0 decides for all, or a commit that needs both ranks would wait forever
+    d = tmp_path / "ckpt"
+    run = run_app("--local-dir", str(d), "--devices", "2", "--strategy", "persist_ddp", "--width", "256",
+                  "--max-steps", "12", "--autosave-skewed", timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = {r["rank"]: r["autosaved"] for r in map(json.loads, run.stdout.splitlines()) if "autosaved" in r}
+    assert saved == {0: [3, 6, 9, 12], 1: [3, 6, 9, 12]}, saved
+    newest = d / os.readlink(d / "autosave.ckpt")
+    assert newest.name == f"step-{saved[0][-1]:012d}"
+    assert json.loads((newest / "manifest.json").read_text())["world_size"] == 2  # both ranks wrote it

@@ -54,6 +54,14 @@ def run(rank: int, world: int, port: int, root: str, scenario: str, out: str) ->
         except PersistError as e:
             results.append(("failed", type(e).__name__, str(e)))
         engine.close()
+    if scenario == "steps":
+        engine = CheckpointEngine(root, collectives=coll)
+        try:  # rank 1 saves another step: its shard must not end up in rank 0's checkpoint
+            engine.save(replicated_state(40 + rank), step=40 + rank).wait()
+            results.append(("committed", 40 + rank))
+        except PersistError as e:
+            results.append(("failed", type(e).__name__, str(e)))
+        engine.close()
     # every rank restores the newest committed checkpoint
     with CheckpointEngine(root, collectives=coll) as engine:
         loaded = engine.load()

@@ -59,6 +59,14 @@ def test_ranks_with_different_state_structure_commit_nothing(tmp_path):
         assert results[r][-1][:2] == ("loaded", 10)
 
 
+def test_ranks_that_save_different_steps_commit_nothing(tmp_path):
+    results = spawn(tmp_path, "steps")
+    for r in range(2):
+        assert results[r][1][0] == "failed" and "different steps ([40, 41], by rank)" in results[r][1][2]
+        assert results[r][-1][:2] == ("loaded", 10)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000000010"]
+
+
 def test_ranks_agree_on_every_save_decision_and_on_a_preemption_seen_by_one(tmp_path):
     from tests.integration.multirank_child import run_decisions
 
