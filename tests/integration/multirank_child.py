@@ -26,6 +26,17 @@ class FailOnRank(OsFileOps):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def attempt(engine: CheckpointEngine, state: dict, step: int) -> tuple:
+    """Save and wait, then close: ``("committed", step)`` or ``("failed", error type, message)``."""
+    try:
+        engine.save(state, step=step).wait()
+        return ("committed", step)
+    except PersistError as e:
+        return ("failed", type(e).__name__, str(e))
+    finally:
+        engine.close()
+
+
 def run(rank: int, world: int, port: int, root: str, scenario: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     coll = TorchCollectives.new_group(timeout_s=60)
@@ -36,32 +47,14 @@ def run(rank: int, world: int, port: int, root: str, scenario: str, out: str) ->
         nbytes = engine.list()[-1].nbytes
         results.append(("saved", 10, nbytes))
     if scenario == "fail":
-        engine = CheckpointEngine(root, collectives=coll, file_ops=ops)
-        try:
-            engine.save(replicated_state(20), step=20).wait()
-            results.append(("committed", 20))
-        except PersistError as e:
-            results.append(("failed", type(e).__name__, str(e)))
-        engine.close()
+        results.append(attempt(CheckpointEngine(root, collectives=coll, file_ops=ops), replicated_state(20), 20))
     if scenario == "mismatch":
-        engine = CheckpointEngine(root, collectives=coll)
         state = replicated_state(30)
         if rank == 1:
             state["model"]["extra"] = torch.zeros(3)
-        try:
-            engine.save(state, step=30).wait()
-            results.append(("committed", 30))
-        except PersistError as e:
-            results.append(("failed", type(e).__name__, str(e)))
-        engine.close()
-    if scenario == "steps":
-        engine = CheckpointEngine(root, collectives=coll)
-        try:  # rank 1 saves another step: its shard must not end up in rank 0's checkpoint
-            engine.save(replicated_state(40 + rank), step=40 + rank).wait()
-            results.append(("committed", 40 + rank))
-        except PersistError as e:
-            results.append(("failed", type(e).__name__, str(e)))
-        engine.close()
+        results.append(attempt(CheckpointEngine(root, collectives=coll), state, 30))
+    if scenario == "steps":  # rank 1 saves another step: its shard must not end up in rank 0's checkpoint
+        results.append(attempt(CheckpointEngine(root, collectives=coll), replicated_state(40 + rank), 40 + rank))
     # every rank restores the newest committed checkpoint
     with CheckpointEngine(root, collectives=coll) as engine:
         loaded = engine.load()
