@@ -4,8 +4,8 @@ Made with :meth:`PersistCheckpointIO.autosave`. At each training batch end, rank
 policy (``Continuous``, ``EveryNSteps``, ``OptimalInterval``, ...) with the engine's view of the
 last save and what saves cost, and broadcasts the answer, so every rank saves the same step or
 none does. When Lightning has received SIGTERM during the batch (on any rank), every rank saves
-that step whatever the policy says; Lightning then stops and the plugin's ``teardown`` flushes the commit and
-upload within the grace period.
+that step whatever the policy says; Lightning then stops and the plugin's ``teardown`` flushes
+the commit and upload within the grace period.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ of cases test it with a fake clock. Combine with :class:`~persist_core.retention
   ``min_interval_s`` passed (Orbax's continuous checkpointing): never a second save in flight.
 * :class:`OptimalInterval` — Young/Daly: every ``sqrt(2 · C · MTBF)`` seconds, ``C`` the measured
   cost of recent saves to training (stall, plus the slowdown of the steps their writes overlap,
-  :class:`~persist_core.history.SlowdownMeter`), updated as it changes; never faster than the previous save commits.
+  :class:`~persist_core.history.SlowdownMeter`), updated as it changes; never faster than the
+  previous save commits.
 
 Preemption (see :class:`PreemptionNotice`) overrides every policy: the next decision point saves.
 """
