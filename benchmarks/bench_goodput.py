@@ -8,9 +8,9 @@ runs once per failure sequence (``--seeds``). Per policy:
 
 * goodput: steps / total wall time over all sequences, restarts included (higher is better);
 * work lost per failure: steps done after the last committed checkpoint, redone after a restart;
-* P50 checkpoint interval and the fraction of time stalled by saves (from ``engine.summary()``
-  of the last, uninterrupted, run), the median save duration (call to committed), and how much
-  slower a training step is while a save is being written than while none is.
+* from ``engine.summary()`` of the last, uninterrupted, run: the P50 checkpoint interval, the
+  fraction of time stalled by saves, the median save duration (call to committed), and how much
+  slower training runs while a save is being written than while none is.
 
 Bars (issue 6): continuous reaches a P50 interval no longer than 2x the save's own duration,
 and goodput at least as good as the best fixed interval tried.
@@ -66,24 +66,14 @@ def child(local_dir: str, policy_text: str, steps: int, width: int) -> None:
         pass
     print(json.dumps({"event": "start", "step": start}), flush=True)
     x = torch.randn(64, width)
-    # training step time while a save is being written from start to end of the step, and while none is
-    step_s: dict[tuple[bool, bool], list[float]] = {(True, True): [], (False, False): [], (True, False): [],
-                                                    (False, True): []}
     for step in range(start + 1, steps + 1):
-        writing = engine.decision_context(step).in_flight
-        t0 = time.perf_counter()
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        step_s[writing, engine.decision_context(step).in_flight].append(time.perf_counter() - t0)
         engine.maybe_save(lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step)
         print(json.dumps({"event": "step", "step": step}), flush=True)
     engine.wait()
-    med = {k[0]: statistics.median(v) if len(v) >= 3 else None for k, v in step_s.items() if k[0] == k[1]}
-    summary = engine.summary()
-    print(json.dumps({"event": "done", "summary": summary, "save_s": summary["save_p50_s"],
-                      "stall_s": summary["stall_p50_s"], "step_writing_s": med[True], "step_idle_s": med[False]}),
-          flush=True)
+    print(json.dumps({"event": "done", "summary": engine.summary()}), flush=True)
     engine.close()
 
 
@@ -176,17 +166,16 @@ def main() -> None:
     for name, _ in policies:
         rs = runs[name]
         lost = [x for r in rs for x in r["lost"]]
-        done = [r["done"] for r in rs]
+        summaries = [r["done"]["summary"] for r in rs]  # engine.summary() of each last, uninterrupted run
         row = {
             "goodput": args.steps * len(rs) / sum(r["wall_s"] for r in rs),
             "failures": sum(r["failures"] for r in rs),
             "lost": statistics.mean(lost) if lost else 0.0,
-            "p50": med([(d["summary"] or {}).get("interval_p50_s") for d in done]),
-            "stalled": med([(d["summary"] or {}).get("stall_fraction") for d in done]),
-            "save_s": med([d["save_s"] for d in done]),
-            "stall_s": med([d["stall_s"] for d in done]),
-            "slowdown": med([d["step_writing_s"] / d["step_idle_s"] - 1 for d in done
-                             if d["step_writing_s"] and d["step_idle_s"]]),
+            "p50": med([s["interval_p50_s"] for s in summaries]),
+            "stalled": med([s["stall_fraction"] for s in summaries]),
+            "save_s": med([s["save_p50_s"] for s in summaries]),
+            "stall_s": med([s["stall_p50_s"] for s in summaries]),
+            "slowdown": med([s["write_slowdown"] for s in summaries]),
         }
         rows[name] = row
         print(f"| {name} | {row['goodput']:.2f} | {row['failures']} | {row['lost']:.1f} | {secs(row['p50'])} | "

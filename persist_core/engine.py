@@ -396,16 +396,16 @@ class CheckpointEngine:
             ConfigError: no policy (and no preemption is pending).
         """
         self._check_open()
-        known = self._known(step)
         with self._lock:
             writing = bool(self._pending)
+        known = self._known(step)
         self._history.meter.observe(step, self._clock(), writing)
         if self.preemption_pending():
             return not known
         policy = policy or self._save_policy
         if policy is None:
             raise ConfigError("maybe_save() needs CheckpointEngine(save_policy=...), e.g. Continuous(min_interval_s=30)")
-        return not known and bool(policy.should_save(self.decision_context(step)))
+        return not known and bool(policy.should_save(self._history.context(step, writing)))
 
     def preemption_pending(self) -> bool:
         """A preemption notice arrived and :meth:`finish_preemption` has not run yet."""
