@@ -24,33 +24,19 @@ micro-batches of gradient accumulation, do not count) — what :meth:`PersistHoo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import random
 import signal
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import numpy as np
-import torch
-
-from persist_core import (
-    CheckpointEngine,
-    CheckpointNotFoundError,
-    CheckpointReader,
-    ConfigError,
-    KeepLastN,
-    RetentionPolicy,
-    SaveHandle,
-    SingleProcess,
-    StepExistsError,
-    TorchCollectives,
-)
+from accelerate_persist import _state
+from persist_core import CheckpointNotFoundError, CheckpointReader, ConfigError, KeepLastN, RetentionPolicy, SingleProcess
+from persist_core import TorchCollectives
 from persist_core.layout import checkpoint_dirname
-from persist_core.decisions import PreemptionNotice, SavePolicy, check_save_policy, describe_summary
-from persist_core.preemption import check_grace, install_sigterm_flush
-from persist_core.retention import policy_from_keywords
+from persist_core.policies import SavePolicy
+from persist_core.session import PersistOptions, PersistSession
 
 log = logging.getLogger(__name__)
 
@@ -120,25 +106,17 @@ class PersistHook:
         save_policy: SavePolicy | None = None,
         preemption_signals: tuple[int, ...] = (signal.SIGTERM,),
     ) -> None:
-        self._local_dir = Path(local_dir).expanduser().absolute()
-        self._remote_url = remote_url
-        self._storage_options = storage_options
-        self._policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds, retention)
-        self._verify = verify
-        self._max_pending = max_pending
-        self._grace_s = check_grace(preemption_grace_s)
-        self._save_policy = None if save_policy is None else check_save_policy(save_policy)
-        self._notice: PreemptionNotice | None = None
-        self._signals = tuple(preemption_signals)
-        if not self._signals:
-            raise ConfigError("preemption_signals=() is empty; pass at least one, e.g. (signal.SIGTERM,)")
+        self._options = PersistOptions.from_keywords(
+            local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
+            keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
+            storage_options=storage_options, verify=verify, max_pending=max_pending,
+            preemption_grace_s=preemption_grace_s, save_policy=save_policy,
+            preemption_signals=tuple(preemption_signals))
+        self._session: PersistSession | None = None
         self._accelerator: Any = None
-        self._engine: CheckpointEngine | None = None
         self._originals: dict[str, Any] = {}
+        self._wrapped: list[tuple[Any, Any]] = []  # (optimizer, its own step) to put back on close
         self._optimizer_steps = 0
-        self._saved: set[int] = set()
-        self._unlogged: list[SaveHandle] = []
-        self._restore_signal: Any = None
 
     # ------------------------------------------------------------------ registration
 
@@ -157,42 +135,33 @@ class PersistHook:
                 f"PersistHook does not support distributed_type={kind}: it saves through its own machinery; "
                 f"use DDP, multi-CPU or one device ({', '.join(_SUPPORTED)})"
             )
+        options = self._options
         config = accelerator.project_configuration
         if config.total_limit is not None:
-            if self._policy is None:
-                self._policy = KeepLastN(config.total_limit)
+            if options.retention is None:
+                options = dataclasses.replace(options, retention=KeepLastN(config.total_limit))
                 log.info("ProjectConfiguration(total_limit=%d) becomes keep_last=%d (applied after each commit)",
                          config.total_limit, config.total_limit)
-            elif self._policy != KeepLastN(config.total_limit):
+            elif options.retention != KeepLastN(config.total_limit):
                 raise ConfigError(
                     f"ProjectConfiguration(total_limit={config.total_limit}) conflicts with the hook's retention "
-                    f"{self._policy!r}: set one of them (the hook applies retention after each commit)"
+                    f"{options.retention!r}: set one of them (the hook applies retention after each commit)"
                 )
-        collectives = TorchCollectives.new_group() if accelerator.num_processes > 1 else SingleProcess()
-        if self._save_policy is not None and self._notice is None:
-            self._notice = PreemptionNotice(self._signals)
-        self._engine = CheckpointEngine(
-            self._local_dir, remote_url=self._remote_url, storage_options=self._storage_options,
-            keep_local=self._policy, keep_remote=self._policy if self._remote_url else None, verify=self._verify,
-            max_pending=self._max_pending, collectives=collectives, save_policy=self._save_policy,
-            preemption=self._notice, preemption_grace_s=self._grace_s,
-        )
-        self._accelerator = accelerator
+        session = PersistSession(options, resume_hint="resume it with hook.resume() before training")
+        session.use_collectives(TorchCollectives.new_group() if accelerator.num_processes > 1 else SingleProcess())
+        session.open(preemption=options.save_policy is not None)
+        self._session, self._accelerator = session, accelerator
         self._originals = {name: getattr(accelerator, name) for name in ("save_state", "load_state", "end_training")}
         accelerator.save_state = self._save_state
         accelerator.load_state = self._load_state
         accelerator.end_training = self._end_training
         for optimizer in accelerator._optimizers:
             self._count_steps(optimizer)
-        if self._restore_signal is None and self._notice is None:
-            self._restore_signal = install_sigterm_flush(
-                lambda: None if self._engine is None else self._engine.wait, self._grace_s)
+        session.install_flush()  # without a save policy: SIGTERM drains, then ends the process
         return self
 
     def _count_steps(self, optimizer: Any) -> None:
         """Count the optimizer steps that happened (not accumulation micro-batches, not skipped steps)."""
-        if getattr(optimizer, "_persist_counted", False):
-            return
         step = optimizer.step
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -203,7 +172,7 @@ class PersistHook:
             return out
 
         optimizer.step = counted
-        optimizer._persist_counted = True
+        self._wrapped.append((optimizer, step))
 
     def _first_optimizer(self) -> Any:
         optimizers = self._accelerator._optimizers if self._accelerator is not None else []
@@ -216,83 +185,34 @@ class PersistHook:
         """Optimizer steps taken so far (restored by :meth:`resume`); the step of the next save."""
         return self._optimizer_steps
 
-    def _engine_or_raise(self) -> CheckpointEngine:
-        if self._engine is None:
+    def _session_or_raise(self) -> PersistSession:
+        if self._session is None:
             raise ConfigError("PersistHook is not registered; call hook.register(accelerator) first")
-        return self._engine
+        return self._session
 
     def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **_: Any) -> str:
-        engine = self._engine_or_raise()
-        self._log_finished()
+        session = self._session_or_raise()
+        self._report()
         acc = self._accelerator
-        state = {
-            "models": [acc.get_state_dict(m, unwrap=False) for m in acc._models],
-            "optimizers": [o.state_dict() for o in acc._optimizers],
-            "schedulers": [s.state_dict() for s in acc._schedulers],
-            "dataloaders": [_dataloader_state(dl) for dl in acc._dataloaders],
-            "scaler": None if acc.scaler is None else acc.scaler.state_dict(),
-            "custom": [obj.state_dict() for obj in acc._custom_objects],
-            "per_process": _gather(acc, {"rng": _rng_state(), "step": acc.step}),
-            "optimizer_steps": self._optimizer_steps,
-            "iteration": acc.project_configuration.iteration,
-        }
-        path = str(engine.local_dir / checkpoint_dirname(self._optimizer_steps))
-        if self._optimizer_steps in self._saved:
-            log.info("save_state(): step %d is saved already (no optimizer step since); nothing to do", self._optimizer_steps)
+        step = self._optimizer_steps
+        path = str(self._options.local_dir / checkpoint_dirname(step))
+        if session.saved(step):
+            log.info("save_state(): step %d is saved already (no optimizer step since); nothing to do", step)
             return path
-        try:
-            handle = engine.save(state, self._optimizer_steps, metadata={"saved_by": "accelerate_persist"})
-        except StepExistsError as e:
-            raise ConfigError(
-                f"step {self._optimizer_steps} is already committed in {self._local_dir} by an earlier run; resume it "
-                "with hook.resume() before training, or give this run its own local_dir (committed checkpoints are "
-                "never overwritten)"
-            ) from e
-        self._saved.add(self._optimizer_steps)
-        self._unlogged.append(handle)
+        state = _state.capture(acc, optimizer_steps=step)
+        session.save(state, step, metadata={"saved_by": "accelerate_persist"})
         acc.project_configuration.iteration += 1
         if output_dir is not None:
             log.info("save_state(%r): the checkpoint is %s (PersistHook writes to local_dir)", output_dir, path)
         return path
 
     def _load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **_: Any) -> None:
-        engine = self._engine_or_raise()
+        session = self._session_or_raise()
+        engine = session.open()
         engine.wait()
         state = engine.load(None if input_dir is None else engine.reader.step_of(input_dir))
-        self._apply(state)
-
-    def _apply(self, state: dict[str, Any]) -> None:
-        acc = self._accelerator
-        counts = {"models": len(acc._models), "optimizers": len(acc._optimizers), "schedulers": len(acc._schedulers),
-                  "custom": len(acc._custom_objects)}
-        for key, n in counts.items():
-            if len(state[key]) != n:
-                raise ConfigError(
-                    f"the checkpoint holds {len(state[key])} {key} but this Accelerator has {n}; restore into the same "
-                    "set of prepared objects (and register_for_checkpointing calls) that saved it"
-                )
-        for model, weights in zip(acc._models, state["models"]):
-            model.load_state_dict(_match_wrapping(weights, model))
-        for optimizer, optim_state in zip(acc._optimizers, state["optimizers"]):
-            optimizer.load_state_dict(optim_state)
-        for scheduler, sched_state in zip(acc._schedulers, state["schedulers"]):
-            scheduler.load_state_dict(sched_state)
-        for dataloader, dl_state in zip(acc._dataloaders, state["dataloaders"]):
-            _restore_dataloader(dataloader, dl_state)
-        if acc.scaler is not None and state["scaler"] is not None:
-            acc.scaler.load_state_dict(state["scaler"])
-        for obj, obj_state in zip(acc._custom_objects, state["custom"]):
-            obj.load_state_dict(obj_state)
-        per_process = state["per_process"]
-        mine = per_process[acc.process_index] if acc.process_index < len(per_process) else per_process[0]
-        if acc.process_index >= len(per_process):
-            log.warning("the checkpoint has RNG states for %d processes; process %d takes process 0's",
-                        len(per_process), acc.process_index)
-        _set_rng_state(mine["rng"])
-        acc.step = mine["step"]
-        acc.project_configuration.iteration = state["iteration"] + 1
-        self._optimizer_steps = state["optimizer_steps"]
-        self._saved.add(self._optimizer_steps)  # restored from it: saving again at this step is a no-op
+        self._optimizer_steps = _state.apply(self._accelerator, state)
+        session.restored(self._optimizer_steps)  # saving again at this step is a no-op
 
     def resume(self) -> int:
         """Restore the newest committed checkpoint (local, else remote) into the Accelerator.
@@ -303,8 +223,8 @@ class PersistHook:
         try:
             self._load_state()
         except CheckpointNotFoundError:
-            log.info("no checkpoint in %s%s: starting at step 0", self._local_dir,
-                     f" or {self._remote_url}" if self._remote_url else "")
+            log.info("no checkpoint in %s%s: starting at step 0", self._options.local_dir,
+                     f" or {self._options.remote_url}" if self._options.remote_url else "")
             return 0
         return self._optimizer_steps
 
@@ -320,8 +240,8 @@ class PersistHook:
         Raises:
             ConfigError: no ``save_policy`` was given.
         """
-        engine = self._engine_or_raise()
-        if self._save_policy is None:
+        engine = self._session_or_raise().open()
+        if self._options.save_policy is None:
             raise ConfigError("maybe_save() needs PersistHook(save_policy=...), e.g. Continuous(min_interval_s=30)")
         decision, preempting = engine.decide(self._optimizer_steps)  # agreed across processes
         if decision:
@@ -333,11 +253,13 @@ class PersistHook:
     @property
     def preempted(self) -> bool:
         """A preemption notice arrived and its checkpoint is committed (and uploaded): stop the loop."""
-        return self._engine is not None and self._engine.preempted
+        engine = None if self._session is None else self._session.engine
+        return engine is not None and engine.preempted
 
     def latest(self) -> str | None:
-        """The newest committed checkpoint's path or URL, or ``None``."""
-        with CheckpointReader(self._local_dir, remote_url=self._remote_url, storage_options=self._storage_options) as r:
+        """The newest committed checkpoint's path or URL, or ``None`` (reads only, on any credentials)."""
+        o = self._options
+        with CheckpointReader(o.local_dir, remote_url=o.remote_url, storage_options=o.storage_options) as r:
             info = r.latest()
         return None if info is None else info.path
 
@@ -345,29 +267,27 @@ class PersistHook:
 
     def wait(self) -> None:
         """Block until pending saves are committed and uploaded; raises a background failure once."""
-        self._engine_or_raise().wait()
-        self._log_finished()
+        self._session_or_raise().open().wait()
+        self._report()
 
     def close(self) -> None:
-        """Drain, then give the Accelerator its own ``save_state``/``load_state`` back. Idempotent."""
+        """Drain, then give the Accelerator back everything ``register`` changed. Idempotent.
+
+        Its own ``save_state``/``load_state``/``end_training``, each optimizer's own ``step``, and
+        the signal handlers; so a new hook registered on the same Accelerator works as the first did.
+        """
         if self._accelerator is None:
             return
-        engine, acc = self._engine, self._accelerator
+        session, acc = self._session, self._accelerator
         try:
-            if engine is not None:
-                log.info("torch-persist: %s", describe_summary(engine.summary()))
-                engine.close()
+            if session is not None:
+                session.close(sink=self._sink())
         finally:
-            self._log_finished()
             for name, original in self._originals.items():
                 setattr(acc, name, original)
-            if self._notice is not None:
-                self._notice.restore()
-                self._notice = None
-            if self._restore_signal is not None:
-                self._restore_signal()
-                self._restore_signal = None
-            self._accelerator, self._engine, self._originals = None, None, {}
+            for optimizer, step in reversed(self._wrapped):
+                optimizer.step = step
+            self._accelerator, self._session, self._originals, self._wrapped = None, None, {}, []
 
     def __enter__(self) -> PersistHook:
         return self
@@ -379,75 +299,13 @@ class PersistHook:
         self.wait()
         self._originals["end_training"]()
 
-    def _log_finished(self) -> None:
-        """Report finished saves through ``accelerator.log`` (when trackers are set) and the log."""
-        done = [h for h in self._unlogged if h.done()]
-        self._unlogged = [h for h in self._unlogged if not h.done()]
+    def _sink(self) -> Any:
         acc = self._accelerator
-        for handle in done:
-            s = handle.stats
-            log.info("[step=%d] stall %.3f s, write %.2f GB/s", s.step, s.stall_s, s.write_gbps or 0.0)
-            if acc is not None and getattr(acc, "trackers", None):
-                acc.log(s.metrics(), step=s.step)
+        if acc is None or not getattr(acc, "trackers", None):
+            return None
+        return lambda stats: acc.log(stats.metrics(), step=stats.step)
 
-
-# ---------------------------------------------------------------------- state pieces
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _gather(accelerator: Any, value: Any) -> list[Any]:
-    """Every process's ``value``, in process order (the same list on every process)."""
-    if accelerator.num_processes == 1:
-        return [value]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * accelerator.num_processes
-    dist.all_gather_object(out, value)
-    return out
-
-
-def _dataloader_state(dataloader: Any) -> dict[str, Any]:
-    """What Accelerate saves for a dataloader: a seedable sampler, and a stateful loader's state."""
-    from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
-
-    state: dict[str, Any] = {"sampler": None, "state_dict": None}
-    if isinstance(dataloader.dataset, IterableDatasetShard):
-        sampler = dataloader.get_sampler()
-        if isinstance(sampler, SeedableRandomSampler):
-            state["sampler"] = sampler
-    if getattr(dataloader, "use_stateful_dataloader", False):
-        state["state_dict"] = dataloader.state_dict()
-    return state
-
-
-def _restore_dataloader(dataloader: Any, state: dict[str, Any]) -> None:
-    if state["sampler"] is not None:
-        dataloader.set_sampler(state["sampler"])
-    if state["state_dict"] is not None and getattr(dataloader, "use_stateful_dataloader", False):
-        dataloader.load_state_dict(state["state_dict"])
-
-
-def _match_wrapping(weights: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
-    """Saved by DDP (``module.`` keys) and loaded without it, or the other way round: rename."""
-    have, want = set(weights), set(model.state_dict())
-    if have == want:
-        return weights
-    if all(k.startswith("module.") for k in have) and {k[len("module."):] for k in have} == want:
-        return type(weights)((k[len("module."):], v) for k, v in weights.items())
-    if {f"module.{k}" for k in have} == want:
-        return type(weights)((f"module.{k}", v) for k, v in weights.items())
-    return weights  # load_state_dict names what does not match
+    def _report(self) -> None:
+        """Report finished saves through ``accelerator.log`` (when trackers are set) and the log."""
+        if self._session is not None:
+            self._session.report(self._sink())

@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from persist_core.restore import committed_steps  # noqa: E402
+from persist_core.tiers.local import committed_steps  # noqa: E402
 
 
 def child(local_dir: str, policy_text: str, steps: int, width: int) -> None:

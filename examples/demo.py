@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from persist_core import (  # noqa: E402
     AnyOf, CheckpointEngine, CheckpointNotFoundError, EveryNSteps, KeepEveryNSteps, KeepLastN)
-from persist_core.decisions import describe_summary  # noqa: E402
+from persist_core.history import describe_summary  # noqa: E402
 
 TOTAL_STEPS, SAVE_EVERY, KILL_AFTER_SAVE_AT = 60, 5, 35
 

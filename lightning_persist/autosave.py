@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from persist_core.decisions import SavePolicy, check_save_policy
+from persist_core.policies import SavePolicy, check_save_policy
 
 
 class PersistAutoSave(Callback):
@@ -37,7 +37,7 @@ class PersistAutoSave(Callback):
         step = trainer.global_step
         decision = False
         if trainer.is_global_zero:
-            decision = step not in self._io._saved and self._io._get_engine().should_save(step, policy=self._policy)
+            decision = not self._io._session.saved(step) and self._io._get_engine().should_save(step, policy=self._policy)
         decision = trainer.strategy.broadcast(decision, src=0)
         # SIGTERM on any rank: every rank saves this step (Lightning then stops; teardown flushes)
         if trainer.strategy.reduce_boolean_decision(bool(trainer.received_sigterm), all=False):

@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import sys
-import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,43 +26,13 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import _load as torch_load
 from lightning.pytorch.callbacks import Callback
 
-from persist_core import (
-    AnyOf,
-    CheckpointEngine,
-    CheckpointNotFoundError,
-    CheckpointReader,
-    Collectives,
-    ConfigError,
-    PersistError,
-    RetentionContext,
-    RetentionPolicy,
-    SaveHandle,
-    SaveStats,
-    SingleProcess,
-    StepExistsError,
-)
-from persist_core.decisions import SavePolicy, describe_summary
-from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname
-from persist_core.local_writer import fsync_dir
-from persist_core.preemption import check_grace, drain_within, install_sigterm_flush
-from persist_core.restore import CheckpointInfo
-from persist_core.retention import policy_from_keywords
+from lightning_persist._links import KeepLinked, Links
+from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
+from persist_core import RetentionPolicy, SaveStats
+from persist_core.policies import SavePolicy
+from persist_core.session import PersistOptions, PersistSession
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _KeepLinked:
-    """Keeps the steps that a live Lightning path names (``linked()`` is read at each decision)."""
-
-    linked: Callable[[], set[int]]
-
-    def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
-        live = self.linked()
-        return [c.step in live for c in checkpoints]
-
-    def __repr__(self) -> str:
-        return "KeepLinkedByLightning()"
 
 
 def _is_url(path: str) -> bool:
@@ -149,87 +115,34 @@ class PersistCheckpointIO(CheckpointIO):
         preemption_grace_s: float = 120.0,
     ) -> None:
         super().__init__()
-        self._local_dir = Path(local_dir).expanduser().absolute()
-        self._remote_url = remote_url
-        self._storage_options = storage_options
-        self._user_policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds, retention)
-        self._grace_s = check_grace(preemption_grace_s)
-        self._restore_signal: Any = None
-        self._verify = verify
-        self._max_pending = max_pending
-        self._write_threads = write_threads
-        self._lock = threading.Lock()
-        self._engine: CheckpointEngine | None = None
-        self._collectives: Collectives = SingleProcess()
-        self._reader: CheckpointReader | None = None
-        # Lightning path -> step: the step the path was last saved at (maybe still pending), and
-        # the step its link on disk names now; retention keeps both
-        self._intended: dict[str, int] = {}
-        self._on_disk: dict[str, int] = {}
-        self._scanned: set[str] = set()
-        self._saved: dict[int, SaveHandle] = {}  # steps this plugin saved, and how
-        self._unlogged: list[SaveHandle] = []
-        self._link_errors: list[BaseException] = []
-        self._summary: list[SaveStats] = []
+        options = PersistOptions.from_keywords(
+            local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
+            keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
+            storage_options=storage_options, verify=verify, max_pending=max_pending, write_threads=write_threads,
+            preemption_grace_s=preemption_grace_s)
+        self._session = PersistSession(
+            options, resume_hint="resume that run with trainer.fit(..., ckpt_path=io.latest_path())")
+        self._links = Links(options.local_dir)
 
     # ------------------------------------------------------------------ set-up
 
     @property
     def local_dir(self) -> Path:
-        return self._local_dir
-
-    def _linked_steps(self) -> set[int]:
-        with self._lock:
-            return set(self._intended.values()) | set(self._on_disk.values())
-
-    def _adopt_links(self, directory: str) -> None:
-        """Record the links an earlier run left in ``directory``, so their checkpoints stay."""
-        if directory in self._scanned:
-            return
-        self._scanned.add(directory)
-        try:
-            entries = list(os.scandir(directory))
-        except FileNotFoundError:
-            return
-        for entry in entries:
-            if not entry.is_symlink():
-                continue
-            real = Path(os.path.realpath(entry.path))
-            step = parse_checkpoint_dirname(real.name) if real.parent == Path(os.path.realpath(self._local_dir)) else None
-            if step is not None and real.is_dir():
-                with self._lock:
-                    self._on_disk.setdefault(entry.path, step)
+        return self._session.options.local_dir
 
     def _get_engine(self) -> CheckpointEngine:
-        if self._engine is None:
-            linked = _KeepLinked(self._linked_steps)
-            local = linked if self._user_policy is None else AnyOf(self._user_policy, linked)
-            remote = None if self._user_policy is None or self._remote_url is None else AnyOf(self._user_policy, linked)
-            self._engine = CheckpointEngine(
-                self._local_dir, remote_url=self._remote_url, storage_options=self._storage_options,
-                keep_local=local, keep_remote=remote, verify=self._verify, max_pending=self._max_pending,
-                write_threads=self._write_threads, collectives=self._collectives,
-            )
-        return self._engine
+        return self._session.open(keep_extra=KeepLinked(self._links.steps))
 
     def _use_collectives(self, collectives: Collectives) -> None:
         """Called by :class:`PersistDDPStrategy` on every rank: all ranks write from now on."""
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
-        self._collectives = collectives
+        self._session.use_collectives(collectives)
 
     @property
     def _leader(self) -> bool:
-        return self._collectives.rank == 0
+        return self._session.leader
 
     def _get_reader(self) -> CheckpointReader:
-        if self._engine is not None:
-            return self._engine.reader
-        if self._reader is None:
-            self._reader = CheckpointReader(self._local_dir, remote_url=self._remote_url,
-                                            storage_options=self._storage_options, verify=self._verify)
-        return self._reader
+        return self._session.reader
 
     # ------------------------------------------------------------------ the CheckpointIO contract
 
@@ -246,36 +159,22 @@ class PersistCheckpointIO(CheckpointIO):
                 f"save_checkpoint(..., storage_options={storage_options!r}) is not supported by PersistCheckpointIO; "
                 "pass storage_options=... to PersistCheckpointIO(...) for the remote tier"
             )
-        self._raise_link_errors()
+        self._links.raise_errors()
         target = self._path_key(path)
         if os.path.isdir(target) and not os.path.islink(target):
             raise ConfigError(f"checkpoint path {target!r} is an existing directory; remove it or choose another dirpath")
-        trainer = self._log_finished()
+        trainer = self._report()
         if trainer is None:
-            self._install_sigterm_handler()
-        self._adopt_links(str(self._local_dir))
-        self._adopt_links(os.path.dirname(target))
+            self._session.install_flush()
+        self._links.adopt(str(self.local_dir))
+        self._links.adopt(os.path.dirname(target))
         step = self._step_of(checkpoint)
-        engine = self._get_engine()
-        with self._lock:
-            handle = self._saved.get(step)
-        if handle is None:
-            try:
-                handle = engine.save(checkpoint, step, metadata={"lightning_path": os.path.basename(target)})
-            except StepExistsError as e:
-                raise ConfigError(
-                    f"step {step} is already committed in {self._local_dir} by an earlier run, so {target!r} cannot be "
-                    f"saved there; resume that run with trainer.fit(..., ckpt_path=io.latest_path()) or give this run "
-                    "its own local_dir (committed checkpoints are never overwritten)"
-                ) from e
-            with self._lock:
-                self._saved[step] = handle
-                self._unlogged.append(handle)
-        if not self._leader:
+        self._get_engine()
+        handle = self._session.save(checkpoint, step, metadata={"lightning_path": os.path.basename(target)})
+        if not self._leader or handle is None:
             return  # rank 0 names the checkpoint
-        with self._lock:
-            self._intended[target] = step
-        handle.add_local_callback(lambda committed: self._on_committed(target, step, committed))
+        self._links.intend(target, step)
+        handle.add_local_callback(lambda committed: self._links.on_committed(target, step, committed))
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -294,21 +193,20 @@ class PersistCheckpointIO(CheckpointIO):
         text = os.fspath(path)
         if not _is_url(text):
             text = self._path_key(text)
-            with self._lock:
-                step = self._intended.get(text)
-                handle = None if step is None else self._saved.get(step)
+            step = self._links.intended(text)
+            handle = None if step is None else self._session.handle(step)
             if handle is not None:  # saved by this plugin: wait for it, if need be, and read that step
                 handle.wait_local()
                 return self._get_reader().load(step, map_location=_device(map_location))
             if os.path.isfile(text):
                 return torch_load(text, map_location=map_location or "cpu", weights_only=weights_only)
-            self._adopt_links(os.path.dirname(text))
+            self._links.adopt(os.path.dirname(text))
             if not os.path.lexists(text):
                 raise CheckpointNotFoundError(f"checkpoint {text!r} does not exist")
         reader = self._get_reader()
         real = Path(os.path.realpath(text)) if not _is_url(text) else None
         if real is not None and real.parent != Path(os.path.realpath(reader.local_dir)):
-            with CheckpointReader(real.parent, verify=self._verify) as other:  # another run's local_dir
+            with CheckpointReader(real.parent, verify=self._session.options.verify) as other:  # another run's local_dir
                 return other.load(other.step_of(real), map_location=_device(map_location))
         return reader.load(reader.step_of(text), map_location=_device(map_location))
 
@@ -319,13 +217,7 @@ class PersistCheckpointIO(CheckpointIO):
         ``path`` (from another IO) is deleted.
         """
         target = self._path_key(path)
-        with self._lock:
-            self._intended.pop(target, None)
-            self._on_disk.pop(target, None)
-            if os.path.islink(target):
-                os.unlink(target)
-            elif os.path.isfile(target):
-                os.remove(target)
+        self._links.remove(target)
         log.debug("removed %s", target)
 
     def teardown(self) -> None:
@@ -334,32 +226,12 @@ class PersistCheckpointIO(CheckpointIO):
         After a SIGTERM the wait is bounded by ``preemption_grace_s``: what is not uploaded by
         then is logged (its local copy is committed, and the next run uploads it).
         """
-        engine, self._engine = self._engine, None
-        reader, self._reader = self._reader, None
-        if self._restore_signal is not None:
-            self._restore_signal()
-            self._restore_signal = None
-        if reader is not None:
-            reader.close()
         trainer = _find_trainer()
-        if engine is None:
+        if self._session.engine is None:
             _warn_if_bypassed(trainer)
-            self._raise_link_errors()
-            return
         preempted = bool(getattr(trainer, "received_sigterm", False))
-        try:
-            if preempted and not drain_within(engine.wait, self._grace_s):
-                return  # the process is going down; the engine's exit hook goes on uploading while it can
-            try:
-                engine.wait()
-                engine.prune()
-            finally:
-                log.info("torch-persist: %s", describe_summary(engine.summary()))
-                engine.close()
-        finally:
-            self._log_finished()
-            self._log_summary()
-        self._raise_link_errors()
+        self._session.close(preempted=preempted, sink=self._sink(trainer))
+        self._links.raise_errors()
 
     def autosave(self, policy: SavePolicy, filename: str = "autosave.ckpt") -> Callback:
         """A callback that saves when ``policy`` says so (and at a SIGTERM), through this plugin.
@@ -403,69 +275,28 @@ class PersistCheckpointIO(CheckpointIO):
             if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                 return value
         # Fabric states without a step: one past everything known
-        with self._lock:
-            saved = max(self._saved, default=-1)
         committed = max((c.step for c in self._get_reader().list()), default=-1)
-        return max(saved, committed) + 1
+        return max(self._session.newest_saved(), committed) + 1
 
-    def _on_committed(self, target: str, step: int, committed: bool) -> None:
-        """Writer thread: link ``target`` to the committed directory, unless it was removed meanwhile."""
-        with self._lock:
-            if self._intended.get(target) != step:
-                return
-            if not committed:
-                del self._intended[target]
-                return
-            try:
-                _link(target, self._local_dir / checkpoint_dirname(step))
-                self._on_disk[target] = step
-            except OSError as e:
-                error = PersistError(f"checkpoint step={step} is committed, but linking {target!r} to it failed: {e}")
-                log.error("%s", error)
-                self._link_errors.append(error)
-
-    def _install_sigterm_handler(self) -> None:
-        """Without a Trainer (Fabric): on SIGTERM, flush within the grace period, then chain."""
-        if self._restore_signal is None:
-            self._restore_signal = install_sigterm_flush(
-                lambda: None if self._engine is None else self._engine.wait, self._grace_s)
-
-    def _raise_link_errors(self) -> None:
-        with self._lock:
-            errors, self._link_errors = self._link_errors, []
-        if errors:
-            raise errors[0]
-
-    def _log_finished(self) -> Any | None:
+    def _report(self) -> Any | None:
         """Send the stats of saves that finished to the Trainer's loggers (on the training thread).
 
         Returns the Trainer on the call stack, if any.
         """
-        with self._lock:
-            done = [h for h in self._unlogged if h.done()]
-            self._unlogged = [h for h in self._unlogged if not h.done()]
         trainer = _find_trainer()
-        for handle in done:
-            stats = handle.stats
-            self._summary.append(stats)
-            log.info("[step=%d] stall %.3f s, write %.2f GB/s, upload %s GB/s, lag %s s", stats.step, stats.stall_s,
-                     stats.write_gbps or 0.0, _fmt(stats.upload_gbps), _fmt(stats.lag_s))
-            if trainer is not None:
-                for logger in trainer.loggers:
-                    logger.log_metrics(stats.metrics(), step=stats.step)
+        self._session.report(self._sink(trainer))
         return trainer
 
-    def _log_summary(self) -> None:
-        if not self._summary:
-            return
-        n = len(self._summary)
-        stall = sorted(s.stall_s for s in self._summary)
-        log.info(
-            "torch-persist: %d checkpoints, stall median %.3f s max %.3f s, %.2f GB written%s",
-            n, stall[n // 2], stall[-1], sum(s.nbytes for s in self._summary) / 1e9,
-            "" if self._remote_url is None else f", synced to {self._remote_url}",
-        )
-        self._summary = []
+    @staticmethod
+    def _sink(trainer: Any | None) -> Any:
+        if trainer is None:
+            return None
+
+        def to_loggers(stats: SaveStats) -> None:
+            for logger in trainer.loggers:
+                logger.log_metrics(stats.metrics(), step=stats.step)
+
+        return to_loggers
 
 
 def _device(map_location: Any) -> Any:
@@ -474,24 +305,6 @@ def _device(map_location: Any) -> Any:
     if isinstance(map_location, (str, torch.device)):
         return map_location
     raise ConfigError(f"map_location={map_location!r} is not supported; pass None (CPU), a device string or a torch.device")
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _link(target: str, ckpt_dir: Path) -> None:
-    """Point ``target`` at ``ckpt_dir`` with one atomic rename of a fresh relative link."""
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(target)}.link-{secrets.token_hex(3)}")
-    os.symlink(os.path.relpath(ckpt_dir, parent), tmp)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    fsync_dir(Path(parent))
 
 
 def _warn_if_bypassed(trainer: Any | None) -> None:

@@ -3,15 +3,22 @@
 Imports neither ``lightning`` nor ``accelerate``; the adapters build on it.
 """
 
-from persist_core.decisions import (
+from persist_core.policies import (
+    AnyOf,
     Continuous,
     DecisionContext,
     EveryNSeconds,
     EveryNSteps,
+    KeepEveryNSeconds,
+    KeepEveryNSteps,
+    KeepLastN,
+    KeepSteps,
     OptimalInterval,
-    PreemptionNotice,
+    RetentionContext,
+    RetentionPolicy,
     SavePolicy,
 )
+from persist_core.preemption import PreemptionNotice
 from persist_core.distributed import Collectives, SingleProcess, TorchCollectives
 from persist_core.engine import CheckpointEngine
 from persist_core.errors import (
@@ -25,18 +32,9 @@ from persist_core.errors import (
     WriteError,
 )
 from persist_core.handle import SaveHandle, SaveStats
-from persist_core.local_writer import FileOps
+from persist_core.fileio import FileOps
 from persist_core.reader import CheckpointReader
-from persist_core.restore import CheckpointInfo
-from persist_core.retention import (
-    AnyOf,
-    KeepEveryNSeconds,
-    KeepEveryNSteps,
-    KeepLastN,
-    KeepSteps,
-    RetentionContext,
-    RetentionPolicy,
-)
+from persist_core.tiers.tier import CheckpointInfo
 
 __all__ = [
     "Continuous",

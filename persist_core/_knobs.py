@@ -1,11 +1,15 @@
-"""Tunables users should not need to touch, each overridable by an environment variable.
+"""Every tunable, validated here: environment overrides users should not need, and the engine's settings.
 
-Read once per engine, at construction. Values are validated where they are used.
+Each ``PERSIST_*`` variable is read once per engine (or remote tier), at construction, and a
+bad value is a :class:`~persist_core.errors.ConfigError` naming the variable and its range.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+
+from persist_core.errors import ConfigError
 
 #: Alignment of the data section and of every O_DIRECT write (bytes).
 PAGE_BYTES = 4096
@@ -13,49 +17,94 @@ PAGE_BYTES = 4096
 ENTRY_ALIGN_BYTES = 64
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, *, minimum: int, multiple: int = 1, what: str = "") -> int:
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer; unset it or give a number") from None
+        value = None
+    if value is None or value < minimum or value % multiple:
+        rule = f"an integer >= {minimum}" + (f" and a multiple of {multiple}" if multiple > 1 else "")
+        raise ConfigError(f"environment variable {name}={raw!r} must be {rule}{what}; unset it for the default "
+                          f"({default})")
+    return value
 
 
 def write_threads() -> int:
-    """Threads that write (and checksum) chunks of one shard in parallel: ``PERSIST_WRITE_THREADS``."""
-    return _env_int("PERSIST_WRITE_THREADS", 4)
+    """Threads that write (and checksum) chunks of one shard in parallel: ``PERSIST_WRITE_THREADS`` (>= 1)."""
+    return _env_int("PERSIST_WRITE_THREADS", 4, minimum=1)
 
 
 def chunk_bytes() -> int:
     """Size of one pwrite and of one checksummed chunk: ``PERSIST_CHUNK_BYTES`` (multiple of 4 KiB)."""
-    return _env_int("PERSIST_CHUNK_BYTES", 32 << 20)
+    return _env_int("PERSIST_CHUNK_BYTES", 32 << 20, minimum=PAGE_BYTES, multiple=PAGE_BYTES)
 
 
 def direct_io() -> str:
     """``PERSIST_DIRECT_IO``: ``auto`` (try O_DIRECT, fall back), ``on`` or ``off``."""
-    return os.environ.get("PERSIST_DIRECT_IO", "auto")
+    value = os.environ.get("PERSIST_DIRECT_IO", "auto").strip() or "auto"
+    if value not in ("auto", "on", "off"):
+        raise ConfigError(f"environment variable PERSIST_DIRECT_IO={value!r} must be 'auto', 'on' or 'off'")
+    return value
 
 
 def remote_part_bytes() -> int:
-    """Multipart part size for object-store uploads: ``PERSIST_REMOTE_PART_BYTES`` (default 16 MiB).
+    """Multipart part size for object-store uploads: ``PERSIST_REMOTE_PART_BYTES`` (>= 5 MiB, S3's minimum).
 
     Raised per object when needed to stay within S3's 10,000 parts.
     """
-    return _env_int("PERSIST_REMOTE_PART_BYTES", 16 << 20)
+    return _env_int("PERSIST_REMOTE_PART_BYTES", 16 << 20, minimum=5 << 20, what=" (S3's smallest part)")
 
 
 def remote_concurrency() -> int:
-    """Concurrent part uploads / ranged downloads per file: ``PERSIST_REMOTE_CONCURRENCY`` (default 8)."""
-    return _env_int("PERSIST_REMOTE_CONCURRENCY", 8)
+    """Concurrent part uploads / ranged downloads per file: ``PERSIST_REMOTE_CONCURRENCY`` (>= 1, default 8)."""
+    return _env_int("PERSIST_REMOTE_CONCURRENCY", 8, minimum=1)
 
 
 def remote_retries() -> int:
-    """Attempts per remote operation before it fails for good: ``PERSIST_REMOTE_RETRIES`` (default 5)."""
-    return _env_int("PERSIST_REMOTE_RETRIES", 5)
+    """Attempts per remote operation before that checkpoint's upload fails: ``PERSIST_REMOTE_RETRIES`` (>= 1)."""
+    return _env_int("PERSIST_REMOTE_RETRIES", 5, minimum=1, what=" (attempts, the first included)")
 
 
 def remote_backoff_s() -> float:
-    """First retry delay in seconds, doubled each attempt: ``PERSIST_REMOTE_BACKOFF_MS`` (default 200)."""
-    return _env_int("PERSIST_REMOTE_BACKOFF_MS", 200) / 1000
+    """First retry delay in seconds, doubled each attempt: ``PERSIST_REMOTE_BACKOFF_MS`` (>= 0, default 200)."""
+    return _env_int("PERSIST_REMOTE_BACKOFF_MS", 200, minimum=0) / 1000
+
+
+_env_write_threads, _env_chunk_bytes, _env_direct_io = write_threads, chunk_bytes, direct_io
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteSettings:
+    """How an engine writes: the constructor's arguments, else the environment's, validated."""
+
+    write_threads: int
+    chunk_bytes: int
+    direct_io: str
+    max_pending: int
+    verify: bool
+
+    @classmethod
+    def resolve(cls, *, write_threads: int | None, chunk_bytes: int | None, direct_io: str | None, max_pending: int,
+                verify: bool) -> WriteSettings:
+        return cls(write_threads=_env_write_threads() if write_threads is None else write_threads,
+                   chunk_bytes=_env_chunk_bytes() if chunk_bytes is None else chunk_bytes,
+                   direct_io=_env_direct_io() if direct_io is None else direct_io,
+                   max_pending=max_pending, verify=verify)
+
+    def __post_init__(self) -> None:
+        def whole(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not whole(self.write_threads) or self.write_threads < 1:
+            raise ConfigError(f"write_threads={self.write_threads!r} must be at least 1")
+        if not whole(self.chunk_bytes) or self.chunk_bytes < PAGE_BYTES or self.chunk_bytes % PAGE_BYTES:
+            raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be a positive multiple of {PAGE_BYTES}")
+        if self.direct_io not in ("auto", "on", "off"):
+            raise ConfigError(f"direct_io={self.direct_io!r} must be 'auto', 'on' or 'off'")
+        if not whole(self.max_pending) or self.max_pending < 1:
+            raise ConfigError(
+                f"max_pending={self.max_pending!r} must be at least 1 (each pending save holds one staging buffer)"
+            )

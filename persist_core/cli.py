@@ -22,12 +22,18 @@ import click
 
 from persist_core.errors import PersistError
 from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname, parse_tmp_dirname
-from persist_core.local_writer import remove_checkpoint
-from persist_core.manifest import Manifest
+from persist_core.format.manifest import Manifest
 from persist_core.reader import CheckpointReader
-from persist_core.remote import RemoteTier
-from persist_core.restore import CheckpointInfo, checkpoint_dir, discover, read_manifest, verify_files
-from persist_core.retention import RetentionContext, policy_from_keywords, to_delete
+from persist_core.tiers import CheckpointInfo, LocalTier, RemoteTier, Tier
+from persist_core.tiers.local import discover
+from persist_core.policies.retention import RetentionContext, policy_from_keywords, to_delete
+
+
+def _exporters() -> dict[str, Any]:
+    """Export formats the installed adapters offer (entry point group ``persist.exporters``)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group="persist.exporters")}
 
 
 class _Error(click.ClickException):
@@ -41,20 +47,21 @@ def _is_url(location: str) -> bool:
 
 
 class _Location:
-    """One tier named on the command line: a local directory or a remote URL."""
+    """One tier named on the command line: a local directory or a remote URL (a :class:`Tier`)."""
 
     def __init__(self, location: str, storage_options: dict[str, Any] | None) -> None:
         self.name = location
-        self.tier = RemoteTier(location, storage_options) if _is_url(location) else None
-        self.root = None if self.tier else Path(location.removeprefix("file://")).expanduser().absolute()
+        self.remote = RemoteTier(location, storage_options) if _is_url(location) else None
+        self.root = None if self.remote else Path(location.removeprefix("file://")).expanduser().absolute()
         if self.root is not None and not self.root.is_dir():
             raise click.UsageError(f"{location} is not a directory (nor a URL such as s3://bucket/run)")
+        self.tier: Tier = self.remote or LocalTier(self.root)
 
     def list(self) -> list[CheckpointInfo]:
-        return self.tier.list() if self.tier else [info for info, _ in discover(self.root)]
+        return self.tier.list()
 
     def manifest(self, step: int) -> Manifest:
-        return self.tier.read_manifest(step) if self.tier else read_manifest(checkpoint_dir(self.root, step))
+        return self.tier.read_manifest(step)
 
     def step_or_latest(self, step: int | None) -> int:
         steps = [c.step for c in self.list()]
@@ -66,23 +73,11 @@ class _Location:
             raise _Error(f"no committed checkpoint for step {step} in {self.name}; steps: {steps}")
         return step
 
-    def verify(self, step: int, progress: Callable[[int], None]) -> list[str]:
-        if self.tier:
-            return self.tier.verify(step, progress)
-        ckpt = checkpoint_dir(self.root, step)
-        return verify_files(ckpt, read_manifest(ckpt), progress)
-
-    def remove(self, step: int) -> None:
-        if self.tier:
-            self.tier.remove(step)
-        else:
-            remove_checkpoint(checkpoint_dir(self.root, step))
-
     def incomplete(self) -> list[tuple[str, float]]:
         """Directories or prefixes without a manifest, with their age in seconds."""
         now = time.time()
         found = []
-        if self.tier is None:
+        if self.remote is None:
             for entry in os.scandir(self.root):
                 step = parse_checkpoint_dirname(entry.name)
                 partial = (step is not None and not os.path.exists(os.path.join(entry.path, "manifest.json"))) or \
@@ -92,7 +87,7 @@ class _Location:
             return found
         by_prefix: dict[str, list[float]] = {}
         manifests = set()
-        for path, info in self.tier.fs.find(self.tier.root, detail=True).items():
+        for path, info in self.remote.fs.find(self.remote.root, detail=True).items():
             parts = path.rstrip("/").split("/")
             if len(parts) < 2 or parse_checkpoint_dirname(parts[-2]) is None:
                 continue
@@ -103,11 +98,11 @@ class _Location:
         return [(p, now - max(ts)) for p, ts in by_prefix.items() if p not in manifests]
 
     def remove_incomplete(self, path: str) -> None:
-        if self.tier is None:
+        if self.remote is None:
             shutil.rmtree(path)
         else:
-            for f in self.tier.fs.find(path):
-                self.tier.fs.rm_file(f)
+            for f in self.remote.fs.find(path):
+                self.remote.fs.rm_file(f)
 
 
 def _mtime(info: dict[str, Any]) -> float:
@@ -256,7 +251,7 @@ def verify(ctx: click.Context, location: str, step: int | None, quiet: bool) -> 
     for s in steps:
         total = loc.manifest(s).nbytes
         with _progress(total, f"verify step {s}", quiet) as advance:
-            problems = loc.verify(s, advance)
+            problems = loc.tier.verify(s, advance)
         bad.extend(problems)
         if not quiet:
             click.echo(f"step {s}: {'OK' if not problems else 'BAD'}")
@@ -290,13 +285,13 @@ def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: 
 def push(ctx: click.Context, local_dir: str, url: str, quiet: bool) -> None:
     """Upload the committed local checkpoints the remote does not have (manifest last)."""
     local, remote = _open(ctx, local_dir), _open(ctx, url)
-    if local.tier is not None or remote.tier is None:
+    if local.remote is not None or remote.remote is None:
         raise click.UsageError("push takes a local directory, then a remote URL")
-    have = set(remote.tier.committed_steps())
+    have = set(remote.remote.committed_steps())
     todo = [(info, m) for info, m in discover(local.root) if info.step not in have]
     with _progress(sum(m.nbytes for _, m in todo), f"push {len(todo)} checkpoint(s)", quiet) as advance:
         for info, m in todo:
-            remote.tier.upload(Path(info.path), m)
+            remote.remote.upload(Path(info.path), m)
             advance(m.nbytes)
             if not quiet:
                 click.echo(f"step {info.step} -> {url}/{checkpoint_dirname(info.step)}")
@@ -321,13 +316,13 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
     if policy is None:
         raise click.UsageError("say what to keep: --keep-last, --keep-every-n-steps and/or --keep-every-n-seconds")
     loc = _open(ctx, location)
-    context = RetentionContext(tier="remote" if loc.tier else "local", now=time.time())
+    context = RetentionContext(tier=loc.tier.kind, now=time.time())
     doomed = to_delete(loc.list(), policy, context=context)
     stale = [(p, age) for p, age in loc.incomplete() if age > incomplete_older_than]
     verb = "would remove" if dry_run else "removed"
     for info in doomed:
         if not dry_run:
-            loc.remove(info.step)
+            loc.tier.remove(info.step)
         click.echo(f"{verb} step {info.step} ({_size(info.nbytes)})")
     for path, age in stale:
         if not dry_run:
@@ -341,26 +336,28 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
 @click.argument("location")
 @click.option("--step", type=int, default=None, help="default: the newest")
 @click.option("--to", "target", required=True, help="the file (torch) or directory (accelerate) to write")
-@click.option("--format", "fmt", type=click.Choice(["torch", "accelerate"]), default="torch", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["torch", *_exporters()]), default="torch", show_default=True,
+              help="torch: one torch.save file; others come from installed adapters (accelerate: a plain "
+                   "Accelerate directory, with torch-persist[accelerate])")
 @click.pass_context
 def export(ctx: click.Context, location: str, step: int | None, target: str, fmt: str) -> None:
     """Write a checkpoint as one torch.save file (Lightning loads it) or a plain Accelerate directory."""
     loc = _open(ctx, location)
     s = loc.step_or_latest(step)
-    if fmt == "accelerate":
-        from accelerate_persist.export import export_accelerate  # needs the accelerate extra
-
-        out = export_accelerate(location, target, step=s, storage_options=ctx.obj)
-        click.echo(f"step {s} -> {out} (accelerator.load_state({str(out)!r}))")
+    if fmt != "torch":
+        exporter = _exporters()[fmt].load()  # an adapter's, found by entry point
+        out = exporter(location, target, step=s, storage_options=ctx.obj)
+        click.echo(f"step {s} -> {out} (accelerator.load_state({str(out)!r}))" if fmt == "accelerate" else
+                   f"step {s} -> {out}")
         return
     import torch
 
     if os.path.exists(target):
         raise click.UsageError(f"{target} exists; choose a new file")
-    cache = Path(target).absolute().parent / f".{Path(target).name}.download" if loc.tier else loc.root
-    with CheckpointReader(cache, remote_url=location if loc.tier else None, storage_options=ctx.obj) as reader:
+    cache = Path(target).absolute().parent / f".{Path(target).name}.download" if loc.remote else loc.root
+    with CheckpointReader(cache, remote_url=location if loc.remote else None, storage_options=ctx.obj) as reader:
         state = reader.load(s)
-    if loc.tier:
+    if loc.remote:
         shutil.rmtree(cache, ignore_errors=True)
     torch.save(state, target)
     click.echo(f"step {s} -> {target} (torch.load / Trainer.fit(ckpt_path=...))")

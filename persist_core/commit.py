@@ -30,9 +30,9 @@ from pathlib import Path
 from persist_core.distributed import Collectives
 from persist_core.errors import CorruptCheckpointError, PersistError
 from persist_core.layout import checkpoint_dirname, tmp_dirname
-from persist_core.local_writer import FileOps, commit_dir
-from persist_core.manifest import FileEntry, Manifest
-from persist_core.restore import check_files
+from persist_core.fileio import FileOps, commit_dir
+from persist_core.format.manifest import FileEntry, Manifest
+from persist_core.tiers.local import check_files
 
 
 def commit_checkpoint(

@@ -1,9 +1,10 @@
-"""``SaveHandle``: one future per phase of one save, its stats, and its error, raised once.
+"""``SaveHandle``: one future per phase of one save, its stats; ``ErrorLedger``: errors raised once.
 
-The engine creates a handle in ``save()`` (the *staged* phase is done by then) and completes the
-*local* phase from its writer thread. Users call :meth:`SaveHandle.wait` or poll
-:meth:`SaveHandle.done`. A failure is raised by exactly one call: the first ``wait()`` on the
-handle, or else the engine's next ``wait()``/``save()``/``close()``.
+The engine creates a handle in ``save()`` (the *staged* phase is done by then); the writer thread
+completes the *local* phase, the sync thread the *remote* one. Users call
+:meth:`SaveHandle.wait` or poll :meth:`SaveHandle.done`. A failure is raised by exactly one call:
+the first ``wait()`` on the handle, or else the engine's next ``wait()``/``save()``/``close()``
+(through the :class:`ErrorLedger` every background thread records failures in).
 """
 
 from __future__ import annotations
@@ -168,10 +169,14 @@ class SaveHandle:
         self._local.set_result(None)
 
     def _set_local_done(self) -> None:
-        self._end_local()
+        with self._lock:
+            ended = self._local_ended
+        if not ended:
+            self._end_local()
 
     def _set_remote_done(self) -> None:
-        self._remote.set_result(None)
+        if not self._remote.done():  # a failure may have ended it already
+            self._remote.set_result(None)
 
     def _set_failed(self, error: BaseException) -> None:
         """Record ``error``; every phase not yet finished ends with it."""
@@ -184,3 +189,38 @@ class SaveHandle:
             self._end_local()
         if not self._remote.done():
             self._remote.set_result(None)
+
+
+class ErrorLedger:
+    """Background failures not raised yet; each is raised exactly once, then forgotten.
+
+    Who calls what: the writer and sync threads call :meth:`fail` (a save's failure, also raised by
+    that handle's own ``wait``) or :meth:`add` (a failure of no one save, e.g. the first listing of
+    the remote); the engine's ``save``/``wait``/``close`` call :meth:`raise_first` on the training
+    thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: list[SaveHandle | BaseException] = []
+
+    def fail(self, handle: SaveHandle, error: BaseException) -> None:
+        """End ``handle``'s unfinished phases with ``error``, to be raised once by whoever asks first."""
+        handle._set_failed(error)  # first: the entry below must find the error there
+        with self._lock:
+            self._entries.append(handle)
+
+    def add(self, error: BaseException) -> None:
+        with self._lock:
+            self._entries.append(error)
+
+    def raise_first(self) -> None:
+        """Raise the oldest failure nobody has raised yet (skipping ones a handle's ``wait`` raised)."""
+        while True:
+            with self._lock:
+                if not self._entries:
+                    return
+                entry = self._entries.pop(0)
+            error = entry.take_error() if isinstance(entry, SaveHandle) else entry
+            if error is not None:
+                raise error

@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from persist_core.decisions import Clock, DecisionContext
+from persist_core.policies.save import Clock, DecisionContext
 from persist_core.handle import SaveHandle, SaveStats
 
 _RECENT = 5  # the last saves measure what a save costs now
@@ -74,6 +74,10 @@ class SaveHistory:
         self._saves: deque[tuple[float, int, SaveHandle]] = deque(maxlen=maxlen)
         self.meter = SlowdownMeter()
 
+    def now(self) -> float:
+        """The decisions' clock now."""
+        return self._clock()
+
     def add(self, when: float, step: int, handle: SaveHandle) -> None:
         with self._lock:
             self._saves.append((when, step, handle))
@@ -125,3 +129,17 @@ class SaveHistory:
 def _duration(stats: SaveStats) -> float:
     """From the call to ``save()`` to the checkpoint committed locally."""
     return stats.stall_s + (stats.commit_s or 0.0)
+
+
+def describe_summary(summary: dict[str, Any]) -> str:
+    """:meth:`CheckpointEngine.summary` in one line: intervals, stall share, upload lag."""
+
+    def sec(v: Any) -> str:
+        return "-" if v is None else f"{v:.1f} s"
+    stall, slow = summary["stall_fraction"], summary.get("write_slowdown")
+    return (f"{summary['saves']} saves, interval P50 {sec(summary['interval_p50_s'])} / P90 "
+            f"{sec(summary['interval_p90_s'])} ({summary['interval_p50_steps'] or '-'} steps), training stalled "
+            f"{'-' if stall is None else f'{stall:.1%}'} of the time"
+            f"{'' if slow is None else f' and ran {slow:.0%} slower while a save was written'}, upload lag P50 "
+            f"{sec(summary['upload_lag_p50_s'])}")
+

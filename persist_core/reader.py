@@ -22,10 +22,11 @@ from typing import Any
 from persist_core import _knobs
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from persist_core.layout import parse_checkpoint_dirname, tmp_dirname
-from persist_core.local_writer import fsync_dir
-from persist_core.manifest import Manifest
-from persist_core.remote import RemoteTier
-from persist_core.restore import CheckpointInfo, checkpoint_dir, committed_steps, discover, load_checkpoint, read_manifest
+from persist_core.fileio import fsync_dir
+from persist_core.format.manifest import Manifest
+from persist_core.tiers.remote import RemoteTier
+from persist_core.tiers.local import checkpoint_dir, committed_steps, discover, load_checkpoint, read_manifest
+from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Host staging buffers, reused across saves, and the copy of a state into them.
 
-The engine calls :meth:`StagingPool.acquire` from ``save()``, :func:`stage` to copy, and
+The engine calls :func:`stage_into` from ``save()`` (:meth:`StagingPool.acquire`, then :func:`stage`), and
 :meth:`StagingPool.release` from the writer once the shard is on disk. One buffer is one shard
 file image (header + data section), so writing is ``pwrite`` straight from it.
 
@@ -21,11 +21,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from persist_core._knobs import PAGE_BYTES
-from persist_core.format import ShardPlan
+from persist_core.planning.save import ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +164,12 @@ def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch
     ctypes.memmove(data.data_ptr(), plan.header, len(plan.header))
     base = len(plan.header)
     used: list[torch.cuda.Stream] = []
+    pos = 0  # the data section's padding is zeroed: no stale memory reaches the file, and equal states give equal bytes
     for c in plan.copies:
         waited += wait_free(base + c.end)
+        if c.begin > pos:
+            ctypes.memset(data.data_ptr() + base + pos, 0, c.begin - pos)
+        pos = c.end
         dst = data[base + c.begin : base + c.end]
         src = c.source
         if isinstance(src, bytes):
@@ -184,6 +189,35 @@ def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch
                 dst.copy_(src, non_blocking=True)
         else:
             dst.copy_(src)
+    if plan.file_bytes > base + pos:
+        waited += wait_free(plan.file_bytes)
+        ctypes.memset(data.data_ptr() + base + pos, 0, plan.file_bytes - base - pos)
     for stream in used:
         stream.synchronize()
     return waited
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A shard copied into a staging buffer: the buffer, and what the copy cost the caller."""
+
+    buf: StagingBuffer
+    wait_s: float  # waiting for a buffer, or for the previous write to pass the bytes overwritten
+    staging_s: float  # copying
+    done_at: float  # time.perf_counter() when the bytes were there
+
+
+def stage_into(pool: StagingPool, plan: ShardPlan, streams: dict[torch.device, torch.cuda.Stream]) -> Staged:
+    """Take a buffer from ``pool`` (waiting if all are busy) and copy ``plan`` into it.
+
+    On any failure the buffer goes back to the pool before the exception propagates.
+    """
+    buf, waited = pool.acquire(plan.file_bytes)
+    try:
+        t1 = time.perf_counter()
+        behind = stage(plan, buf, streams, lambda end: pool.wait_free(buf, end))
+        done = time.perf_counter()
+    except BaseException:
+        pool.abandon(buf)
+        raise
+    return Staged(buf=buf, wait_s=waited + behind, staging_s=done - t1 - behind, done_at=done)

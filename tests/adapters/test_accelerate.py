@@ -18,11 +18,11 @@ from accelerate.utils import ProjectConfiguration
 
 from accelerate_persist import PersistHook, export_accelerate
 from persist_core import ConfigError
-from tests.adapters.accelerate_app import build, fresh_accelerator, train, weights
-from tests.conftest import assert_state_equal
+from tests.support.accelerate_app import build, fresh_accelerator, train, weights
+from tests.support.states import assert_state_equal
 from tests.support.moto_server import free_port
 
-APP = Path(__file__).with_name("accelerate_app.py")
+APP = Path(__file__).parents[1] / "support" / "accelerate_app.py"
 
 
 def step_dirs(d: Path) -> list[str]:
@@ -69,6 +69,22 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
         assert start == 12
         train(acc, *parts, start=start, stop=17)
     assert_state_equal(weights(parts[0]), reference)
+
+
+def test_a_second_hook_on_the_same_accelerator_after_close_saves_every_step_it_is_asked_to(tmp_path):
+    acc = fresh_accelerator()
+    parts = build(acc)
+    optimizer = parts[1]
+    own_step = optimizer.step
+    first = PersistHook(local_dir=tmp_path / "first").register(acc)
+    train(acc, *parts, start=0, stop=2, save_every=2)
+    first.close()
+    assert optimizer.step == own_step and acc.save_state.__func__ is type(acc).save_state  # everything put back
+    with PersistHook(local_dir=tmp_path / "second").register(acc) as second:
+        train(acc, *parts, start=2, stop=8, save_every=2)
+        assert second.step == 6  # it counts the optimizer steps it sees (before: stuck at 0)
+    assert step_dirs(tmp_path / "first") == ["step-000000000002"]
+    assert step_dirs(tmp_path / "second") == [f"step-{n:012d}" for n in (2, 4, 6)]
 
 
 def test_total_limit_becomes_keep_last_and_a_conflict_is_an_error(tmp_path):

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -17,14 +15,14 @@ import torch
 from lightning.fabric import Fabric
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-import lightning_persist.checkpoint_io as plugin_module
+import persist_core.session as plugin_module
 from lightning_persist import PersistCheckpointIO
 from persist_core import CheckpointEngine, CheckpointNotFoundError, ConfigError, WriteError
-from persist_core.local_writer import OsFileOps
-from tests.adapters.lightning_app import Net, make_trainer, weights
-from tests.conftest import assert_state_equal
+from tests.support.lightning_app import Net, make_trainer, weights
+from tests.support.fakes import FailingOps, GatedOps
+from tests.support.states import assert_state_equal
 
-APP = Path(__file__).with_name("lightning_app.py")
+APP = Path(__file__).parents[1] / "support" / "lightning_app.py"
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -41,23 +39,6 @@ def fit(io, dirpath, max_steps, ckpt_path=None, **kwargs) -> Net:
     model = Net()
     make_trainer(io, dirpath, max_steps, **kwargs).fit(model, ckpt_path=ckpt_path)
     return model
-
-
-class GatedOps(OsFileOps):
-    """Real file calls; shard writes wait for ``gate`` (``entered`` says one began)."""
-
-    def __init__(self) -> None:
-        self.gate, self.entered = threading.Event(), threading.Event()
-
-    def pwrite(self, fd, data, offset):
-        self.entered.set()
-        assert self.gate.wait(60), "gate never opened"
-        return super().pwrite(fd, data, offset)
-
-
-class FailingOps(OsFileOps):
-    def pwrite(self, fd, data, offset):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 @pytest.fixture
@@ -131,7 +112,7 @@ def test_last_ckpt_always_names_a_committed_checkpoint(tmp_path, engine_ops):
     io = PersistCheckpointIO(local_dir=d)
     ops.gate.set()
     io.save_checkpoint({"global_step": 1, "w": torch.ones(10)}, d / "last.ckpt")
-    io._engine.wait()
+    io._session.engine.wait()
     ops.gate.clear()
     ops.entered.clear()
     io.save_checkpoint({"global_step": 2, "w": torch.zeros(10)}, d / "last.ckpt")
@@ -151,7 +132,7 @@ def test_teardown_raises_a_write_failure_once_and_keeps_earlier_checkpoints(tmp_
     io = PersistCheckpointIO(local_dir=d)
     io.save_checkpoint({"global_step": 1, "w": torch.ones(10)}, d / "one.ckpt")
     io.teardown()
-    engine_ops(FailingOps())
+    engine_ops(FailingOps(always=True))
     io.save_checkpoint({"global_step": 2, "w": torch.ones(10)}, d / "two.ckpt")
     with pytest.raises(WriteError, match="No space left"):
         io.teardown()

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from persist_core import CheckpointEngine
 from persist_core.cli import main
-from tests.conftest import assert_state_equal
+from tests.support.states import assert_state_equal
 
 
 def state_for(step: int) -> dict:

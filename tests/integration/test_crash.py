@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from persist_core import CheckpointEngine
-from tests.conftest import assert_state_equal
-from tests.integration.crash_child import state_for
+from tests.support.states import assert_state_equal
+from tests.support.crash_child import state_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_until_killed(local_dir: Path, first_step: int, lines_before_kill: int) -> int:
     """Start the child, SIGKILL it right after its ``lines_before_kill``-th save returned."""
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.crash_child", str(local_dir), str(first_step)],
+        [sys.executable, "-m", "tests.support.crash_child", str(local_dir), str(first_step)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:

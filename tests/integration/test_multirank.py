@@ -9,8 +9,8 @@ import torch
 import torch.multiprocessing as mp
 
 from persist_core import CheckpointEngine
-from tests.conftest import assert_state_equal
-from tests.integration.multirank_child import replicated_state, run
+from tests.support.states import assert_state_equal
+from tests.support.multirank_child import replicated_state, run
 
 
 def free_port() -> int:
@@ -68,7 +68,7 @@ def test_ranks_that_save_different_steps_commit_nothing(tmp_path):
 
 
 def test_ranks_agree_on_every_save_decision_and_on_a_preemption_seen_by_one(tmp_path):
-    from tests.integration.multirank_child import run_decisions
+    from tests.support.multirank_child import run_decisions
 
     out = tmp_path / "out"
     out.mkdir()

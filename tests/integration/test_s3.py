@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from persist_core import AnyOf, CheckpointEngine, ConfigError, KeepEveryNSteps, KeepLastN, RemoteError
-from tests.conftest import assert_state_equal
+from persist_core import AnyOf, CheckpointEngine, KeepEveryNSteps, KeepLastN, RemoteError
+from tests.support.states import assert_state_equal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,23 +46,34 @@ def test_round_trip_retention_and_fresh_machine_restore(tmp_path, bucket, s3_opt
     fresh.close()
 
 
-def test_missing_bucket_is_a_config_error_naming_the_url(tmp_path, s3_options):
-    with pytest.raises(ConfigError, match=r"remote_url='s3://no-such-bucket-here/x'.*(create it|cannot be written)"):
-        CheckpointEngine(tmp_path / "a", remote_url="s3://no-such-bucket-here/x", storage_options=s3_options)
+def test_a_missing_bucket_is_found_by_the_first_upload_and_named_once(tmp_path, s3_options):
+    url = "s3://no-such-bucket-here/x"
+    engine = CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=s3_options)  # no network, no write
+    handle = engine.save(state_for(1), step=1)
+    with pytest.raises(RemoteError, match=r"remote_url='s3://no-such-bucket-here/x' does not exist.*create it"):
+        handle.wait()
+    engine.close()  # raised once: quiet now
+    assert [i.step for i in CheckpointEngine(tmp_path / "a").list()] == [1]  # the local copy is intact
 
 
-def test_unreachable_endpoint_is_a_config_error(tmp_path, proxy, bucket):
+def test_an_unreachable_endpoint_is_reported_by_the_upload_not_the_constructor(tmp_path, proxy, bucket, monkeypatch):
+    monkeypatch.setenv("PERSIST_REMOTE_RETRIES", "2")
+    monkeypatch.setenv("PERSIST_REMOTE_BACKOFF_MS", "1")
     proxy.kill()
     options = {"client_kwargs": {"endpoint_url": proxy.url},
                "config_kwargs": {"retries": {"max_attempts": 1}}}
-    with pytest.raises(ConfigError, match=rf"remote_url='s3://{bucket}/x'.*endpoint"):
-        CheckpointEngine(tmp_path / "a", remote_url=f"s3://{bucket}/x", storage_options=options)
+    engine = CheckpointEngine(tmp_path / "a", remote_url=f"s3://{bucket}/x", storage_options=options)
+    handle = engine.save(state_for(1), step=1)
+    with pytest.raises(RemoteError, match=rf"s3://{bucket}/x failed after 2 attempts.*check the network"):
+        handle.wait()
+    engine.close()
 
 
 def test_connection_resets_mid_upload_still_commit(tmp_path, bucket, proxy, small_parts):
     url = f"s3://{bucket}/run"
     options = {"client_kwargs": {"endpoint_url": proxy.url}}
     with CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=options) as engine:
+        engine.wait()  # the sync thread has listed the remote: the connections reset below are the upload's
         proxy.reset_connections(3, after_bytes=1 << 20)
         engine.save(state_for(1, n=1536), step=1).wait()
     assert proxy.resets_done >= 1
@@ -98,7 +109,7 @@ def test_sigkill_during_upload_leaves_no_partial_checkpoint_and_a_new_engine_fin
     local = tmp_path / "a"
     proxy.stall_after(256 << 10)  # the probe gets through; the upload hangs part-way
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.upload_child", str(local), url, proxy.url],
+        [sys.executable, "-m", "tests.support.upload_child", str(local), url, proxy.url],
         cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:

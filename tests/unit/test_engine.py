@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import persist_core
+
 from persist_core import (
     CheckpointEngine,
     CheckpointNotFoundError,
@@ -22,37 +24,9 @@ from persist_core import (
     StepExistsError,
     WriteError,
 )
-from persist_core.local_writer import OsFileOps
 from persist_core.staging import StagingBuffer
-from tests.conftest import assert_state_equal
-
-
-class FailingOps(OsFileOps):
-    """Real file calls, except that the Nth shard ``pwrite`` (1-based) fails with ``err``."""
-
-    def __init__(self, fail_at: int, err: int = errno.ENOSPC) -> None:
-        self.fail_at, self.err, self.calls = fail_at, err, 0
-        self._lock = threading.Lock()
-
-    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
-        with self._lock:
-            self.calls += 1
-            fail = self.calls == self.fail_at
-        if fail:
-            raise OSError(self.err, os.strerror(self.err))
-        return super().pwrite(fd, data, offset)
-
-
-class GatedOps(OsFileOps):
-    """Real file calls; shard writes block until ``gate`` is set (``entered`` tells they began)."""
-
-    def __init__(self) -> None:
-        self.gate, self.entered = threading.Event(), threading.Event()
-
-    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
-        self.entered.set()
-        assert self.gate.wait(60), "test gate never opened"
-        return super().pwrite(fd, data, offset)
+from tests.support.states import assert_state_equal
+from tests.support.fakes import FailingOps, GatedOps, NoDirectOps
 
 
 def state_for(step: int) -> dict:
@@ -176,7 +150,7 @@ def test_unobserved_write_failure_is_raised_by_the_next_save(ckpt_dir):
     ops = FailingOps(fail_at=1, err=errno.EIO)
     engine = CheckpointEngine(ckpt_dir, file_ops=ops)
     engine.save(state_for(1), step=1)
-    engine._writer.submit(lambda: None).result()  # the writer thread has finished step 1
+    engine._writer.drain(None)  # the writer thread has finished step 1
     with pytest.raises(WriteError, match="step=1"):
         engine.save(state_for(2), step=2)
     handle = engine.save(state_for(2), step=2)  # the error was raised once; saving goes on
@@ -283,15 +257,6 @@ def test_buffered_writes_and_small_chunks_round_trip(ckpt_dir):
         assert_state_equal(engine.load(), state_for(1))
 
 
-class NoDirectOps(OsFileOps):
-    """A file system that refuses O_DIRECT at open, as tmpfs and some network file systems do."""
-
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        if flags & getattr(os, "O_DIRECT", 0):
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return super().open(path, flags, mode)
-
-
 def test_o_direct_refused_falls_back_to_buffered_writes(ckpt_dir):
     with CheckpointEngine(ckpt_dir, file_ops=NoDirectOps()) as engine:
         handle = engine.save(state_for(1), step=1)
@@ -312,10 +277,20 @@ def test_exit_with_an_exception_still_drains_and_does_not_mask_it(ckpt_dir):
 
 
 def test_engine_imports_neither_lightning_nor_accelerate():
-    code = ("import sys, persist_core, persist_core.engine, persist_core.restore\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'accelerate'))\n"
+    """Every module of persist_core (the CLI included) imports neither adapter nor their frameworks."""
+    code = ("import importlib, pkgutil, sys, persist_core\n"
+            "for m in pkgutil.walk_packages(persist_core.__path__, 'persist_core.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in\n"
+            "             ('lightning', 'pytorch_lightning', 'accelerate', 'lightning_persist', 'accelerate_persist'))\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+    sources = [p for p in Path(persist_core.__file__).parent.rglob("*.py")]
+    assert len(sources) > 20
+    for path in sources:
+        text = path.read_text()
+        assert "import accelerate_persist" not in text and "from accelerate_persist" not in text, path
+        assert "import lightning_persist" not in text and "from lightning_persist" not in text, path
 
 
 def test_local_callbacks_run_before_wait_local_returns(tmp_path):
@@ -371,7 +346,7 @@ def test_next_save_copies_behind_the_running_write_without_corrupting_it(tmp_pat
 
 
 def test_a_failed_copy_behind_a_write_gives_the_buffer_back(tmp_path, monkeypatch):
-    import persist_core.engine as engine_module
+    import persist_core.staging as engine_module
 
     ops = GatedOps()
     ops.gate.set()

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import signal
+import threading
 import sys
 from pathlib import Path
 
@@ -129,6 +130,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == args.term_after_save:
             os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice; the upload is still pending
+            threading.Event().wait(120)  # training would go on here; the flush ends the process once it is done
             print("SIGTERM did not end the process", flush=True)
 
     decisions: list[int] = []

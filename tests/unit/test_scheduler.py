@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -21,10 +20,9 @@ from persist_core import (
     EveryNSteps,
     KeepLastN,
     OptimalInterval,
-    PreemptionNotice,
 )
-from persist_core.local_writer import OsFileOps
-from tests.conftest import assert_state_equal
+from tests.support.states import assert_state_equal
+from tests.support.fakes import FakeClock, GatedOps, TwoRanksWithoutDecisions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,30 +80,12 @@ def test_policy_kinds_do_not_mix(tmp_path):
         CheckpointEngine(tmp_path / "x").maybe_save(dict, step=1)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class GatedOps(OsFileOps):
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def pwrite(self, fd, data, offset):
-        assert self.gate.wait(60)
-        return super().pwrite(fd, data, offset)
-
-
 def state_for(step: int) -> dict:
     return {"w": torch.full((64, 64), float(step)), "step": step}
 
 
 def test_continuous_never_has_two_saves_in_flight_and_keeps_its_interval(tmp_path):
-    clock, ops, built = FakeClock(), GatedOps(), []
+    clock, ops, built = FakeClock(), GatedOps(open_gate=True), []
 
     def make(step):
         return lambda: built.append(step) or state_for(step)
@@ -172,7 +152,7 @@ def test_a_preemption_notice_saves_the_step_it_arrived_at_and_syncs_it(tmp_path)
 
 
 def test_summary_reports_intervals_and_the_stall_fraction(tmp_path):
-    from persist_core.decisions import describe_summary
+    from persist_core.history import describe_summary
 
     clock = FakeClock()
     with CheckpointEngine(tmp_path, clock=clock) as engine:
@@ -188,18 +168,6 @@ def test_summary_reports_intervals_and_the_stall_fraction(tmp_path):
     assert "interval P50 10.0 s / P90 40.0 s (4 steps)" in describe_summary(summary)
 
 
-class TwoRanksWithoutDecisions:
-    """Collectives of a two-rank job built by hand, with no channel for the training thread."""
-
-    rank, world_size = 0, 2
-
-    def broadcast(self, obj):
-        return obj
-
-    def all_gather(self, obj):
-        return [obj, obj]
-
-
 def test_maybe_save_across_ranks_needs_a_decision_channel(tmp_path):
     engine = CheckpointEngine(tmp_path, collectives=TwoRanksWithoutDecisions(), save_policy=EveryNSteps(1))
     built = []
@@ -207,15 +175,6 @@ def test_maybe_save_across_ranks_needs_a_decision_channel(tmp_path):
         engine.maybe_save(lambda: built.append(1), step=1)
     assert built == [] and engine.list() == []
     engine.close()
-
-
-def test_a_preemption_notice_refuses_a_signal_it_cannot_catch_and_leaves_handlers_as_they_were():
-    import signal
-
-    before = signal.getsignal(signal.SIGUSR1)
-    with pytest.raises(ConfigError, match="SIGKILL.*cannot be caught"):
-        PreemptionNotice(signals=(signal.SIGUSR1, signal.SIGKILL))
-    assert signal.getsignal(signal.SIGUSR1) is before
 
 
 def test_slowdown_meter_compares_gaps_while_writing_with_gaps_while_idle():
@@ -243,7 +202,7 @@ def test_slowdown_meter_compares_gaps_while_writing_with_gaps_while_idle():
 
 
 def test_a_save_costs_its_stall_plus_the_slowdown_of_the_steps_it_overlaps(tmp_path):
-    clock, ops, handles = FakeClock(), GatedOps(), []
+    clock, ops, handles = FakeClock(), GatedOps(open_gate=True), []
     policy = OptimalInterval(mtbf_s=3600)
     with CheckpointEngine(tmp_path, save_policy=EveryNSteps(10), clock=clock, file_ops=ops) as engine:
         for step in range(1, 31):

@@ -1,9 +1,9 @@
-"""When to save: small pure save-decision policies, and the preemption notice.
+"""When to save: small pure save-decision policies.
 
 A policy answers ``should_save(context) -> bool`` at each decision point
 (:meth:`CheckpointEngine.maybe_save`); it does no I/O and keeps no clock of its own — the
 :class:`DecisionContext` carries the time, the last save and what recent saves cost, so tables
-of cases test it with a fake clock. Combine with :class:`~persist_core.retention.AnyOf`
+of cases test it with a fake clock. Combine with :class:`~persist_core.policies.AnyOf`
 (``AnyOf(EveryNSteps(1000), Continuous(min_interval_s=60))``).
 
 * :class:`EveryNSteps` — every ``n`` steps.
@@ -15,17 +15,16 @@ of cases test it with a fake clock. Combine with :class:`~persist_core.retention
   :class:`~persist_core.history.SlowdownMeter`), updated as it changes; never faster than the
   previous save commits.
 
-Preemption (see :class:`PreemptionNotice`) overrides every policy: the next decision point saves.
+Preemption (:class:`~persist_core.preemption.PreemptionNotice`) overrides every policy: the next
+decision point saves (:mod:`persist_core.scheduler`).
 """
 
 from __future__ import annotations
 
 import math
-import signal
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from persist_core.errors import ConfigError
 
@@ -146,65 +145,4 @@ def check_save_policy(policy: object) -> SavePolicy:
     return policy  # type: ignore[return-value]
 
 
-class PreemptionNotice:
-    """A flag set by a signal (SIGTERM by default); the handler does nothing else but chain.
-
-    The previous handler runs too when it is a Python function (Lightning's, for instance); the
-    default action (ending the process) is replaced: the job saves at its next decision point
-    and leaves on its own. Install from the main thread.
-
-    Args:
-        signals: the signals that mean "preempted" (e.g. ``(signal.SIGTERM, signal.SIGUSR1)``).
-    """
-
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
-        self._event = threading.Event()
-        self._previous: dict[int, Any] = {}
-        self.signum: int | None = None
-        if threading.current_thread() is not threading.main_thread():
-            raise ConfigError("a PreemptionNotice must be created on the main thread (signals are delivered there)")
-        for sig in signals:
-            try:
-                previous = signal.getsignal(sig)
-                signal.signal(sig, self._handle)
-            except (TypeError, ValueError, OSError) as e:
-                self.restore()
-                raise ConfigError(f"signals={signals!r}: {sig!r} cannot be caught ({e}); pass catchable signals such "
-                                  "as signal.SIGTERM or signal.SIGUSR1") from None
-            self._previous[sig] = previous
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-        self._event.set()
-        previous = self._previous.get(signum)
-        if callable(previous):
-            previous(signum, frame)
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def trigger(self) -> None:
-        """Set the flag without a signal (a cloud's preemption notice polled by the job, tests)."""
-        self._event.set()
-
-    def restore(self) -> None:
-        """Put the previous handlers back."""
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 Clock = Callable[[], float]
-
-
-def describe_summary(summary: dict[str, Any]) -> str:
-    """:meth:`CheckpointEngine.summary` in one line: intervals, stall share, upload lag."""
-
-    def sec(v: Any) -> str:
-        return "-" if v is None else f"{v:.1f} s"
-    stall, slow = summary["stall_fraction"], summary.get("write_slowdown")
-    return (f"{summary['saves']} saves, interval P50 {sec(summary['interval_p50_s'])} / P90 "
-            f"{sec(summary['interval_p90_s'])} ({summary['interval_p50_steps'] or '-'} steps), training stalled "
-            f"{'-' if stall is None else f'{stall:.1%}'} of the time"
-            f"{'' if slow is None else f' and ran {slow:.0%} slower while a save was written'}, upload lag P50 "
-            f"{sec(summary['upload_lag_p50_s'])}")
-

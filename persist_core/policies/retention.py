@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from persist_core.errors import ConfigError
-from persist_core.restore import CheckpointInfo
+from persist_core.tiers.tier import CheckpointInfo
 
 __all__ = [
-    "AnyOf",
     "KeepEveryNSeconds",
     "KeepEveryNSteps",
     "KeepLastN",
@@ -127,43 +126,7 @@ def check_policy(policy: object, *, name: str) -> RetentionPolicy:
     return policy  # type: ignore[return-value]
 
 
-class AnyOf:
-    """Any of ``policies``: for retention, keep a checkpoint when any keeps it; for save
-    decisions (:mod:`persist_core.decisions`), save when any says so. All members are of one kind.
-    """
-
-    def __init__(self, *policies: Any) -> None:
-        if not policies:
-            raise ConfigError("AnyOf() needs at least one policy, e.g. AnyOf(KeepLastN(3), KeepEveryNSteps(1000))")
-        if all(callable(getattr(p, "should_save", None)) for p in policies):
-            self.kind = "save"
-            self.policies = tuple(policies)
-        else:
-            self.kind = "retention"
-            self.policies = tuple(check_policy(p, name=f"AnyOf argument {i}") for i, p in enumerate(policies))
-
-    def __repr__(self) -> str:
-        return f"AnyOf({', '.join(map(repr, self.policies))})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, AnyOf) and other.policies == self.policies
-
-    def __hash__(self) -> int:
-        return hash(self.policies)
-
-    def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
-        if self.kind != "retention":
-            raise ConfigError(f"{self!r} combines save-decision policies; it cannot decide retention")
-        answers = [_answers(p, checkpoints, context) for p in self.policies]
-        return [any(col) for col in zip(*answers)] if answers else []
-
-    def should_save(self, context: Any) -> bool:
-        if self.kind != "save":
-            raise ConfigError(f"{self!r} combines retention policies; it cannot decide when to save")
-        return any(p.should_save(context) for p in self.policies)
-
-
-def _answers(policy: RetentionPolicy, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> list[bool]:
+def answers(policy: RetentionPolicy, checkpoints: Sequence[CheckpointInfo], context: RetentionContext) -> list[bool]:
     answer = [bool(a) for a in policy.should_keep(checkpoints, context=context)]
     if len(answer) != len(checkpoints):
         raise ConfigError(
@@ -190,7 +153,7 @@ def to_delete(
     ordered = sorted(checkpoints, key=lambda c: c.step)
     if not ordered:
         return []
-    keep = _answers(policy, ordered, context)
+    keep = answers(policy, ordered, context)
     keep[-1] = True
     guard = set(protected)
     return [c for c, k in zip(ordered, keep) if not k and c.step not in guard]
@@ -219,4 +182,6 @@ def policy_from_keywords(keep_last: int | None = None, keep_every_n_steps: int |
         )
     if retention is not None:
         return check_policy(retention, name="retention")
+    from persist_core.policies.anyof import AnyOf
+
     return None if not sugar else sugar[0] if len(sugar) == 1 else AnyOf(*sugar)

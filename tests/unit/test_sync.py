@@ -3,7 +3,6 @@ retention, back-pressure, errors."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 
 import fsspec
@@ -18,9 +17,10 @@ from persist_core import (
     KeepEveryNSteps,
     KeepLastN,
     PersistError,
+    RemoteError,
 )
-from persist_core.remote import RemoteTier
-from tests.conftest import assert_state_equal
+from tests.support.states import assert_state_equal
+from tests.support.fakes import GatedUploads
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -44,24 +44,6 @@ def fast_retries(monkeypatch):
 def state_for(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
     return {"w": torch.randn(64, 64, generator=g), "step": step, "opt": {"lr": 0.1}}
-
-
-class GatedUploads:
-    """Makes RemoteTier.upload wait for ``open_gate`` (``started`` tells which steps began)."""
-
-    def __init__(self, monkeypatch):
-        self.gate = threading.Event()
-        self.started: list[int] = []
-        self.first_started = threading.Event()
-        original = RemoteTier.upload
-
-        def upload(tier, local_ckpt, manifest):
-            self.started.append(manifest.step)
-            self.first_started.set()
-            assert self.gate.wait(60)
-            return original(tier, local_ckpt, manifest)
-
-        monkeypatch.setattr(RemoteTier, "upload", upload)
 
 
 def test_saves_reach_the_remote_and_a_fresh_machine_resumes(tmp_path, url):
@@ -190,11 +172,15 @@ def test_bad_remote_urls_are_config_errors(tmp_path, remote_url, match):
         CheckpointEngine(tmp_path / "a", remote_url=remote_url)
 
 
-def test_unwritable_file_url_is_a_config_error(tmp_path):
+def test_an_unwritable_file_url_fails_the_first_upload_once_and_keeps_the_local_copy(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(ConfigError, match="remote_url='file://.*file/remote'"):
-        CheckpointEngine(tmp_path / "a", remote_url=f"file://{blocker}/remote")
+    engine = CheckpointEngine(tmp_path / "a", remote_url=f"file://{blocker}/remote")  # construction writes nothing
+    handle = engine.save(state_for(1), step=1)
+    with pytest.raises(RemoteError, match="file://.*file/remote"):
+        handle.wait()
+    engine.close()  # raised once: quiet now
+    assert [i.step for i in CheckpointEngine(tmp_path / "a").list()] == [1]
 
 
 def test_keep_remote_without_remote_is_a_config_error(tmp_path):

@@ -17,7 +17,7 @@ from persist_core import (
     PersistError,
     RetentionContext,
 )
-from persist_core.retention import to_delete
+from persist_core.policies.retention import to_delete
 
 CTX = RetentionContext(tier="local", now=10_000.0)
 

@@ -1,4 +1,4 @@
-"""Discovery of committed checkpoints on the local tier, and verified loading.
+"""The local tier: committed checkpoint directories under ``local_dir``, and verified loading.
 
 Readers never trust a manifest alone: :func:`check_files` checks that every file it names is
 there with its size, and :func:`load_checkpoint` verifies every chunk's crc32c while reading
@@ -11,35 +11,28 @@ import ctypes
 import logging
 import os
 import pickle
+import secrets
+import shutil
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import crc32c
 import torch
 
-from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError
-from persist_core.format import OBJECTS_ENTRY, dtype_from_name, parse_header, unflatten
-from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname
-from persist_core.manifest import FileEntry, Manifest
+from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from persist_core.format.shard_file import OBJECTS_ENTRY, dtype_from_name, parse_header
+from persist_core.format.tree import unflatten
+from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname, parse_tmp_dirname
+from persist_core.fileio import remove_checkpoint
+from persist_core.format.manifest import FileEntry, Manifest
+from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
 
 _IOV_BATCH = 512
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A committed checkpoint as :meth:`CheckpointEngine.list` reports it."""
-
-    step: int
-    time: float
-    nbytes: int
-    path: str
-    tier: str = "local"
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:
@@ -264,3 +257,68 @@ def verify_files(ckpt: Path, manifest: Manifest, progress: Callable[[int], None]
         finally:
             os.close(fd)
     return problems
+
+
+class LocalTier:
+    """The :class:`~persist_core.tiers.tier.Tier` of a local directory (nothing here writes but ``remove``)."""
+
+    kind = "local"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
+    def __repr__(self) -> str:
+        return f"LocalTier({str(self.root)!r})"
+
+    def committed_steps(self) -> list[int]:
+        return committed_steps(self.root)
+
+    def read_manifest(self, step: int) -> Manifest:
+        return read_manifest(checkpoint_dir(self.root, step))
+
+    def list(self) -> list[CheckpointInfo]:
+        return [info for info, _ in discover(self.root)]
+
+    def verify(self, step: int, progress: Callable[[int], None] | None = None) -> list[str]:
+        ckpt = checkpoint_dir(self.root, step)
+        return verify_files(ckpt, read_manifest(ckpt), progress)
+
+    def remove(self, step: int) -> None:
+        remove_checkpoint(checkpoint_dir(self.root, step))
+
+
+def prepare_local_dir(root: Path, *, rank: int) -> None:
+    """Create ``root``, check it takes files, and remove temporary directories of crashed runs.
+
+    Raises:
+        ConfigError: ``root`` cannot be created or written.
+    """
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe-pid{os.getpid()}-{secrets.token_hex(3)}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"local_dir={str(root)!r} is not a writable directory ({e.strerror or e}); "
+            "pass a directory this process can create files in"
+        ) from e
+    for entry in os.scandir(root):
+        parsed = parse_tmp_dirname(entry.name)
+        if parsed is not None and not _pid_alive(parsed[1]):
+            log.info("[rank=%d][step=%d] removing %s left by a crashed run", rank, parsed[0], entry.path)
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -2,7 +2,7 @@
 
 It is written last. It names every shard file with its size and per-chunk crc32c, says which
 file and entry holds each tensor of the state, and carries the state's tree (see
-:mod:`persist_core.format`). Readers check every file it names before trusting it.
+:mod:`persist_core.format.tree`). Readers check every file it names before trusting it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from persist_core.errors import CorruptCheckpointError
-from persist_core.format import FORMAT_NAME, FORMAT_VERSION
+from persist_core.format.shard_file import FORMAT_NAME, FORMAT_VERSION
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ import torch
 from safetensors import safe_open
 
 from persist_core import CheckpointEngine, UnsupportedStateError
-from persist_core.format import flatten, plan_shard
-from tests.conftest import assert_state_equal, awkward_state
+from persist_core.format.tree import flatten
+from persist_core.planning.save import plan_shard
+from tests.support.states import assert_state_equal, awkward_state
 
 
 def test_awkward_state_round_trips(ckpt_dir):

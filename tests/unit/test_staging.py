@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from persist_core import CheckpointEngine
-from tests.conftest import assert_state_equal
+from tests.support.states import assert_state_equal
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

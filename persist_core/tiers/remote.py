@@ -1,7 +1,7 @@
 """The remote tier: any fsspec URL, uploads with the manifest last, verified ranged downloads.
 
-Who calls what: the engine builds one :class:`RemoteTier` at construction (which probes that
-the URL is writable), its sync thread calls :meth:`RemoteTier.upload` for each committed local
+Who calls what: the engine builds one :class:`RemoteTier` at construction (which checks only what
+needs no network and no write: the URL parses and its fsspec backend is installed), its sync thread calls :meth:`RemoteTier.upload` for each committed local
 checkpoint and :meth:`RemoteTier.remove` for retention, and ``load()`` calls
 :meth:`RemoteTier.download` when the local tier lacks a good copy.
 
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -25,31 +23,30 @@ import crc32c
 import fsspec
 
 from persist_core import _knobs
-from persist_core._s3 import S3Transfer
-from persist_core.errors import ConfigError, CorruptCheckpointError, PersistError, RemoteError
+from persist_core.tiers._retry import retry
+from persist_core.tiers._s3 import S3Transfer
+from persist_core.errors import ConfigError, CorruptCheckpointError, RemoteError
 from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname
-from persist_core.local_writer import fsync_dir
-from persist_core.manifest import Manifest
-from persist_core.restore import CheckpointInfo
+from persist_core.fileio import fsync_dir
+from persist_core.format.manifest import Manifest
+from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: errors that retrying cannot fix
-_PERMANENT = (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PersistError)
-
-
 class RemoteTier:
-    """Checkpoints under one fsspec URL, laid out as on the local tier.
+    """The :class:`~persist_core.tiers.tier.Tier` of one fsspec URL, laid out as the local tier.
 
     Args:
         url: e.g. ``s3://bucket/run-7``, ``gs://...``, ``file:///mnt/shared/run``, ``memory://run``.
         storage_options: passed to fsspec as-is (credentials, ``client_kwargs``, ...).
 
+    Readers never write: listing and loading only read. Reachability and write access are found
+    out by the first upload (on the engine's sync thread), reported like any upload failure.
+
     Raises:
-        ConfigError: unknown protocol, missing fsspec backend, missing bucket, no credentials or
-            no write access; the message names the URL and the likely fix.
+        ConfigError: unknown protocol or missing fsspec backend; the message names the URL and the fix.
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -73,13 +70,18 @@ class RemoteTier:
         self.concurrency = _knobs.remote_concurrency()
         self.retries = _knobs.remote_retries()
         self.backoff_s = _knobs.remote_backoff_s()
-        self._probe()
         self._s3: S3Transfer | None = None
         if self._is_s3:
             try:
                 self._s3 = S3Transfer(self.fs, part_bytes=self.part_bytes, concurrency=self.concurrency)
             except Exception as e:  # an unusual s3fs set-up: its own (slower) transfers still work
                 log.warning("threaded S3 transfers unavailable for %s (%s); using s3fs's", self.url, e)
+
+    kind = "remote"
+
+    @property
+    def location(self) -> str:
+        return self.url
 
     def close(self) -> None:
         """Release transfer threads."""
@@ -92,51 +94,27 @@ class RemoteTier:
     def _path(self, *parts: str) -> str:
         return "/".join((self.root, *parts))
 
-    def _probe(self) -> None:
-        probe = self._path(f".probe-{secrets.token_hex(4)}")
-        try:
-            if "file" in self._protocols:  # object stores have no directories, and a bucket is never created
-                self.fs.makedirs(self.root, exist_ok=True)
-            self.fs.pipe_file(probe, b"probe")
-            self.fs.rm_file(probe)
-        except FileNotFoundError as e:
-            raise ConfigError(f"remote_url={self.url!r}: the bucket or path does not exist ({e}); create it or fix the URL") from e
-        except PermissionError as e:
-            raise ConfigError(
-                f"remote_url={self.url!r} is not writable with these credentials ({e}); check the credentials "
-                "(environment, profile or storage_options) and the bucket policy"
-            ) from e
-        except Exception as e:  # endpoint unreachable, bad credentials format, ... (backends raise many types)
-            raise ConfigError(
-                f"remote_url={self.url!r} cannot be written ({type(e).__name__}: {e}); check the endpoint, "
-                "network and credentials (storage_options are passed to fsspec as-is)"
-            ) from e
-
     # ------------------------------------------------------------------ retries
 
     def retry(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn``, retrying transient failures with exponential backoff.
+        """Run ``fn``, retrying transport and throttling failures with exponential backoff.
 
         Raises:
-            RemoteError: a permanent error, or still failing after ``retries`` attempts.
+            RemoteError: a failure that is not transient, or still failing after ``retries`` attempts.
         """
-        delay = self.backoff_s
-        for attempt in range(1, self.retries + 1):
-            try:
-                return fn()
-            except _PERMANENT as e:
-                raise RemoteError(f"{what} on {self.url} failed: {type(e).__name__}: {e}") from e
-            except Exception as e:  # transient: connection reset, 5xx, throttling
-                if attempt == self.retries:
-                    raise RemoteError(
-                        f"{what} on {self.url} failed after {attempt} attempts: {type(e).__name__}: {e}; "
-                        "check the network and the endpoint (local checkpoints are intact)"
-                    ) from e
-                log.warning("%s on %s failed (%s: %s); retry %d/%d in %.1f s", what, self.url, type(e).__name__, e,
-                            attempt, self.retries - 1, delay)
-                time.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")
+        return retry(what, self.url, fn, attempts=self.retries, backoff_s=self.backoff_s)
+
+    def hint(self, error: BaseException) -> str:
+        """The likely fix when ``error`` (an upload's) means the URL itself is unusable, else ``""``."""
+        e: BaseException | None = error
+        while e is not None:
+            if isinstance(e, FileNotFoundError):
+                return f"; the bucket or path of remote_url={self.url!r} does not exist: create it or fix the URL"
+            if isinstance(e, PermissionError):
+                return (f"; remote_url={self.url!r} is not writable with these credentials: check them (environment, "
+                        "profile or storage_options) and the bucket policy")
+            e = e.__cause__
+        return ""
 
     # ------------------------------------------------------------------ listing
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from persist_core import CheckpointEngine, PersistError, TorchCollectives
-from persist_core.local_writer import OsFileOps
+from persist_core.fileio import OsFileOps
 
 
 def replicated_state(step: int) -> dict:

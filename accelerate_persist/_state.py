@@ -1,0 +1,132 @@
+"""What ``save_state`` holds: every piece of an Accelerator's state, taken and put back.
+
+:func:`capture` builds the state dict Accelerate itself would save (prepared models, optimizers,
+schedulers, dataloader samplers / ``StatefulDataLoader`` states, the GradScaler, custom objects,
+each process's RNG states and ``accelerator.step``); :func:`apply` restores it into the same set
+of prepared objects. Every process calls both (``capture`` gathers the per-process values).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from persist_core import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def capture(acc: Any, *, optimizer_steps: int) -> dict[str, Any]:
+    """The Accelerator's whole state (a collective call with several processes)."""
+    return {
+        "models": [acc.get_state_dict(m, unwrap=False) for m in acc._models],
+        "optimizers": [o.state_dict() for o in acc._optimizers],
+        "schedulers": [s.state_dict() for s in acc._schedulers],
+        "dataloaders": [_dataloader_state(dl) for dl in acc._dataloaders],
+        "scaler": None if acc.scaler is None else acc.scaler.state_dict(),
+        "custom": [obj.state_dict() for obj in acc._custom_objects],
+        "per_process": _gather(acc, {"rng": _rng_state(), "step": acc.step}),
+        "optimizer_steps": optimizer_steps,
+        "iteration": acc.project_configuration.iteration,
+    }
+
+
+def apply(acc: Any, state: dict[str, Any]) -> int:
+    """Restore ``state`` into ``acc``; returns the optimizer steps it was saved at.
+
+    Raises:
+        ConfigError: the checkpoint holds another number of models, optimizers, ... than ``acc``.
+    """
+    counts = {"models": len(acc._models), "optimizers": len(acc._optimizers), "schedulers": len(acc._schedulers),
+              "custom": len(acc._custom_objects)}
+    for key, n in counts.items():
+        if len(state[key]) != n:
+            raise ConfigError(
+                f"the checkpoint holds {len(state[key])} {key} but this Accelerator has {n}; restore into the same "
+                "set of prepared objects (and register_for_checkpointing calls) that saved it"
+            )
+    for model, weights in zip(acc._models, state["models"]):
+        model.load_state_dict(_match_wrapping(weights, model))
+    for optimizer, optim_state in zip(acc._optimizers, state["optimizers"]):
+        optimizer.load_state_dict(optim_state)
+    for scheduler, sched_state in zip(acc._schedulers, state["schedulers"]):
+        scheduler.load_state_dict(sched_state)
+    for dataloader, dl_state in zip(acc._dataloaders, state["dataloaders"]):
+        _restore_dataloader(dataloader, dl_state)
+    if acc.scaler is not None and state["scaler"] is not None:
+        acc.scaler.load_state_dict(state["scaler"])
+    for obj, obj_state in zip(acc._custom_objects, state["custom"]):
+        obj.load_state_dict(obj_state)
+    per_process = state["per_process"]
+    mine = per_process[acc.process_index] if acc.process_index < len(per_process) else per_process[0]
+    if acc.process_index >= len(per_process):
+        log.warning("the checkpoint has RNG states for %d processes; process %d takes process 0's",
+                    len(per_process), acc.process_index)
+    _set_rng_state(mine["rng"])
+    acc.step = mine["step"]
+    acc.project_configuration.iteration = state["iteration"] + 1
+    return state["optimizer_steps"]
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _gather(accelerator: Any, value: Any) -> list[Any]:
+    """Every process's ``value``, in process order (the same list on every process)."""
+    if accelerator.num_processes == 1:
+        return [value]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * accelerator.num_processes
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _dataloader_state(dataloader: Any) -> dict[str, Any]:
+    """What Accelerate saves for a dataloader: a seedable sampler, and a stateful loader's state."""
+    from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
+
+    state: dict[str, Any] = {"sampler": None, "state_dict": None}
+    if isinstance(dataloader.dataset, IterableDatasetShard):
+        sampler = dataloader.get_sampler()
+        if isinstance(sampler, SeedableRandomSampler):
+            state["sampler"] = sampler
+    if getattr(dataloader, "use_stateful_dataloader", False):
+        state["state_dict"] = dataloader.state_dict()
+    return state
+
+
+def _restore_dataloader(dataloader: Any, state: dict[str, Any]) -> None:
+    if state["sampler"] is not None:
+        dataloader.set_sampler(state["sampler"])
+    if state["state_dict"] is not None and getattr(dataloader, "use_stateful_dataloader", False):
+        dataloader.load_state_dict(state["state_dict"])
+
+
+def _match_wrapping(weights: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """Saved by DDP (``module.`` keys) and loaded without it, or the other way round: rename."""
+    have, want = set(weights), set(model.state_dict())
+    if have == want:
+        return weights
+    if all(k.startswith("module.") for k in have) and {k[len("module."):] for k in have} == want:
+        return type(weights)((k[len("module."):], v) for k, v in weights.items())
+    if {f"module.{k}" for k in have} == want:
+        return type(weights)((f"module.{k}", v) for k, v in weights.items())
+    return weights  # load_state_dict names what does not match
+

@@ -1,0 +1,41 @@
+"""Policies as tiny pure dataclasses: what to keep (retention), when to save, and ``AnyOf``."""
+
+from persist_core.policies.anyof import AnyOf
+from persist_core.policies.retention import (
+    KeepEveryNSeconds,
+    KeepEveryNSteps,
+    KeepLastN,
+    KeepSteps,
+    RetentionContext,
+    RetentionPolicy,
+    policy_from_keywords,
+    to_delete,
+)
+from persist_core.policies.save import (
+    Continuous,
+    DecisionContext,
+    EveryNSeconds,
+    EveryNSteps,
+    OptimalInterval,
+    SavePolicy,
+    check_save_policy,
+)
+
+__all__ = [
+    "AnyOf",
+    "Continuous",
+    "DecisionContext",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepEveryNSeconds",
+    "KeepEveryNSteps",
+    "KeepLastN",
+    "KeepSteps",
+    "OptimalInterval",
+    "RetentionContext",
+    "RetentionPolicy",
+    "SavePolicy",
+    "check_save_policy",
+    "policy_from_keywords",
+    "to_delete",
+]

@@ -1,0 +1,276 @@
+"""``PersistOptions`` + ``PersistSession``: what every framework adapter does with an engine.
+
+The Lightning plugin and strategies, the Accelerate hook and the Hugging Face Trainer callback
+stand on this one seam instead of each reaching into the engine's modules:
+
+* the user's keywords become one frozen :class:`PersistOptions` (the retention sugar turned into
+  one policy, every value checked, in one place);
+* :class:`PersistSession` opens the engine once (with the adapter's collectives and any policy
+  of its own added to the user's), saves each step once (a second save of a step this session
+  saved returns the first handle), turns "that step is already committed" into an error naming
+  the adapter's resume call, reports each finished save once (log + the adapter's loggers),
+  installs the SIGTERM flush or the preemption notice, and on close drains (bounded after a
+  preemption), prunes, logs the summary and puts every signal handler back.
+
+Who calls what: the adapter, on the training thread, calls :meth:`PersistSession.open` (or
+:meth:`save`, which opens), :meth:`save`, :meth:`report`, and :meth:`close`; the engine's own
+threads never call the session.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from persist_core.distributed import Collectives, SingleProcess
+from persist_core.engine import CheckpointEngine
+from persist_core.errors import ConfigError, StepExistsError
+from persist_core.handle import SaveHandle, SaveStats
+from persist_core.history import describe_summary
+from persist_core.policies.anyof import AnyOf
+from persist_core.policies.retention import RetentionPolicy, policy_from_keywords
+from persist_core.policies.save import SavePolicy, check_save_policy
+from persist_core.preemption import PreemptionNotice, SignalFlush, check_grace, drain_within
+from persist_core.reader import CheckpointReader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PersistOptions:
+    """What a user configures in any adapter; validated in ``__post_init__``.
+
+    Build it from the adapters' keywords with :meth:`from_keywords`.
+
+    Attributes:
+        local_dir: the local tier (made absolute).
+        remote_url: an fsspec URL, or ``None``.
+        storage_options: passed to fsspec as-is.
+        retention: one policy for both tiers (``None`` keeps everything).
+        verify: check checksums on load.
+        max_pending: checkpoints staged or writing at once.
+        write_threads: threads writing one shard (``None``: ``PERSIST_WRITE_THREADS`` or 4).
+        preemption_grace_s: how long a preemption waits for the commit and upload.
+        save_policy: when ``maybe_save`` saves; with one, a preemption signal only sets a notice.
+        preemption_signals: the signals that mean "preempted".
+    """
+
+    local_dir: Path
+    remote_url: str | None = None
+    storage_options: dict[str, Any] | None = None
+    retention: RetentionPolicy | None = None
+    verify: bool = True
+    max_pending: int = 1
+    write_threads: int | None = None
+    preemption_grace_s: float = 120.0
+    save_policy: SavePolicy | None = None
+    preemption_signals: tuple[int, ...] = field(default=(signal.SIGTERM,))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "local_dir", Path(self.local_dir).expanduser().absolute())
+        check_grace(self.preemption_grace_s)
+        if self.save_policy is not None:
+            check_save_policy(self.save_policy)
+        if not self.preemption_signals:
+            raise ConfigError("preemption_signals=() is empty; pass at least one, e.g. (signal.SIGTERM,)")
+        object.__setattr__(self, "preemption_signals", tuple(self.preemption_signals))
+        if self.remote_url is not None and (not isinstance(self.remote_url, str) or "://" not in self.remote_url):
+            raise ConfigError(f"remote_url={self.remote_url!r} is not a URL; pass e.g. 's3://bucket/run-7' or "
+                              "'file:///mnt/shared/run', or None for local only")
+
+    @classmethod
+    def from_keywords(cls, local_dir: str | os.PathLike[str], *, keep_last: int | None = None,
+                      keep_every_n_steps: int | None = None, keep_every_n_seconds: float | None = None,
+                      retention: RetentionPolicy | None = None, **options: Any) -> PersistOptions:
+        """The adapters' flat keywords (``keep_last=3, keep_every_n_steps=1000``) as options.
+
+        Raises:
+            ConfigError: a bad value (named), or ``retention`` together with a keyword.
+        """
+        policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds, retention)
+        return cls(local_dir=Path(local_dir), retention=policy, **options)
+
+
+class PersistSession:
+    """One adapter's engine, opened once, with the bookkeeping every adapter needs.
+
+    Args:
+        options: what the user configured.
+        resume_hint: how this adapter's users resume a run (named when a step is committed already),
+            e.g. ``"resume that run with trainer.fit(..., ckpt_path=io.latest_path())"``.
+    """
+
+    def __init__(self, options: PersistOptions, *, resume_hint: str) -> None:
+        self.options = options
+        self._hint = resume_hint
+        self._engine: CheckpointEngine | None = None
+        self._reader: CheckpointReader | None = None
+        self._collectives: Collectives = SingleProcess()
+        self._saved: dict[int, SaveHandle | None] = {}  # None: restored from it, not saved here
+        self._unreported: list[SaveHandle] = []
+        self._flush: SignalFlush | None = None
+        self.notice: PreemptionNotice | None = None
+
+    # ---- the engine
+
+    @property
+    def collectives(self) -> Collectives:
+        return self._collectives
+
+    @property
+    def leader(self) -> bool:
+        return self._collectives.rank == 0
+
+    def use_collectives(self, collectives: Collectives) -> None:
+        """Every rank writes from the next save on (an engine already open is closed first)."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        self._collectives = collectives
+
+    def open(self, *, keep_extra: RetentionPolicy | None = None, preemption: bool = False) -> CheckpointEngine:
+        """The engine, created on the first call.
+
+        Args:
+            keep_extra: the adapter's own retention, kept on both tiers besides the user's
+                (Lightning keeps what its paths link to).
+            preemption: create a :class:`PreemptionNotice` on ``preemption_signals`` (with a
+                ``save_policy``: the next decision point saves instead of the process ending).
+        """
+        if self._engine is not None:
+            return self._engine
+        o = self.options
+        user = o.retention
+        local = keep_extra if user is None else user if keep_extra is None else AnyOf(user, keep_extra)
+        remote = None if user is None or o.remote_url is None else local
+        if preemption and self.notice is None:
+            self.notice = PreemptionNotice(o.preemption_signals)
+        self._engine = CheckpointEngine(
+            o.local_dir, remote_url=o.remote_url, storage_options=o.storage_options, keep_local=local,
+            keep_remote=remote, verify=o.verify, max_pending=o.max_pending, write_threads=o.write_threads,
+            collectives=self._collectives, save_policy=o.save_policy, preemption=self.notice,
+            preemption_grace_s=o.preemption_grace_s,
+        )
+        return self._engine
+
+    @property
+    def engine(self) -> CheckpointEngine | None:
+        """The open engine, or ``None`` before :meth:`open`."""
+        return self._engine
+
+    @property
+    def reader(self) -> CheckpointReader:
+        """The engine's reader when it is open, else one of the session's own (it never writes)."""
+        if self._engine is not None:
+            return self._engine.reader
+        if self._reader is None:
+            o = self.options
+            self._reader = CheckpointReader(o.local_dir, remote_url=o.remote_url, storage_options=o.storage_options,
+                                            verify=o.verify)
+        return self._reader
+
+    # ---- saving
+
+    def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> SaveHandle | None:
+        """Save ``step`` once: a step this session saved (or restored from) returns its handle.
+
+        Returns:
+            The handle (``None`` for a step this session restored from and did not save).
+
+        Raises:
+            ConfigError: ``step`` is committed in ``local_dir`` by an earlier run (names the resume call).
+        """
+        if step in self._saved:
+            return self._saved[step]
+        engine = self.open()
+        try:
+            handle = engine.save(state, step, metadata=metadata)
+        except StepExistsError as e:
+            raise ConfigError(
+                f"step {step} is already committed in {self.options.local_dir} by an earlier run; {self._hint}, or "
+                "give this run its own local_dir (committed checkpoints are never overwritten)"
+            ) from e
+        self._saved[step] = handle
+        self._unreported.append(handle)
+        return handle
+
+    def saved(self, step: int) -> bool:
+        return step in self._saved
+
+    def handle(self, step: int) -> SaveHandle | None:
+        return self._saved.get(step)
+
+    def newest_saved(self) -> int:
+        return max(self._saved, default=-1)
+
+    def restored(self, step: int) -> None:
+        """The state was restored from ``step``: saving it again is a no-op."""
+        self._saved.setdefault(step, None)
+
+    def report(self, sink: Callable[[SaveStats], None] | None = None) -> list[SaveStats]:
+        """Log each save that finished since the last call, once, and hand its stats to ``sink``."""
+        done = [h for h in self._unreported if h.done()]
+        self._unreported = [h for h in self._unreported if not h.done()]
+        stats = [h.stats for h in done]
+        for s in stats:
+            log.info("[step=%d] stall %.3f s, write %.2f GB/s, upload %s GB/s, lag %s s", s.step, s.stall_s,
+                     s.write_gbps or 0.0, _fmt(s.upload_gbps), _fmt(s.lag_s))
+            if sink is not None:
+                sink(s)
+        return stats
+
+    # ---- signals
+
+    def install_flush(self) -> None:
+        """On SIGTERM, drain pending saves within the grace period on a thread, then chain (main thread only)."""
+        if self._flush is None and self.notice is None:
+            flush = SignalFlush(lambda: None if self._engine is None else self._engine.wait,
+                                self.options.preemption_grace_s)
+            if flush.install():
+                self._flush = flush
+
+    def restore_signals(self) -> None:
+        """Put back every handler this session installed."""
+        if self._flush is not None:
+            self._flush.restore()
+            self._flush = None
+        if self.notice is not None:
+            self.notice.restore()
+            self.notice = None
+
+    # ---- the end
+
+    def close(self, *, preempted: bool = False, sink: Callable[[SaveStats], None] | None = None) -> None:
+        """Drain, prune, log the summary and close; puts signal handlers back. Raises a failure once.
+
+        After a preemption the wait is bounded by ``preemption_grace_s``; what is not uploaded by
+        then stays committed locally (the engine's exit hook goes on uploading while it can, the
+        next run uploads the rest).
+        """
+        engine, self._engine = self._engine, None
+        reader, self._reader = self._reader, None
+        self.restore_signals()
+        if reader is not None:
+            reader.close()
+        if engine is None:
+            return
+        try:
+            if preempted and not drain_within(engine.wait, self.options.preemption_grace_s):
+                return
+            try:
+                engine.wait()
+                engine.prune()
+            finally:
+                log.info("torch-persist: %s", describe_summary(engine.summary()))
+                engine.close()
+        finally:
+            self.report(sink)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

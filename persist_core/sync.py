@@ -1,0 +1,258 @@
+"""The upload queue: one thread uploading committed local checkpoints, oldest first.
+
+It owns "being uploaded": :meth:`RemoteSync.unsynced_steps` is what local retention must keep.
+
+Who calls what: the engine's writer thread calls :meth:`RemoteSync.submit` after each local
+commit; ``wait()`` calls :meth:`RemoteSync.drain`; the sync thread uploads, applies remote
+retention (:class:`~persist_core.retainer.Retainer` over what it knows the remote holds), ends
+each handle's remote phase (or records its failure in the ledger), then calls ``after_upload``
+(the engine: local retention, since what waited for this upload may go now).
+
+Start-up happens on the sync thread too, never on the caller's: it lists the remote once and
+queues the committed local checkpoints the remote lacks (an earlier run died before syncing). A
+remote that cannot be reached is found out there, like any upload failure.
+
+Back-pressure: when a new job arrives, queued jobs that have not started and that the remote
+retention policy would not keep are superseded by it. Milestones (kept by the policy) are never
+superseded; with no remote policy, every checkpoint is kept, so none is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from persist_core.errors import PersistError, RemoteError
+from persist_core.format.manifest import Manifest
+from persist_core.handle import ErrorLedger, SaveHandle
+from persist_core.policies.retention import RetentionContext, RetentionPolicy, to_delete
+from persist_core.retainer import Retainer
+from persist_core.tiers.remote import RemoteTier
+from persist_core.tiers.tier import CheckpointInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SyncJob:
+    """One committed local checkpoint to upload, and the handle whose remote phase it ends."""
+
+    local_ckpt: Path
+    manifest: Manifest
+    handle: SaveHandle
+    committed_at: float  # time.monotonic() of the local commit
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    def info(self, url: str) -> CheckpointInfo:
+        return CheckpointInfo(step=self.step, time=self.manifest.time, nbytes=self.manifest.nbytes,
+                              path=f"{url}/{self.local_ckpt.name}", tier="remote")
+
+
+class _KnownRemote:
+    """The remote as the sync thread knows it (listed once, then kept up to date): a Tier for retention."""
+
+    kind = "remote"
+
+    def __init__(self, tier: RemoteTier) -> None:
+        self._tier = tier
+        self.infos: dict[int, CheckpointInfo] = {}
+        self.lock = threading.Lock()
+
+    @property
+    def location(self) -> str:
+        return self._tier.url
+
+    def list(self) -> list[CheckpointInfo]:
+        with self.lock:
+            return sorted(self.infos.values(), key=lambda c: c.step)
+
+    def remove(self, step: int) -> None:
+        self._tier.remove(step)
+        with self.lock:
+            self.infos.pop(step, None)
+
+
+#: ``backlog(remote_steps)``: the jobs to queue at start-up for what the remote lacks (sync thread)
+Backlog = Callable[[set[int]], list[SyncJob]]
+
+
+class RemoteSync:
+    """Uploads jobs in step order on one thread, then applies ``keep_remote`` on the remote.
+
+    Args:
+        tier: the remote tier.
+        keep_remote: the remote's retention policy (``None`` keeps everything).
+        ledger: where failures go (raised once by the engine).
+        backlog: called once on the sync thread with the remote's steps; its jobs are queued.
+        after_upload: called after each job ends (the engine's local retention); may raise.
+        latest_step: the newest step saved so far (for ``lag_steps``).
+    """
+
+    def __init__(self, tier: RemoteTier, *, keep_remote: RetentionPolicy | None, ledger: ErrorLedger,
+                 backlog: Backlog, after_upload: Callable[[], None], latest_step: Callable[[], int]) -> None:
+        self._tier = tier
+        self._keep = keep_remote
+        self._ledger = ledger
+        self._backlog = backlog
+        self._after_upload = after_upload
+        self._latest_step = latest_step
+        self._known = _KnownRemote(tier)
+        self._retainer = Retainer(self._known, keep_remote, protected=self._queued_steps)
+        self._cond = threading.Condition()
+        self._queue: list[SyncJob] = []
+        self._active: SyncJob | None = None  # being uploaded: protected from local retention
+        self._busy = True  # the thread is working (start-up, or a job until its outcome is recorded)
+        self._listed = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="persist-sync", daemon=False)
+        self._thread.start()
+        # At interpreter exit (an engine never closed), finish the queued uploads, then stop,
+        # like concurrent.futures' workers do; otherwise the process would never exit.
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(self._stop)
+
+    # ---- any thread
+
+    def unsynced_steps(self) -> set[int]:
+        """Steps queued or uploading: local retention must keep them."""
+        with self._cond:
+            return {j.step for j in self._queue} | ({self._active.step} if self._active else set())
+
+    def _queued_steps(self) -> set[int]:
+        with self._cond:
+            return {j.step for j in self._queue}
+
+    def submit(self, job: SyncJob) -> None:
+        """Queue ``job`` (writer thread); may supersede queued jobs the remote policy would drop.
+
+        Raises:
+            ConfigError: the remote policy answered the wrong number of times (``job`` stays queued).
+        """
+        with self._cond:
+            self._queue.append(job)
+            self._queue.sort(key=lambda j: j.step)
+            try:
+                superseded = self._supersede()
+            finally:
+                self._cond.notify_all()
+        for old in superseded:
+            log.info("[step=%d] upload superseded by a newer checkpoint (remote is behind)", old.step)
+            old.handle._update(superseded=True)
+            old.handle._set_remote_done()
+
+    def _supersede(self) -> list[SyncJob]:
+        """Drop queued jobs, except the newest, that the remote policy would not keep (lock held)."""
+        if self._keep is None or len(self._queue) < 2:
+            return []
+        pending = ([self._active] if self._active else []) + self._queue
+        infos = sorted([*self._known.list(), *(j.info(self._tier.url) for j in pending)], key=lambda c: c.step)
+        context = RetentionContext(tier="remote", now=time.time())
+        doomed = {c.step for c in to_delete(infos, self._keep, context=context)}
+        newest = self._queue[-1].step
+        dropped = [j for j in self._queue if j.step in doomed and j.step != newest]
+        self._queue = [j for j in self._queue if j not in dropped]
+        return dropped
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or uploading; ``False`` if ``timeout`` ran out first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def apply_retention(self) -> None:
+        """Apply ``keep_remote`` to the remote now (the sync thread also does after each upload)."""
+        if self._listed:
+            self._retainer.apply()
+
+    def close(self) -> None:
+        """Finish every queued upload, then stop the thread."""
+        self._stop()
+        self._thread.join()
+
+    def _stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    # ---- the sync thread
+
+    def _start(self) -> None:
+        """List the remote, then queue what an earlier run left unsynced.
+
+        Raises:
+            RemoteError: the remote cannot be listed (the next upload tries again, and reports it).
+        """
+        infos = self._tier.list()
+        with self._known.lock:
+            self._known.infos = {i.step: i for i in infos}
+        self._listed = True
+        for job in self._backlog(set(self._known.infos)):
+            log.info("[step=%d] queueing the upload of %s left unsynced by an earlier run", job.step, job.local_ckpt)
+            self.submit(job)
+
+    def _run(self) -> None:
+        try:
+            self._start()
+        except Exception as e:  # unreachable, no bucket, no access: the first upload finds out and reports it
+            log.warning("listing %s failed (%s); the next upload tries again", self._tier.url, e)
+        while True:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._queue or self._stopping)
+                if not self._queue:
+                    return
+                job = self._active = self._queue.pop(0)
+                self._busy = True
+            self._upload(job)
+
+    def _upload(self, job: SyncJob) -> None:
+        t0 = time.perf_counter()
+        error: BaseException | None = None
+        uploaded = False
+        try:
+            if not self._listed:  # the start-up listing failed: try again before this upload
+                self._start()
+            self._tier.upload(job.local_ckpt, job.manifest)
+            uploaded = True
+            with self._known.lock:
+                self._known.infos[job.step] = job.info(self._tier.url)
+            self._retainer.apply()
+        except BaseException as e:  # recorded on the handle, raised once by the engine
+            error = e
+        upload_s = time.perf_counter() - t0
+        with self._cond:
+            self._active = None  # no longer protected: local retention may take it now
+        handle = job.handle
+        if uploaded:
+            handle._update(upload_s=upload_s, upload_gbps=job.manifest.nbytes / upload_s / 1e9 if upload_s > 0 else None,
+                           lag_s=time.monotonic() - job.committed_at,
+                           lag_steps=max(0, self._latest_step() - job.step))
+        if error is None:
+            try:
+                self._after_upload()
+            except BaseException as e:
+                error = e
+        if error is not None:
+            if not uploaded and (hint := self._tier.hint(error)):
+                error = _wrapped(f"uploading checkpoint step={job.step} to {self._tier.url} failed{hint}", error)
+            elif uploaded:
+                error = _wrapped(f"checkpoint step={job.step} was uploaded, but the retention that follows failed", error)
+            log.error("[step=%d] %s", job.step, error)
+            self._ledger.fail(handle, error)
+        else:
+            handle._set_remote_done()
+
+
+def _wrapped(message: str, error: BaseException) -> BaseException:
+    kind = RemoteError if isinstance(error, RemoteError) else PersistError
+    wrapped = kind(f"{message}: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped

@@ -1,0 +1,59 @@
+"""The ``Tier`` protocol: one place committed checkpoints live, and what it reports of them.
+
+Who calls what: the engine's :class:`~persist_core.retainer.Retainer` calls ``list`` and
+``remove`` after each commit (one retention loop for every tier); the
+:class:`~persist_core.reader.CheckpointReader` calls ``committed_steps`` and ``read_manifest``;
+the ``persist`` command calls all of them. A tier never decides what to keep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from persist_core.format.manifest import Manifest
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as :meth:`CheckpointEngine.list` reports it."""
+
+    step: int
+    time: float
+    nbytes: int
+    path: str
+    tier: str = "local"
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """Committed checkpoints under one location (a local directory, or a remote URL).
+
+    ``kind`` is ``"local"`` or ``"remote"``; ``location`` names it in messages.
+    """
+
+    kind: str
+
+    @property
+    def location(self) -> str: ...
+
+    def committed_steps(self) -> list[int]:
+        """Steps that hold a manifest, ascending (nothing verified)."""
+        ...
+
+    def read_manifest(self, step: int) -> Manifest:
+        """The manifest of ``step``, every file it places on this tier checked for presence and size."""
+        ...
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints whose manifest and file sizes check, oldest first."""
+        ...
+
+    def verify(self, step: int, progress: Callable[[int], None] | None = None) -> list[str]:
+        """Read every byte of ``step`` and check its checksums; the problems found."""
+        ...
+
+    def remove(self, step: int) -> None:
+        """Delete ``step``: its manifest first, so a crash part-way leaves no checkpoint."""
+        ...

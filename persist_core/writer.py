@@ -1,0 +1,270 @@
+"""The writer thread: staged shard -> file -> commit with the other ranks -> retention -> upload queue.
+
+Who calls what, per checkpoint: ``save()`` (training thread) calls :meth:`Writer.reserve` for
+its step, stages the state, then :meth:`Writer.submit`; the writer thread writes the shard in
+parallel chunks (:mod:`persist_core.fileio`), commits it (:mod:`persist_core.commit`), calls
+``after_commit`` (the engine: local retention, then the hand-off to the upload queue), and only
+then ends the handle's local phase — in a ``finally``, so every escape ends it, reaches the
+:class:`~persist_core.handle.ErrorLedger` and is raised once. The step stays *pending* (protected
+from retention) until the upload queue has it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from persist_core._knobs import WriteSettings
+from persist_core.commit import commit_checkpoint
+from persist_core.distributed import Collectives
+from persist_core.errors import PersistError, StepExistsError, WriteError
+from persist_core.fileio import CHECKSUM_ALGORITHM, FileOps, write_file
+from persist_core.format.manifest import FileEntry, Manifest
+from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
+from persist_core.layout import shard_filename
+from persist_core.policies.retention import RetentionPolicy
+from persist_core.retainer import Retainer
+from persist_core.staging import StagingBuffer, StagingPool
+from persist_core.sync import RemoteSync, SyncJob
+from persist_core.tiers.local import LocalTier, checkpoint_dir, discover
+from persist_core.tiers.remote import RemoteTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """One staged checkpoint for the writer: its handle, buffer, manifest so far and signature."""
+
+    handle: SaveHandle
+    buf: StagingBuffer
+    base: Manifest
+    staged_at: float  # time.perf_counter() when staging ended
+    signature: str  # the state's structure, compared across ranks
+
+
+#: ``after_commit(handle, manifest)``: writer thread, after the commit; may raise
+AfterCommit = Callable[[SaveHandle, Manifest], None]
+
+
+class Writer:
+    """One writer thread, a pool of I/O threads, and the set of steps staged or being written.
+
+    Args:
+        root: ``local_dir``.
+        pool: the staging buffers (the writer reports progress and releases them).
+        coll: the job's collectives (the commit's).
+        ops: the file system calls.
+        ledger: where failures go.
+        after_commit: called after each successful commit.
+        write_threads / chunk_bytes / direct_io: see :class:`CheckpointEngine`.
+    """
+
+    def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
+                 after_commit: AfterCommit, write_threads: int, chunk_bytes: int, direct_io: str) -> None:
+        self._root = root
+        self._pool = pool
+        self._coll = coll
+        self._ops = ops
+        self._ledger = ledger
+        self._after_commit = after_commit
+        self._chunk_bytes = chunk_bytes
+        self._direct_io = direct_io  # writer thread: "auto" settles on the first write
+        self._lock = threading.Lock()
+        self._pending: dict[int, SaveHandle | None] = {}  # None: reserved, not staged yet
+        self._io = ThreadPoolExecutor(write_threads, thread_name_prefix="persist-io")
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="persist-writer")
+
+    # ---- training thread
+
+    def reserve(self, step: int) -> None:
+        """Claim ``step`` for a save about to stage.
+
+        Raises:
+            StepExistsError: ``step`` is pending or committed in ``local_dir``.
+        """
+        with self._lock:
+            if step in self._pending or checkpoint_dir(self._root, step).exists():
+                raise StepExistsError(
+                    f"a checkpoint for step={step} already exists or is being written in {self._root}; "
+                    f"save each step once (delete {checkpoint_dir(self._root, step)} first to overwrite it)"
+                )
+            self._pending[step] = None
+
+    def unreserve(self, step: int) -> None:
+        """Give ``step`` back: its staging failed."""
+        with self._lock:
+            self._pending.pop(step, None)
+
+    def submit(self, job: WriteJob) -> None:
+        with self._lock:
+            self._pending[job.handle.step] = job.handle
+        self._thread.submit(self._run, job)
+
+    def pending_steps(self) -> set[int]:
+        """Steps staged or being written (or handed to the upload queue just now)."""
+        with self._lock:
+            return set(self._pending)
+
+    def in_flight(self) -> bool:
+        with self._lock:
+            return bool(self._pending)
+
+    def drain(self, deadline: float | None) -> None:
+        """Block until nothing is pending; ``TimeoutError`` after ``deadline`` (``time.monotonic()``)."""
+        while True:
+            with self._lock:
+                pending = [h for h in self._pending.values() if h is not None]
+            if not pending:
+                return
+            for handle in pending:
+                handle._wait_for(handle._local, None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+
+    # ---- writer thread
+
+    def _run(self, job: WriteJob) -> None:
+        handle, step = job.handle, job.handle.step
+        error: BaseException | None = None
+        try:
+            manifest = self._commit(job)
+        except BaseException as e:  # recorded on the handle and raised once by a later call
+            error = self._describe(e, step)
+        else:
+            try:
+                self._after_commit(handle, manifest)
+            except BaseException as e:
+                error = PersistError(f"checkpoint step={step} was committed, but what follows the commit failed: "
+                                     f"{type(e).__name__}: {e}")
+                error.__cause__ = e
+        finally:
+            with self._lock:
+                self._pending.pop(step, None)
+            if error is None:
+                handle._set_local_done()
+            else:
+                log.error("[rank=%d][step=%d] %s", self._coll.rank, step, error)
+                self._ledger.fail(handle, error)
+
+    def _commit(self, job: WriteJob) -> Manifest:
+        """Write the staged shard and commit it with the other ranks; returns the manifest committed."""
+        handle, buf = job.handle, job.buf
+        timing: dict[str, Any] = {}
+        settled = self._direct_io != "auto"
+
+        def write_shard(tmp: Path) -> FileEntry:
+            t0 = time.perf_counter()
+            if settled:  # the next save may copy into what is written already
+                self._pool.writing(buf)
+            on_chunk = (lambda offset, n: self._pool.chunk_written(buf, offset, n)) if settled else None
+            written = write_file(tmp / shard_filename(self._coll.rank), buf.memoryview(handle.stats.nbytes),
+                                 pool=self._io, chunk_bytes=self._chunk_bytes, direct_io=self._direct_io,
+                                 ops=self._ops, on_chunk=on_chunk)
+            if not settled:  # "auto" found out what this file system takes; keep to it
+                self._direct_io = "on" if written.direct_io else "off"
+            timing.update(write_s=time.perf_counter() - t0, direct_io=written.direct_io)
+            return FileEntry(name=written.name, rank=self._coll.rank, size=written.size, checksum=CHECKSUM_ALGORITHM,
+                             chunk_bytes=written.chunk_bytes, chunks=written.chunks)
+
+        manifest = commit_checkpoint(self._root, job.base, job.signature, coll=self._coll, write_shard=write_shard,
+                                     release=lambda: self._pool.release(buf), ops=self._ops)
+        write_s = timing["write_s"]
+        handle._update(write_s=write_s, write_gbps=handle.stats.nbytes / write_s / 1e9 if write_s > 0 else None,
+                       commit_s=time.perf_counter() - job.staged_at, direct_io=timing["direct_io"])
+        log.info("[rank=%d][step=%d] committed %s (%.1f MB, %.2f GB/s)", self._coll.rank, handle.step,
+                 checkpoint_dir(self._root, handle.step), handle.stats.nbytes / 1e6, handle.stats.write_gbps or 0.0)
+        return manifest
+
+    def _describe(self, e: BaseException, step: int) -> BaseException:
+        if isinstance(e, PersistError) or not isinstance(e, OSError):
+            return e
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = f"free space in {self._root} or keep fewer checkpoints"
+        else:
+            fix = f"check that {self._root} is a healthy, writable local file system"
+        error = WriteError(e.errno or errno.EIO,
+                           f"writing checkpoint step={step} in {self._root} failed: {e.strerror or e}; {fix}. "
+                           "Nothing was committed for this step; earlier checkpoints are intact")
+        error.__cause__ = e
+        return error
+
+
+class Pipeline:
+    """What follows ``save()``, wired once: the writer, the upload queue, retention on both tiers.
+
+    After each commit (writer thread) the checkpoint goes to the upload queue first, then local
+    retention runs; after each upload (sync thread) both tiers' retention runs. Local retention
+    never touches a step that is pending here or not yet uploaded (:meth:`protected`); only rank 0
+    applies retention and uploads.
+
+    Args:
+        root: ``local_dir``.
+        pool / coll / ops / ledger: as for :class:`Writer`.
+        settings: the engine's write settings.
+        tier: the remote tier, or ``None``.
+        keep_local / keep_remote: the tiers' retention policies.
+        latest_step: the newest step saved (for upload lag).
+    """
+
+    def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
+                 settings: WriteSettings, tier: RemoteTier | None, keep_local: RetentionPolicy | None,
+                 keep_remote: RetentionPolicy | None, latest_step: Callable[[], int]) -> None:
+        self._root = root
+        leader = coll.rank == 0
+        self.writer = Writer(root, pool=pool, coll=coll, ops=ops, ledger=ledger, after_commit=self._after_commit,
+                             write_threads=settings.write_threads, chunk_bytes=settings.chunk_bytes,
+                             direct_io=settings.direct_io)
+        self.local = Retainer(LocalTier(root), keep_local if leader else None, protected=self.protected)
+        self.sync = None if tier is None or not leader else RemoteSync(
+            tier, keep_remote=keep_remote, ledger=ledger, backlog=self._backlog, after_upload=self.local.apply,
+            latest_step=latest_step)
+        self._url = None if tier is None else tier.url
+
+    def protected(self) -> set[int]:
+        """Steps local retention must keep: pending here, or queued or uploading."""
+        pending = self.writer.pending_steps()  # first: a step leaves it only once the upload queue has it
+        return pending | (self.sync.unsynced_steps() if self.sync is not None else set())
+
+    def _after_commit(self, handle: SaveHandle, manifest: Manifest) -> None:
+        """Writer thread: hand the checkpoint to the upload queue first, then apply local retention."""
+        if self.sync is None:
+            handle._set_remote_done()
+        else:
+            self.sync.submit(SyncJob(local_ckpt=checkpoint_dir(self._root, handle.step), manifest=manifest,
+                                     handle=handle, committed_at=time.monotonic()))
+        self.local.apply()
+
+    def _backlog(self, remote_steps: set[int]) -> list[SyncJob]:
+        """Sync thread, at start-up: the committed local checkpoints the remote lacks."""
+        return [SyncJob(local_ckpt=Path(info.path), manifest=manifest, committed_at=time.monotonic(),
+                        handle=SaveHandle(SaveStats(step=info.step, nbytes=info.nbytes)))
+                for info, manifest in discover(self._root) if info.step not in remote_steps]
+
+    def prune(self) -> None:
+        self.local.apply()
+        if self.sync is not None:
+            self.sync.apply_retention()
+
+    def drain(self, timeout: float | None) -> None:
+        """Block until nothing is pending or uploading; ``TimeoutError`` after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.writer.drain(deadline)
+        if self.sync is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.sync.drain(left):
+                raise TimeoutError(f"uploads to {self._url} still pending after {timeout} s")
+
+    def close(self) -> None:
+        self.writer.close()
+        if self.sync is not None:
+            self.sync.close()
