@@ -26,7 +26,8 @@ from persist_core.format.manifest import Manifest
 from persist_core.reader import CheckpointReader
 from persist_core.tiers import CheckpointInfo, LocalTier, RemoteTier, Tier
 from persist_core.tiers.local import discover
-from persist_core.policies.retention import RetentionContext, policy_from_keywords, to_delete
+from persist_core.policies.anyof import policy_from_keywords
+from persist_core.policies.retention import RetentionContext, to_delete
 
 
 def _exporters() -> dict[str, Any]:

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from persist_core import _knobs
-from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RemoteError
 from persist_core.layout import parse_checkpoint_dirname, tmp_dirname
 from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
@@ -29,6 +29,8 @@ from persist_core.tiers.local import checkpoint_dir, committed_steps, discover, 
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class CheckpointReader:
@@ -106,7 +108,11 @@ class CheckpointReader:
         if tier == "remote" and self._tier is None:
             raise ConfigError("tier='remote' needs a remote_url")
         local = [info for info, _ in discover(self._root)] if tier != "remote" else []
-        remote = self._tier.list() if tier != "local" and self._tier is not None else []
+        remote = []
+        if tier == "remote":
+            remote = self._tier.list()
+        elif tier == "all" and self._tier is not None:
+            remote = self._remote_or_nothing(self._tier.list, [])
         return sorted(local + remote, key=lambda i: (i.step, i.tier))
 
     def latest(self) -> CheckpointInfo | None:
@@ -157,7 +163,7 @@ class CheckpointReader:
         """
         verify = self._verify if verify is None else verify
         local = set(committed_steps(self._root))
-        remote = set(self._tier.committed_steps()) if self._tier is not None else set()
+        remote = set(self._remote_or_nothing(self._tier.committed_steps, [])) if self._tier is not None else set()
         if step is not None:
             if step not in local | remote:
                 where = f"{self._root}" + (f" or {self._tier.url}" if self._tier else "")
@@ -223,6 +229,14 @@ class CheckpointReader:
             # another process (a rank on this node) put its download in place first: use that one
             manifest = read_manifest(ckpt)
         return manifest
+
+    def _remote_or_nothing(self, read: Callable[[], T], nothing: T) -> T:
+        """``read()`` from the remote, or ``nothing`` when the remote is down: local copies still serve."""
+        try:
+            return read()
+        except RemoteError as e:
+            log.warning("the remote tier cannot be read (%s); using %s alone", e, self._root)
+            return nothing
 
     def _set_aside(self, ckpt: Path) -> None:
         """Move a copy that failed verification out of the way with one rename (then delete it)."""

@@ -32,8 +32,8 @@ from persist_core.engine import CheckpointEngine
 from persist_core.errors import ConfigError, StepExistsError
 from persist_core.handle import SaveHandle, SaveStats
 from persist_core.history import describe_summary
-from persist_core.policies.anyof import AnyOf
-from persist_core.policies.retention import RetentionPolicy, policy_from_keywords
+from persist_core.policies.anyof import AnyOf, policy_from_keywords
+from persist_core.policies.retention import RetentionPolicy
 from persist_core.policies.save import SavePolicy, check_save_policy
 from persist_core.preemption import PreemptionNotice, SignalFlush, check_grace, drain_within
 from persist_core.reader import CheckpointReader

@@ -1,6 +1,6 @@
 """Policies as tiny pure dataclasses: what to keep (retention), when to save, and ``AnyOf``."""
 
-from persist_core.policies.anyof import AnyOf
+from persist_core.policies.anyof import AnyOf, policy_from_keywords
 from persist_core.policies.retention import (
     KeepEveryNSeconds,
     KeepEveryNSteps,
@@ -8,7 +8,6 @@ from persist_core.policies.retention import (
     KeepSteps,
     RetentionContext,
     RetentionPolicy,
-    policy_from_keywords,
     to_delete,
 )
 from persist_core.policies.save import (

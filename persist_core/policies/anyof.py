@@ -1,4 +1,4 @@
-"""``AnyOf``: one combinator for both kinds of policy (retention and save decisions)."""
+"""``AnyOf``: one combinator for both kinds of policy; ``policy_from_keywords``: the adapters' sugar as one policy."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from persist_core.errors import ConfigError
-from persist_core.policies.retention import RetentionContext, answers, check_policy
+from persist_core.policies.retention import (
+    KeepEveryNSeconds,
+    KeepEveryNSteps,
+    KeepLastN,
+    RetentionContext,
+    RetentionPolicy,
+    answers,
+    check_policy,
+)
 from persist_core.tiers.tier import CheckpointInfo
 
 
@@ -44,4 +52,30 @@ class AnyOf:
         if self.kind != "save":
             raise ConfigError(f"{self!r} combines retention policies; it cannot decide when to save")
         return any(p.should_save(context) for p in self.policies)
+
+
+def policy_from_keywords(keep_last: int | None = None, keep_every_n_steps: int | None = None,
+                         keep_every_n_seconds: float | None = None,
+                         retention: RetentionPolicy | None = None) -> RetentionPolicy | None:
+    """The adapters' keyword sugar as one policy (the one place it is turned into objects).
+
+    Raises:
+        ConfigError: a bad value (named), or ``retention`` together with a keyword.
+    """
+    sugar: list[RetentionPolicy] = []
+    for name, value, make in (("keep_last", keep_last, KeepLastN), ("keep_every_n_steps", keep_every_n_steps, KeepEveryNSteps),
+                              ("keep_every_n_seconds", keep_every_n_seconds, KeepEveryNSeconds)):
+        if value is not None:
+            try:
+                sugar.append(make(value))
+            except ConfigError as e:
+                raise ConfigError(f"{name}={value!r} is not valid ({e}); pass a positive number or None") from e
+    if retention is not None and sugar:
+        raise ConfigError(
+            f"retention={retention!r} was given together with keep_last/keep_every_n_steps/keep_every_n_seconds; "
+            "pass either the keywords or one policy (e.g. AnyOf(KeepLastN(3), KeepEveryNSteps(1000)))"
+        )
+    if retention is not None:
+        return check_policy(retention, name="retention")
+    return None if not sugar else sugar[0] if len(sugar) == 1 else AnyOf(*sugar)
 

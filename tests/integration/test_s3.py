@@ -69,6 +69,27 @@ def test_an_unreachable_endpoint_is_reported_by_the_upload_not_the_constructor(t
     engine.close()
 
 
+def test_a_job_restarted_during_an_outage_resumes_from_local_and_a_later_engine_uploads_the_rest(
+    tmp_path, bucket, s3_endpoint, s3_options, proxy, monkeypatch
+):
+    monkeypatch.setenv("PERSIST_REMOTE_RETRIES", "2")
+    monkeypatch.setenv("PERSIST_REMOTE_BACKOFF_MS", "1")
+    url, local = f"s3://{bucket}/run", tmp_path / "a"
+    with CheckpointEngine(local, remote_url=url, storage_options=s3_options) as engine:
+        engine.save(state_for(1), step=1)
+    proxy.kill()  # the outage begins; the job is restarted during it
+    down = {"client_kwargs": {"endpoint_url": proxy.url}, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    engine = CheckpointEngine(local, remote_url=url, storage_options=down)  # before: a ConfigError, the job dead
+    assert_state_equal(engine.load(), state_for(1))  # resumes from its local checkpoint
+    handle = engine.save(state_for(2), step=2)
+    with pytest.raises(RemoteError, match="check the network"):
+        handle.wait()
+    engine.close()
+    with CheckpointEngine(local, remote_url=url, storage_options=s3_options) as after:  # the remote is back
+        after.wait()  # uploads what the outage left behind
+        assert [i.step for i in after.list(tier="remote")] == [1, 2]
+
+
 def test_connection_resets_mid_upload_still_commit(tmp_path, bucket, proxy, small_parts):
     url = f"s3://{bucket}/run"
     options = {"client_kwargs": {"endpoint_url": proxy.url}}
