@@ -82,6 +82,8 @@ class PersistHook:
         verify: check checksums on load.
         max_pending: checkpoints staged or writing at once (each holds a host copy of the state).
         preemption_grace_s: how long SIGTERM waits for pending work (default 120 s).
+        remote_timeout_s: how long ``close()`` waits for uploads that keep failing (an outage) before
+            it raises one ``RemoteError`` naming the un-synced steps, which stay on disk (default 300 s).
         save_policy: when :meth:`maybe_save` saves (``Continuous(min_interval_s=30)``,
             ``EveryNSteps(1000)``, ``OptimalInterval(mtbf_s=...)``). With one, SIGTERM only sets a
             flag: the next ``maybe_save`` saves on every process, flushes within the grace
@@ -103,6 +105,7 @@ class PersistHook:
         verify: bool = True,
         max_pending: int = 1,
         preemption_grace_s: float = 120.0,
+        remote_timeout_s: float = 300.0,
         save_policy: SavePolicy | None = None,
         preemption_signals: tuple[int, ...] = (signal.SIGTERM,),
     ) -> None:
@@ -110,7 +113,7 @@ class PersistHook:
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending,
-            preemption_grace_s=preemption_grace_s, save_policy=save_policy,
+            preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, save_policy=save_policy,
             preemption_signals=tuple(preemption_signals))
         self._session: PersistSession | None = None
         self._accelerator: Any = None

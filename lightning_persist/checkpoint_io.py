@@ -93,6 +93,8 @@ class PersistCheckpointIO(CheckpointIO):
         write_threads: threads writing one shard (default 4).
         preemption_grace_s: on SIGTERM, how long to wait for the pending checkpoint to commit and
             upload before the process goes on exiting (default 120 s; SIGKILL usually follows).
+        remote_timeout_s: how long ``teardown`` waits for uploads that keep failing (an outage) before
+            it raises one ``RemoteError`` naming the un-synced steps, which stay on disk (default 300 s).
 
     Raises:
         ConfigError: a bad argument, an unwritable ``local_dir`` or an unusable ``remote_url``
@@ -113,13 +115,14 @@ class PersistCheckpointIO(CheckpointIO):
         max_pending: int = 1,
         write_threads: int | None = None,
         preemption_grace_s: float = 120.0,
+        remote_timeout_s: float = 300.0,
     ) -> None:
         super().__init__()
         options = PersistOptions.from_keywords(
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending, write_threads=write_threads,
-            preemption_grace_s=preemption_grace_s)
+            preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s)
         self._session = PersistSession(
             options, resume_hint="resume that run with trainer.fit(..., ckpt_path=io.latest_path())")
         self._links = Links(options.local_dir)

@@ -15,8 +15,10 @@ Call order (one process):
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 import threading
 import time
 import weakref
@@ -29,7 +31,7 @@ import torch
 
 from persist_core._knobs import WriteSettings
 from persist_core.distributed import Collectives, SingleProcess
-from persist_core.errors import ConfigError, PersistError
+from persist_core.errors import ConfigError, PersistError, RemoteError, WriteError
 from persist_core.fileio import FileOps, OsFileOps
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import SaveHistory
@@ -85,6 +87,11 @@ class CheckpointEngine:
         save_policy: when :meth:`maybe_save` saves (``Continuous(min_interval_s=30)``, ...).
         preemption: a :class:`PreemptionNotice`; once set, the next ``maybe_save`` saves, waits
             up to ``preemption_grace_s`` for the commit and upload, and :attr:`preempted` is True.
+        remote_timeout_s: how long ``wait()``/``close()`` wait for uploads that keep failing before
+            they raise one ``RemoteError`` naming the un-synced steps (default 300 s).
+        max_unsynced_bytes: the most bytes of checkpoints not yet uploaded that may pile up locally
+            during an outage; then ``save`` raises ``WriteError`` (nothing is deleted). Default:
+            whatever leaves 10% of ``local_dir``'s file system free.
         clock: the monotonic clock decisions use (a fake one in tests).
         wall_clock: the wall clock manifests record (``time.time``).
         file_ops: the file system calls the writer makes (for fault injection in tests).
@@ -110,6 +117,8 @@ class CheckpointEngine:
         save_policy: SavePolicy | None = None,
         preemption: PreemptionNotice | None = None,
         preemption_grace_s: float = 120.0,
+        remote_timeout_s: float = 300.0,
+        max_unsynced_bytes: int | None = None,
         clock: Clock = time.monotonic,
         wall_clock: Clock = time.time,
         file_ops: FileOps | None = None,
@@ -121,6 +130,13 @@ class CheckpointEngine:
         if keep_remote is not None and remote_url is None:
             raise ConfigError("keep_remote was given without remote_url; pass remote_url='s3://...' or drop keep_remote")
         save_policy = None if save_policy is None else check_save_policy(save_policy)
+        if isinstance(remote_timeout_s, bool) or not isinstance(remote_timeout_s, (int, float)) or remote_timeout_s <= 0:
+            raise ConfigError(f"remote_timeout_s={remote_timeout_s!r} must be a positive number of seconds")
+        if max_unsynced_bytes is not None and (not isinstance(max_unsynced_bytes, int) or max_unsynced_bytes < 1):
+            raise ConfigError(f"max_unsynced_bytes={max_unsynced_bytes!r} must be a positive int (bytes) or None")
+        self._remote_timeout_s = float(remote_timeout_s)
+        self._remote_gave_up = self._closing = False
+        self._max_unsynced = max_unsynced_bytes
         self._root = Path(local_dir).expanduser().absolute()
         self._coll = collectives or SingleProcess()
         self._wall_clock = wall_clock
@@ -172,6 +188,7 @@ class CheckpointEngine:
         self._writer.reserve(step)
         try:
             plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size)
+            self._check_backlog(step, plan.shard.file_bytes)
             staged = stage_into(self._pool, plan.shard, self._streams)
         except BaseException:
             self._writer.unreserve(step)
@@ -246,9 +263,32 @@ class CheckpointEngine:
     def summary(self) -> dict[str, float | int | None]:
         """How checkpointing went so far: saves, intervals, stall fraction, slowdown, upload lag.
 
-        See :meth:`SaveHistory.summary` for the keys; ``None`` where nothing is measured yet.
+        See :meth:`SaveHistory.summary` for the keys; with a remote also ``remote_behind_steps``,
+        ``remote_behind_bytes``, ``oldest_unsynced_age_s`` and ``upload_failures`` (how far behind the
+        remote is). ``None`` where nothing is measured yet.
         """
-        return self._history.summary()
+        summary = self._history.summary()
+        if self._pipeline.sync is not None:
+            summary.update(self._pipeline.sync.backlog())
+        return summary
+
+    def _check_backlog(self, step: int, nbytes: int) -> None:
+        """Refuse a save that would pile more un-synced bytes than the cap (an outage); nothing is deleted."""
+        sync = self._pipeline.sync
+        backlog = 0 if sync is None else sync.unsynced_bytes()
+        if not backlog:
+            return
+        if self._max_unsynced is not None:
+            full, limit = backlog + nbytes > self._max_unsynced, f"max_unsynced_bytes={self._max_unsynced}"
+        else:
+            disk = shutil.disk_usage(self._root)
+            full, limit = disk.free - nbytes < 0.1 * disk.total, f"10% of {self._root}'s file system free"
+        if full:
+            raise WriteError(errno.ENOSPC, (
+                f"checkpoint step={step} not saved: {backlog} bytes of checkpoints ({sorted(sync.unsynced_steps())}) "
+                f"still wait for {self._tier.url} (uploads failing: {sync.failures} attempts), and {nbytes} more would "
+                f"pass {limit}. Nothing was deleted; restore the remote (or pass a larger max_unsynced_bytes) and "
+                "save again"))
 
     def _known(self, step: int) -> bool:
         return step in self._writer.pending_steps() or self._history.last_step() == step
@@ -275,13 +315,21 @@ class CheckpointEngine:
             TimeoutError: something is still pending after ``timeout`` seconds.
             PersistError: a background failure no other call has raised yet (raised once).
         """
-        self._pipeline.drain(timeout)
+        # close() right after a wait() that gave up on the remote does not wait a second remote_timeout_s
+        remote_s = min(0.5, self._remote_timeout_s) if self._closing and self._remote_gave_up else self._remote_timeout_s
+        try:
+            self._pipeline.drain(timeout, remote_s)
+        except RemoteError:
+            self._remote_gave_up = True
+            raise
+        self._remote_gave_up = False
         self._ledger.raise_first()
 
     def close(self) -> None:
         """Wait for pending saves, release threads; raises a background failure once. Idempotent."""
         if self._closed:
             return
+        self._closing = True
         try:
             self.wait()
         finally:

@@ -204,9 +204,16 @@ class ErrorLedger:
         self._lock = threading.Lock()
         self._entries: list[SaveHandle | BaseException] = []
 
-    def fail(self, handle: SaveHandle, error: BaseException) -> None:
-        """End ``handle``'s unfinished phases with ``error``, to be raised once by whoever asks first."""
+    def fail(self, handle: SaveHandle, error: BaseException, *, remote: bool = False) -> None:
+        """End ``handle``'s unfinished phases with ``error``, to be raised once by whoever asks first.
+
+        An upload failure (``remote=True``) is raised only by that handle's own ``wait``: the
+        engine's ``save``/``wait`` never raise it (``wait`` raises one error naming every step
+        still un-synced instead), so an outage neither stops training nor skips checkpoints.
+        """
         handle._set_failed(error)  # first: the entry below must find the error there
+        if remote:
+            return
         with self._lock:
             self._entries.append(handle)
 

@@ -56,6 +56,7 @@ class PersistOptions:
         max_pending: checkpoints staged or writing at once.
         write_threads: threads writing one shard (``None``: ``PERSIST_WRITE_THREADS`` or 4).
         preemption_grace_s: how long a preemption waits for the commit and upload.
+        remote_timeout_s: how long closing waits for uploads that keep failing (then one RemoteError).
         save_policy: when ``maybe_save`` saves; with one, a preemption signal only sets a notice.
         preemption_signals: the signals that mean "preempted".
     """
@@ -68,6 +69,7 @@ class PersistOptions:
     max_pending: int = 1
     write_threads: int | None = None
     preemption_grace_s: float = 120.0
+    remote_timeout_s: float = 300.0
     save_policy: SavePolicy | None = None
     preemption_signals: tuple[int, ...] = field(default=(signal.SIGTERM,))
 
@@ -154,7 +156,7 @@ class PersistSession:
             o.local_dir, remote_url=o.remote_url, storage_options=o.storage_options, keep_local=local,
             keep_remote=remote, verify=o.verify, max_pending=o.max_pending, write_threads=o.write_threads,
             collectives=self._collectives, save_policy=o.save_policy, preemption=self.notice,
-            preemption_grace_s=o.preemption_grace_s,
+            preemption_grace_s=o.preemption_grace_s, remote_timeout_s=o.remote_timeout_s,
         )
         return self._engine
 

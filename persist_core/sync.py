@@ -12,6 +12,12 @@ Start-up happens on the sync thread too, never on the caller's: it lists the rem
 queues the committed local checkpoints the remote lacks (an earlier run died before syncing). A
 remote that cannot be reached is found out there, like any upload failure.
 
+Outages: a job whose upload fails stays *un-synced* (protected from local retention) and is retried
+on a backoff timer while the job runs, and at once when ``drain`` is called or another upload
+succeeds: the newest checkpoint first, then the backlog, oldest first. Its failure is recorded in
+the ledger once (the handle's own ``wait`` raises it); the engine's ``save`` never raises it.
+Until the remote has been listed once, every local checkpoint counts as un-synced (:attr:`listed`).
+
 Back-pressure: when a new job arrives, queued jobs that have not started and that the remote
 retention policy would not keep are superseded by it. Milestones (kept by the policy) are never
 superseded; with no remote policy, every checkpoint is kept, so none is.
@@ -107,6 +113,11 @@ class RemoteSync:
         self._retainer = Retainer(self._known, keep_remote, protected=self._queued_steps)
         self._cond = threading.Condition()
         self._queue: list[SyncJob] = []
+        self._failed: dict[int, SyncJob] = {}  # uploads that failed: retried, protected meanwhile
+        self._reported: set[int] = set()  # steps whose failure went to the ledger already
+        self._retry_s = tier.backoff_s
+        self._retry_now = False
+        self.failures = 0  # failed upload attempts, all told
         self._active: SyncJob | None = None  # being uploaded: protected from local retention
         self._busy = True  # the thread is working (start-up, or a job until its outcome is recorded)
         self._listed = False
@@ -121,10 +132,28 @@ class RemoteSync:
 
     # ---- any thread
 
+    @property
+    def listed(self) -> bool:
+        """The remote has been listed once (until then nobody knows what it lacks)."""
+        return self._listed
+
     def unsynced_steps(self) -> set[int]:
-        """Steps queued or uploading: local retention must keep them."""
+        """Steps queued, uploading or failed: local retention must keep them."""
         with self._cond:
-            return {j.step for j in self._queue} | ({self._active.step} if self._active else set())
+            return ({j.step for j in self._queue} | set(self._failed)
+                    | ({self._active.step} if self._active else set()))
+
+    def backlog(self) -> dict[str, float | int | None]:
+        """How far behind the remote is: un-synced checkpoints, their bytes, the oldest one's age (s)."""
+        with self._cond:
+            jobs = {j.step: j for j in [*self._queue, *self._failed.values(), *([self._active] if self._active else [])]}
+        oldest = min((j.committed_at for j in jobs.values()), default=None)
+        return {"remote_behind_steps": len(jobs), "remote_behind_bytes": sum(j.manifest.nbytes for j in jobs.values()),
+                "oldest_unsynced_age_s": None if oldest is None else time.monotonic() - oldest,
+                "upload_failures": self.failures}
+
+    def unsynced_bytes(self) -> int:
+        return int(self.backlog()["remote_behind_bytes"] or 0)
 
     def _queued_steps(self) -> set[int]:
         with self._cond:
@@ -137,8 +166,8 @@ class RemoteSync:
             ConfigError: the remote policy answered the wrong number of times (``job`` stays queued).
         """
         with self._cond:
+            self._failed.pop(job.step, None)
             self._queue.append(job)
-            self._queue.sort(key=lambda j: j.step)
             try:
                 superseded = self._supersede()
             finally:
@@ -156,15 +185,20 @@ class RemoteSync:
         infos = sorted([*self._known.list(), *(j.info(self._tier.url) for j in pending)], key=lambda c: c.step)
         context = RetentionContext(tier="remote", now=time.time())
         doomed = {c.step for c in to_delete(infos, self._keep, context=context)}
-        newest = self._queue[-1].step
+        newest = max(j.step for j in self._queue)
         dropped = [j for j in self._queue if j.step in doomed and j.step != newest]
         self._queue = [j for j in self._queue if j not in dropped]
         return dropped
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until nothing is queued or uploading; ``False`` if ``timeout`` ran out first."""
+        """Retry failed uploads now and wait until nothing is queued, uploading or failed.
+
+        Returns ``False`` if ``timeout`` ran out first (:meth:`unsynced_steps` says what is left).
+        """
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+            self._retry_now = True
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: not self._queue and not self._busy and not self._failed, timeout)
 
     def apply_retention(self) -> None:
         """Apply ``keep_remote`` to the remote now (the sync thread also does after each upload)."""
@@ -206,12 +240,26 @@ class RemoteSync:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
-                self._cond.wait_for(lambda: self._queue or self._stopping)
+                self._cond.wait_for(lambda: self._queue or self._stopping or (self._failed and self._retry_now),
+                                    self._retry_s if self._failed else None)
                 if not self._queue:
-                    return
+                    if self._stopping:
+                        return  # what failed stays committed locally; the next engine uploads it
+                    if self._failed:
+                        self._requeue_failed()  # the retry timer ran out, or drain() asked
+                    if not self._queue:
+                        continue
                 job = self._active = self._queue.pop(0)
                 self._busy = True
             self._upload(job)
+
+    def _requeue_failed(self) -> None:
+        """Queue the failed uploads again with what is queued: the newest first, then oldest first (lock held)."""
+        self._retry_now = False
+        jobs = sorted([*self._failed.values(), *self._queue], key=lambda j: j.step)
+        self._failed.clear()
+        self._queue = [jobs[-1], *jobs[:-1]]
+        log.info("retrying the upload of steps %s to %s", [j.step for j in self._queue], self._tier.url)
 
     def _upload(self, job: SyncJob) -> None:
         t0 = time.perf_counter()
@@ -229,7 +277,15 @@ class RemoteSync:
             error = e
         upload_s = time.perf_counter() - t0
         with self._cond:
-            self._active = None  # no longer protected: local retention may take it now
+            self._active = None  # uploaded, or failed and kept (protected) for a retry
+            if not uploaded:
+                self._failed[job.step] = job
+                self.failures += 1
+                self._retry_s = min(self._retry_s * 2, 60.0)
+            else:
+                self._retry_s = self._tier.backoff_s
+                if self._failed:  # the remote is back: the newest un-synced next, then the backlog
+                    self._requeue_failed()
         handle = job.handle
         if uploaded:
             handle._update(upload_s=upload_s, upload_gbps=job.manifest.nbytes / upload_s / 1e9 if upload_s > 0 else None,
@@ -245,8 +301,12 @@ class RemoteSync:
                 error = _wrapped(f"uploading checkpoint step={job.step} to {self._tier.url} failed{hint}", error)
             elif uploaded:
                 error = _wrapped(f"checkpoint step={job.step} was uploaded, but the retention that follows failed", error)
-            log.error("[step=%d] %s", job.step, error)
-            self._ledger.fail(handle, error)
+            if job.step not in self._reported:  # once per checkpoint; retries only log
+                self._reported.add(job.step)
+                log.error("[step=%d] %s (kept locally; retried while the job runs)", job.step, error)
+                self._ledger.fail(handle, error, remote=not uploaded)
+            else:
+                log.debug("[step=%d] retry failed: %s", job.step, error)
         else:
             handle._set_remote_done()
 

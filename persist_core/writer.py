@@ -24,7 +24,7 @@ from typing import Any
 from persist_core._knobs import WriteSettings
 from persist_core.commit import commit_checkpoint
 from persist_core.distributed import Collectives
-from persist_core.errors import PersistError, StepExistsError, WriteError
+from persist_core.errors import PersistError, RemoteError, StepExistsError, WriteError
 from persist_core.fileio import CHECKSUM_ALGORITHM, FileOps, write_file
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
@@ -79,6 +79,7 @@ class Writer:
         self._direct_io = direct_io  # writer thread: "auto" settles on the first write
         self._lock = threading.Lock()
         self._pending: dict[int, SaveHandle | None] = {}  # None: reserved, not staged yet
+        self._ours: set[int] = set()  # every step this engine reserved (its uploads are its own)
         self._io = ThreadPoolExecutor(write_threads, thread_name_prefix="persist-io")
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="persist-writer")
 
@@ -97,6 +98,12 @@ class Writer:
                     f"save each step once (delete {checkpoint_dir(self._root, step)} first to overwrite it)"
                 )
             self._pending[step] = None
+            self._ours.add(step)
+
+    def ours(self) -> set[int]:
+        """Steps this engine reserved: committed by it, or on their way."""
+        with self._lock:
+            return set(self._ours)
 
     def unreserve(self, step: int) -> None:
         """Give ``step`` back: its staging failed."""
@@ -231,9 +238,17 @@ class Pipeline:
         self._url = None if tier is None else tier.url
 
     def protected(self) -> set[int]:
-        """Steps local retention must keep: pending here, or queued or uploading."""
+        """Steps local retention must keep: pending here, or not uploaded yet (queued, uploading, failed).
+
+        Until the remote has been listed once (a job restarted during an outage), nobody knows what it
+        lacks: every local checkpoint is kept.
+        """
         pending = self.writer.pending_steps()  # first: a step leaves it only once the upload queue has it
-        return pending | (self.sync.unsynced_steps() if self.sync is not None else set())
+        if self.sync is None:
+            return pending
+        if not self.sync.listed:
+            return pending | set(self.local.tier.committed_steps())
+        return pending | self.sync.unsynced_steps()
 
     def _after_commit(self, handle: SaveHandle, manifest: Manifest) -> None:
         """Writer thread: hand the checkpoint to the upload queue first, then apply local retention."""
@@ -245,24 +260,41 @@ class Pipeline:
         self.local.apply()
 
     def _backlog(self, remote_steps: set[int]) -> list[SyncJob]:
-        """Sync thread, at start-up: the committed local checkpoints the remote lacks."""
+        """Sync thread, at start-up: the committed local checkpoints the remote lacks (an earlier run's)."""
+        ours = self.writer.ours()  # read first: a step it saves is reserved before it can be found committed
         return [SyncJob(local_ckpt=Path(info.path), manifest=manifest, committed_at=time.monotonic(),
                         handle=SaveHandle(SaveStats(step=info.step, nbytes=info.nbytes)))
-                for info, manifest in discover(self._root) if info.step not in remote_steps]
+                for info, manifest in discover(self._root)
+                if info.step not in remote_steps and info.step not in ours]
 
     def prune(self) -> None:
         self.local.apply()
         if self.sync is not None:
             self.sync.apply_retention()
 
-    def drain(self, timeout: float | None) -> None:
-        """Block until nothing is pending or uploading; ``TimeoutError`` after ``timeout`` seconds."""
+    def drain(self, timeout: float | None, remote_timeout_s: float) -> None:
+        """Block until nothing is pending or un-synced.
+
+        Raises:
+            TimeoutError: ``timeout`` ran out first.
+            RemoteError: uploads still fail after ``remote_timeout_s``; names the un-synced steps
+                (committed locally and protected there; the next engine uploads them).
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         self.writer.drain(deadline)
-        if self.sync is not None:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.sync.drain(left):
-                raise TimeoutError(f"uploads to {self._url} still pending after {timeout} s")
+        if self.sync is None:
+            return
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        bounded = left is None or left > remote_timeout_s
+        if self.sync.drain(remote_timeout_s if bounded else left):
+            return
+        if not bounded:
+            raise TimeoutError(f"uploads to {self._url} still pending after {timeout} s")
+        steps = sorted(self.sync.unsynced_steps())
+        raise RemoteError(
+            f"uploads to {self._url} did not complete within remote_timeout_s={remote_timeout_s:g}: un-synced steps "
+            f"{steps} ({self.sync.failures} failed attempts so far). They stay committed in {self._root} and are "
+            "never deleted before they are uploaded; a later wait(), or the next engine on this directory, uploads them")
 
     def close(self) -> None:
         self.writer.close()

@@ -48,11 +48,13 @@ def test_round_trip_retention_and_fresh_machine_restore(tmp_path, bucket, s3_opt
 
 def test_a_missing_bucket_is_found_by_the_first_upload_and_named_once(tmp_path, s3_options):
     url = "s3://no-such-bucket-here/x"
-    engine = CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=s3_options)  # no network, no write
+    engine = CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=s3_options,
+                              remote_timeout_s=1)  # no network, no write
     handle = engine.save(state_for(1), step=1)
     with pytest.raises(RemoteError, match=r"remote_url='s3://no-such-bucket-here/x' does not exist.*create it"):
         handle.wait()
-    engine.close()  # raised once: quiet now
+    with pytest.raises(RemoteError, match=r"un-synced steps \[1\]"):  # retried meanwhile, still failing
+        engine.close()
     assert [i.step for i in CheckpointEngine(tmp_path / "a").list()] == [1]  # the local copy is intact
 
 
@@ -62,11 +64,13 @@ def test_an_unreachable_endpoint_is_reported_by_the_upload_not_the_constructor(t
     proxy.kill()
     options = {"client_kwargs": {"endpoint_url": proxy.url},
                "config_kwargs": {"retries": {"max_attempts": 1}}}
-    engine = CheckpointEngine(tmp_path / "a", remote_url=f"s3://{bucket}/x", storage_options=options)
+    engine = CheckpointEngine(tmp_path / "a", remote_url=f"s3://{bucket}/x", storage_options=options,
+                              remote_timeout_s=1)
     handle = engine.save(state_for(1), step=1)
     with pytest.raises(RemoteError, match=rf"s3://{bucket}/x failed after 2 attempts.*check the network"):
         handle.wait()
-    engine.close()
+    with pytest.raises(RemoteError, match=r"un-synced steps \[1\]"):
+        engine.close()
 
 
 def test_a_job_restarted_during_an_outage_resumes_from_local_and_a_later_engine_uploads_the_rest(
@@ -79,12 +83,14 @@ def test_a_job_restarted_during_an_outage_resumes_from_local_and_a_later_engine_
         engine.save(state_for(1), step=1)
     proxy.kill()  # the outage begins; the job is restarted during it
     down = {"client_kwargs": {"endpoint_url": proxy.url}, "config_kwargs": {"retries": {"max_attempts": 1}}}
-    engine = CheckpointEngine(local, remote_url=url, storage_options=down)  # before: a ConfigError, the job dead
+    engine = CheckpointEngine(local, remote_url=url, storage_options=down,
+                              remote_timeout_s=1)  # before: a ConfigError, the job dead
     assert_state_equal(engine.load(), state_for(1))  # resumes from its local checkpoint
     handle = engine.save(state_for(2), step=2)
     with pytest.raises(RemoteError, match="check the network"):
         handle.wait()
-    engine.close()
+    with pytest.raises(RemoteError, match=r"un-synced steps \[2\]"):
+        engine.close()
     with CheckpointEngine(local, remote_url=url, storage_options=s3_options) as after:  # the remote is back
         after.wait()  # uploads what the outage left behind
         assert [i.step for i in after.list(tier="remote")] == [1, 2]
@@ -108,14 +114,16 @@ def test_dead_remote_fails_once_keeps_local_and_lists_nothing_partial(tmp_path, 
     monkeypatch.setenv("PERSIST_REMOTE_BACKOFF_MS", "10")
     url = f"s3://{bucket}/run"
     options = {"client_kwargs": {"endpoint_url": proxy.url}, "config_kwargs": {"retries": {"max_attempts": 1}}}
-    engine = CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=options)
+    engine = CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=options, remote_timeout_s=1)
     proxy.kill()
     handle = engine.save(state_for(1), step=1)
     handle.wait_local()
     with pytest.raises(RemoteError, match="failed after 2 attempts"):
         handle.wait()
-    engine.wait()  # raised once: quiet now
-    engine.close()
+    with pytest.raises(RemoteError, match=r"un-synced steps \[1\]"):  # one error naming what is left
+        engine.wait()
+    with pytest.raises(RemoteError, match=r"un-synced steps \[1\]"):
+        engine.close()
     direct = {"client_kwargs": {"endpoint_url": s3_endpoint}}
     with CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=direct) as check:
         assert [i.step for i in check.list()] == [1]

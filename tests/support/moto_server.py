@@ -68,6 +68,7 @@ class FaultyProxy:
         self._released = threading.Event()
         self._conns: list[socket.socket] = []
         self.resets_done = 0
+        self._down = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -81,6 +82,14 @@ class FaultyProxy:
     def stall_after(self, total_bytes: int) -> None:
         with self._lock:
             self._budget = total_bytes
+
+    def outage(self, on: bool) -> None:
+        """While on, reset every open connection and every new one at once (the remote is down)."""
+        with self._lock:
+            self._down = on
+            conns, self._conns = (self._conns, []) if on else ([], self._conns)
+        for c in conns:
+            _reset(c)
 
     def kill(self) -> None:
         self._listener.close()
@@ -99,6 +108,11 @@ class FaultyProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            with self._lock:
+                down = self._down
+            if down:
+                _reset(client)
+                continue
             upstream = socket.create_connection(self._target)
             with self._lock:
                 self._conns += [client, upstream]

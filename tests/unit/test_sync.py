@@ -127,7 +127,7 @@ def test_slow_remote_supersedes_queued_uploads_but_never_milestones(tmp_path, ur
 
 
 def test_upload_failure_is_raised_once_and_nothing_partial_is_listed(tmp_path, url, monkeypatch, fast_retries):
-    engine = CheckpointEngine(tmp_path / "a", remote_url=url)
+    engine = CheckpointEngine(tmp_path / "a", remote_url=url, remote_timeout_s=0.5)
     calls = []
 
     def broken_pipe(self, path, value, **kwargs):
@@ -138,12 +138,14 @@ def test_upload_failure_is_raised_once_and_nothing_partial_is_listed(tmp_path, u
     handle = engine.save(state_for(1), step=1)
     with pytest.raises(PersistError, match="committing .*after 3 attempts.*local checkpoints are intact"):
         handle.wait()
-    handle.wait()
-    engine.wait()
-    assert len(calls) == 3
+    assert len(calls) == 3  # the per-operation attempts
+    handle.wait()  # raised once
+    with pytest.raises(RemoteError, match=r"un-synced steps \[1\]"):  # retried in the background, still failing
+        engine.wait()
     assert engine.list(tier="remote") == [] and [i.step for i in engine.list()] == [1]
     monkeypatch.undo()
-    engine.close()
+    engine.close()  # the remote is healthy again: the retry gets it through
+    assert [i.step for i in CheckpointEngine(tmp_path / "b", remote_url=url).list(tier="remote")] == [1]
 
 
 def test_a_new_engine_uploads_what_an_earlier_run_left_unsynced(tmp_path, url):
@@ -175,11 +177,13 @@ def test_bad_remote_urls_are_config_errors(tmp_path, remote_url, match):
 def test_an_unwritable_file_url_fails_the_first_upload_once_and_keeps_the_local_copy(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    engine = CheckpointEngine(tmp_path / "a", remote_url=f"file://{blocker}/remote")  # construction writes nothing
+    engine = CheckpointEngine(tmp_path / "a", remote_url=f"file://{blocker}/remote",
+                              remote_timeout_s=0.5)  # construction writes nothing
     handle = engine.save(state_for(1), step=1)
     with pytest.raises(RemoteError, match="file://.*file/remote"):
         handle.wait()
-    engine.close()  # raised once: quiet now
+    with pytest.raises(RemoteError, match=r"un-synced steps \[1\]"):
+        engine.close()
     assert [i.step for i in CheckpointEngine(tmp_path / "a").list()] == [1]
 
 

@@ -94,9 +94,11 @@ def test_an_upload_that_hits_a_bug_is_attempted_once(tmp_path, monkeypatch):
         raise TypeError("a bug in a backend")
 
     monkeypatch.setattr(RemoteTier, "_put", put)
-    engine = CheckpointEngine(tmp_path, remote_url=f"memory://retry/{uuid.uuid4().hex}")
+    monkeypatch.setenv("PERSIST_REMOTE_BACKOFF_MS", "60000")  # the background retry of the checkpoint waits
+    engine = CheckpointEngine(tmp_path, remote_url=f"memory://retry/{uuid.uuid4().hex}", remote_timeout_s=0.2)
     handle = engine.save({"w": torch.ones(10)}, step=1)
     with pytest.raises(RemoteError, match="TypeError: a bug in a backend"):
         handle.wait()
-    engine.close()
-    assert len(attempts) == 1
+    assert len(attempts) == 1  # not retried as if it were the network
+    with pytest.raises(RemoteError, match=r"un-synced steps \[1\]"):
+        engine.close()
