@@ -243,16 +243,23 @@ def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool) 
 @click.option("--quiet", is_flag=True)
 @click.pass_context
 def verify(ctx: click.Context, location: str, step: int | None, quiet: bool) -> None:
-    """Read every byte and check every checksum; exit 1 naming what is bad."""
+    """Read every byte and check every checksum of every directory that holds a manifest; exit 1 naming what is bad."""
     loc = _open(ctx, location)
-    steps = [loc.step_or_latest(step)] if step is not None else [c.step for c in loc.list()]
+    claimed = loc.tier.committed_steps()  # not list(): that skips the very checkpoints verify must name
+    if step is not None and step not in claimed:
+        raise _Error(f"no committed checkpoint for step {step} in {location}; steps: {claimed}")
+    steps = [step] if step is not None else claimed
     if not steps:
         raise _Error(f"no committed checkpoint in {location}")
     bad = []
     for s in steps:
-        total = loc.manifest(s).nbytes
-        with _progress(total, f"verify step {s}", quiet) as advance:
-            problems = loc.tier.verify(s, advance)
+        try:
+            total = loc.manifest(s).nbytes
+        except PersistError as e:  # an unreadable manifest, a missing or short file
+            problems = [str(e)]
+        else:
+            with _progress(total, f"verify step {s}", quiet) as advance:
+                problems = loc.tier.verify(s, advance)
         bad.extend(problems)
         if not quiet:
             click.echo(f"step {s}: {'OK' if not problems else 'BAD'}")
@@ -313,6 +320,9 @@ def push(ctx: click.Context, local_dir: str, url: str, quiet: bool) -> None:
 def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_steps: int | None,
        keep_every_n_seconds: float | None, incomplete_older_than: float, dry_run: bool) -> None:
     """Prune with the engine's retention policies; never the newest committed checkpoint."""
+    if incomplete_older_than < 0:
+        raise click.UsageError(f"--incomplete-older-than={incomplete_older_than:g} must be >= 0 (seconds): a "
+                               "running job may be writing a directory without a manifest right now")
     policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds)
     if policy is None:
         raise click.UsageError("say what to keep: --keep-last, --keep-every-n-steps and/or --keep-every-n-seconds")

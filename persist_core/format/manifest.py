@@ -62,12 +62,22 @@ class Manifest:
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes, *, where: str) -> Manifest:
-        """Parse a manifest read from ``where``.
+    def from_bytes(cls, raw: bytes, *, where: str, step: int | None = None) -> Manifest:
+        """Parse a manifest read from ``where``; ``step``: the step its directory's name says.
 
         Raises:
-            CorruptCheckpointError: not JSON, another format, a newer version, or missing fields.
+            CorruptCheckpointError: not JSON, another format, a newer version, missing fields, or a
+                step other than its directory's (a flipped bit must never make it a write target).
         """
+        manifest = cls._parse(raw, where=where)
+        if step is not None and manifest.step != step:
+            raise CorruptCheckpointError(
+                f"{where} says step {manifest.step} but its directory is step {step}: the manifest is corrupt "
+                "(this checkpoint is skipped; restore it from the other tier, or delete it)")
+        return manifest
+
+    @classmethod
+    def _parse(cls, raw: bytes, *, where: str) -> Manifest:
         try:
             body = json.loads(raw)
             if body.get("format") != FORMAT_NAME:

@@ -61,7 +61,7 @@ def read_manifest(ckpt: Path) -> Manifest:
         raw = (ckpt / MANIFEST_NAME).read_bytes()
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{ckpt} is not a committed checkpoint (no {MANIFEST_NAME})") from None
-    manifest = Manifest.from_bytes(raw, where=where)
+    manifest = Manifest.from_bytes(raw, where=where, step=parse_checkpoint_dirname(ckpt.name))
     check_files(ckpt, manifest)
     return manifest
 

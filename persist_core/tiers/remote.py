@@ -141,7 +141,7 @@ class RemoteTier:
         """
         prefix = self._path(checkpoint_dirname(step))
         raw = self.retry(f"reading {prefix}/{MANIFEST_NAME}", lambda: self.fs.cat_file(f"{prefix}/{MANIFEST_NAME}"))
-        manifest = Manifest.from_bytes(raw, where=f"{self.url}/{checkpoint_dirname(step)}/{MANIFEST_NAME}")
+        manifest = Manifest.from_bytes(raw, where=f"{self.url}/{checkpoint_dirname(step)}/{MANIFEST_NAME}", step=step)
         self.fs.invalidate_cache(prefix)
         listing = self.retry(f"listing {prefix}", lambda: self.fs.ls(prefix, detail=True))
         sizes = {entry["name"].rstrip("/").split("/")[-1]: entry.get("size") for entry in listing}

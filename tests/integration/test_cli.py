@@ -68,8 +68,29 @@ def test_verify_names_a_flipped_byte_and_a_missing_file(local):
     (local / "step-000000000030" / "rank-00000.safetensors").unlink()
     result = run("verify", str(local))
     assert result.exit_code == 1
-    # a checkpoint missing a file is not listed as committed, so only step 20 is reported bad
-    assert "step-000000000020" in result.output and result.output.count(": OK") == 2
+    # a checkpoint missing a file is not listed as committed, but verify names it (before: "OK" for the rest, exit 1
+    # only because of step 20)
+    assert "step 30: BAD" in result.output and "step-000000000030/rank-00000.safetensors" in result.output
+    assert "step 20: BAD" in result.output and result.output.count(": OK") == 2  # 10 and 40
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "unreadable manifest", "missing shard"])
+def test_verify_exits_1_for_every_directory_that_claims_to_be_a_checkpoint_and_is_not(local, damage):
+    ckpt = local / "step-000000000030"
+    if damage == "truncated shard":
+        shard = ckpt / "rank-00000.safetensors"
+        shard.write_bytes(shard.read_bytes()[:-4096])
+    elif damage == "unreadable manifest":
+        (ckpt / "manifest.json").write_bytes(b"{not json")
+    else:
+        (ckpt / "rank-00000.safetensors").unlink()
+    result = run("verify", str(local))
+    assert result.exit_code == 1 and "step 30: BAD" in result.output, result.output
+
+
+def test_gc_refuses_a_negative_age_for_incomplete_directories(local):
+    result = run("gc", str(local), "--keep-last", "1", "--incomplete-older-than", "-1")
+    assert result.exit_code == 2 and "must be >= 0" in result.output
 
 
 def test_verify_catches_a_corrupt_remote_object(remote, s3_options):

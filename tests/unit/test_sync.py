@@ -204,3 +204,22 @@ def test_interpreter_exit_without_close_still_commits_and_uploads(tmp_path):
     with CheckpointEngine(tmp_path / "b", remote_url=remote) as engine:
         assert [i.step for i in engine.list(tier="remote")] == [3]
         assert engine.load()["x"].equal(torch.arange(1000))
+
+
+def test_a_manifest_whose_step_was_flipped_is_corrupt_and_never_overwrites_another_checkpoint(tmp_path, url):
+    with CheckpointEngine(tmp_path / "a", remote_url=url) as engine:
+        for step in (5, 7):
+            engine.save(state_for(step), step=step)
+    manifest = tmp_path / "a" / "step-000000000005" / "manifest.json"
+    raw = manifest.read_bytes()
+    assert raw.count(b'"step":5,') == 1
+    manifest.write_bytes(raw.replace(b'"step":5,', b'"step":7,'))  # one bit: 0x35 -> 0x37
+    with CheckpointEngine(tmp_path / "b", remote_url=url) as other:
+        other._tier.remove(5)  # the remote lacks 5: a new engine on "a" would upload it
+    with CheckpointEngine(tmp_path / "a", remote_url=url) as engine:  # its backlog: what the remote lacks
+        engine.wait()
+        assert [c.step for c in engine.list()] == [7]  # 5 is corrupt: skipped, said why, not deleted
+        assert (tmp_path / "a" / "step-000000000005").is_dir()
+    with CheckpointEngine(tmp_path / "fresh", remote_url=url) as fresh:
+        assert [c.step for c in fresh.list(tier="remote")] == [7]
+        assert_state_equal(fresh.load(7), state_for(7))  # before: step 5's state under step 7's name
