@@ -202,7 +202,10 @@ def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, verify: b
     entries = {f.name: _read_shard(ckpt / f.name, f, pool=pool, verify=verify) for f in manifest.files}
     objects = []
     for fname, begin, length in manifest.objects:
-        objects.append(pickle.loads(_view(entries[fname][OBJECTS_ENTRY])[begin : begin + length]))
+        try:
+            objects.append(pickle.loads(_view(entries[fname][OBJECTS_ENTRY])[begin : begin + length]))
+        except Exception as e:  # a manifest that names the wrong bytes: any unpickling error, not only one kind
+            raise CorruptCheckpointError(f"{ckpt}: a pickled leaf does not load ({type(e).__name__}: {e})") from e
     if device.type != "cpu":
         entries = {f: {n: t.to(device) for n, t in es.items() if n != OBJECTS_ENTRY} for f, es in entries.items()}
     tensors = []
@@ -223,7 +226,13 @@ def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, verify: b
         except (KeyError, RuntimeError) as e:
             raise CorruptCheckpointError(f"{ckpt}: tensor record {rec} does not match its shard: {e}") from e
         tensors.append(t)
-    return unflatten(manifest.tree, tensors, objects)
+    try:
+        return unflatten(manifest.tree, tensors, objects)
+    except CorruptCheckpointError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:  # a tree that does not fit the records
+        raise CorruptCheckpointError(f"{ckpt}: the manifest's tree does not match its tensors ({type(e).__name__}: "
+                                     f"{e})") from e
 
 
 def verify_files(ckpt: Path, manifest: Manifest, progress: Callable[[int], None] | None = None) -> list[str]:

@@ -370,3 +370,19 @@ def test_a_failed_copy_behind_a_write_gives_the_buffer_back(tmp_path, monkeypatc
         assert [c.step for c in engine.list()] == [1, 2, 4]
         for step in (1, 2, 4):
             assert_state_equal(engine.load(step), big_state(step))
+
+
+def test_a_manifest_whose_tree_does_not_fit_is_corrupt_and_load_falls_back_naming_it(ckpt_dir, caplog):
+    with CheckpointEngine(ckpt_dir) as engine:
+        for step in (1, 2):
+            engine.save(state_for(step), step=step)
+    manifest = ckpt_dir / "step-000000000002" / "manifest.json"
+    raw = manifest.read_bytes()
+    assert raw.count(b'{"tensor":0}') == 1
+    manifest.write_bytes(raw.replace(b'{"tensor":0}', b'{"tensor":9}'))  # parses, but names a tensor not there
+    with CheckpointEngine(ckpt_dir) as engine:
+        with pytest.raises(CorruptCheckpointError, match="tree does not match"):
+            engine.load(2)
+        with caplog.at_level(logging.WARNING):
+            assert_state_equal(engine.load(), state_for(1))  # before: an IndexError stopped the fallback
+    assert "step=2" in caplog.text and "tree does not match" in caplog.text
