@@ -85,14 +85,17 @@ class WriteSettings:
     direct_io: str
     max_pending: int
     verify: bool
+    remote_timeout_s: float = 300.0
+    max_unsynced_bytes: int | None = None
 
     @classmethod
     def resolve(cls, *, write_threads: int | None, chunk_bytes: int | None, direct_io: str | None, max_pending: int,
-                verify: bool) -> WriteSettings:
+                verify: bool, remote_timeout_s: float = 300.0, max_unsynced_bytes: int | None = None) -> WriteSettings:
         return cls(write_threads=_env_write_threads() if write_threads is None else write_threads,
                    chunk_bytes=_env_chunk_bytes() if chunk_bytes is None else chunk_bytes,
                    direct_io=_env_direct_io() if direct_io is None else direct_io,
-                   max_pending=max_pending, verify=verify)
+                   max_pending=max_pending, verify=verify, remote_timeout_s=remote_timeout_s,
+                   max_unsynced_bytes=max_unsynced_bytes)
 
     def __post_init__(self) -> None:
         def whole(v: object) -> bool:
@@ -104,6 +107,11 @@ class WriteSettings:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be a positive multiple of {PAGE_BYTES}")
         if self.direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"direct_io={self.direct_io!r} must be 'auto', 'on' or 'off'")
+        if isinstance(self.remote_timeout_s, bool) or not isinstance(self.remote_timeout_s, (int, float)) \
+                or not self.remote_timeout_s > 0:
+            raise ConfigError(f"remote_timeout_s={self.remote_timeout_s!r} must be a positive number of seconds")
+        if self.max_unsynced_bytes is not None and (not whole(self.max_unsynced_bytes) or self.max_unsynced_bytes < 1):
+            raise ConfigError(f"max_unsynced_bytes={self.max_unsynced_bytes!r} must be a positive int (bytes) or None")
         if not whole(self.max_pending) or self.max_pending < 1:
             raise ConfigError(
                 f"max_pending={self.max_pending!r} must be at least 1 (each pending save holds one staging buffer)"

@@ -15,10 +15,8 @@ Call order (one process):
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import shutil
 import threading
 import time
 import weakref
@@ -31,7 +29,7 @@ import torch
 
 from persist_core._knobs import WriteSettings
 from persist_core.distributed import Collectives, SingleProcess
-from persist_core.errors import ConfigError, PersistError, RemoteError, WriteError
+from persist_core.errors import ConfigError, PersistError
 from persist_core.fileio import FileOps, OsFileOps
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import SaveHistory
@@ -124,19 +122,13 @@ class CheckpointEngine:
         file_ops: FileOps | None = None,
     ) -> None:
         settings = WriteSettings.resolve(write_threads=write_threads, chunk_bytes=chunk_bytes, direct_io=direct_io,
-                                         max_pending=max_pending, verify=verify)
+                                         max_pending=max_pending, verify=verify, remote_timeout_s=remote_timeout_s,
+                                         max_unsynced_bytes=max_unsynced_bytes)
         keep_local = None if keep_local is None else check_policy(keep_local, name="keep_local")
         keep_remote = None if keep_remote is None else check_policy(keep_remote, name="keep_remote")
         if keep_remote is not None and remote_url is None:
             raise ConfigError("keep_remote was given without remote_url; pass remote_url='s3://...' or drop keep_remote")
         save_policy = None if save_policy is None else check_save_policy(save_policy)
-        if isinstance(remote_timeout_s, bool) or not isinstance(remote_timeout_s, (int, float)) or remote_timeout_s <= 0:
-            raise ConfigError(f"remote_timeout_s={remote_timeout_s!r} must be a positive number of seconds")
-        if max_unsynced_bytes is not None and (not isinstance(max_unsynced_bytes, int) or max_unsynced_bytes < 1):
-            raise ConfigError(f"max_unsynced_bytes={max_unsynced_bytes!r} must be a positive int (bytes) or None")
-        self._remote_timeout_s = float(remote_timeout_s)
-        self._remote_gave_up = self._closing = False
-        self._max_unsynced = max_unsynced_bytes
         self._root = Path(local_dir).expanduser().absolute()
         self._coll = collectives or SingleProcess()
         self._wall_clock = wall_clock
@@ -151,7 +143,9 @@ class CheckpointEngine:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pipeline = Pipeline(self._root, pool=self._pool, coll=self._coll, ops=file_ops or OsFileOps(),
                                   ledger=self._ledger, settings=settings, tier=tier, keep_local=keep_local,
-                                  keep_remote=keep_remote, latest_step=lambda: self._latest_step)
+                                  keep_remote=keep_remote, latest_step=lambda: self._latest_step,
+                                  remote_timeout_s=settings.remote_timeout_s,
+                                  max_unsynced_bytes=settings.max_unsynced_bytes)
         self._writer = self._pipeline.writer
         self._scheduler = SaveScheduler(policy=save_policy, preemption=preemption,
                                         grace_s=check_grace(preemption_grace_s), coll=self._coll,
@@ -188,7 +182,7 @@ class CheckpointEngine:
         self._writer.reserve(step)
         try:
             plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size)
-            self._check_backlog(step, plan.shard.file_bytes)
+            self._pipeline.check_backlog(step, plan.shard.file_bytes)
             staged = stage_into(self._pool, plan.shard, self._streams)
         except BaseException:
             self._writer.unreserve(step)
@@ -272,24 +266,6 @@ class CheckpointEngine:
             summary.update(self._pipeline.sync.backlog())
         return summary
 
-    def _check_backlog(self, step: int, nbytes: int) -> None:
-        """Refuse a save that would pile more un-synced bytes than the cap (an outage); nothing is deleted."""
-        sync = self._pipeline.sync
-        backlog = 0 if sync is None else sync.unsynced_bytes()
-        if not backlog:
-            return
-        if self._max_unsynced is not None:
-            full, limit = backlog + nbytes > self._max_unsynced, f"max_unsynced_bytes={self._max_unsynced}"
-        else:
-            disk = shutil.disk_usage(self._root)
-            full, limit = disk.free - nbytes < 0.1 * disk.total, f"10% of {self._root}'s file system free"
-        if full:
-            raise WriteError(errno.ENOSPC, (
-                f"checkpoint step={step} not saved: {backlog} bytes of checkpoints ({sorted(sync.unsynced_steps())}) "
-                f"still wait for {self._tier.url} (uploads failing: {sync.failures} attempts), and {nbytes} more would "
-                f"pass {limit}. Nothing was deleted; restore the remote (or pass a larger max_unsynced_bytes) and "
-                "save again"))
-
     def _known(self, step: int) -> bool:
         return step in self._writer.pending_steps() or self._history.last_step() == step
 
@@ -315,21 +291,14 @@ class CheckpointEngine:
             TimeoutError: something is still pending after ``timeout`` seconds.
             PersistError: a background failure no other call has raised yet (raised once).
         """
-        # close() right after a wait() that gave up on the remote does not wait a second remote_timeout_s
-        remote_s = min(0.5, self._remote_timeout_s) if self._closing and self._remote_gave_up else self._remote_timeout_s
-        try:
-            self._pipeline.drain(timeout, remote_s)
-        except RemoteError:
-            self._remote_gave_up = True
-            raise
-        self._remote_gave_up = False
+        self._pipeline.drain(timeout)
         self._ledger.raise_first()
 
     def close(self) -> None:
         """Wait for pending saves, release threads; raises a background failure once. Idempotent."""
         if self._closed:
             return
-        self._closing = True
+        self._pipeline.closing = True
         try:
             self.wait()
         finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -221,12 +222,18 @@ class Pipeline:
         tier: the remote tier, or ``None``.
         keep_local / keep_remote: the tiers' retention policies.
         latest_step: the newest step saved (for upload lag).
+        remote_timeout_s / max_unsynced_bytes: see :class:`CheckpointEngine`.
     """
 
     def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
                  settings: WriteSettings, tier: RemoteTier | None, keep_local: RetentionPolicy | None,
-                 keep_remote: RetentionPolicy | None, latest_step: Callable[[], int]) -> None:
+                 keep_remote: RetentionPolicy | None, latest_step: Callable[[], int], remote_timeout_s: float = 300.0,
+                 max_unsynced_bytes: int | None = None) -> None:
         self._root = root
+        self._remote_timeout_s = remote_timeout_s
+        self._max_unsynced = max_unsynced_bytes
+        self._gave_up = False  # the last drain gave up on the remote
+        self.closing = False  # set by close(): a drain right after giving up waits no second remote_timeout_s
         leader = coll.rank == 0
         self.writer = Writer(root, pool=pool, coll=coll, ops=ops, ledger=ledger, after_commit=self._after_commit,
                              write_threads=settings.write_threads, chunk_bytes=settings.chunk_bytes,
@@ -272,7 +279,37 @@ class Pipeline:
         if self.sync is not None:
             self.sync.apply_retention()
 
-    def drain(self, timeout: float | None, remote_timeout_s: float) -> None:
+    def check_backlog(self, step: int, nbytes: int) -> None:
+        """Refuse a save that would pile more un-synced bytes than the cap (an outage); nothing is deleted.
+
+        Raises:
+            WriteError: the cap (``max_unsynced_bytes``, else 10% of the disk left free) would be passed.
+        """
+        backlog = 0 if self.sync is None else self.sync.unsynced_bytes()
+        if not backlog:
+            return
+        if self._max_unsynced is not None:
+            full, limit = backlog + nbytes > self._max_unsynced, f"max_unsynced_bytes={self._max_unsynced}"
+        else:
+            disk = shutil.disk_usage(self._root)
+            full, limit = disk.free - nbytes < 0.1 * disk.total, f"10% of {self._root}'s file system free"
+        if full:
+            raise WriteError(errno.ENOSPC, (
+                f"checkpoint step={step} not saved: {backlog} bytes of checkpoints ({sorted(self.sync.unsynced_steps())}) "
+                f"still wait for {self._url} (uploads failing: {self.sync.failures} attempts), and {nbytes} more would "
+                f"pass {limit}. Nothing was deleted; restore the remote (or pass a larger max_unsynced_bytes) and "
+                "save again"))
+
+    def drain(self, timeout: float | None) -> None:
+        remote_timeout_s = min(0.5, self._remote_timeout_s) if self.closing and self._gave_up else self._remote_timeout_s
+        try:
+            self._drain(timeout, remote_timeout_s)
+        except RemoteError:
+            self._gave_up = True
+            raise
+        self._gave_up = False
+
+    def _drain(self, timeout: float | None, remote_timeout_s: float) -> None:
         """Block until nothing is pending or un-synced.
 
         Raises:

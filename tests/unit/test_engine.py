@@ -122,7 +122,8 @@ def test_unwritable_local_dir_is_a_config_error(tmp_path):
         CheckpointEngine(blocker / "ckpt")
 
 
-@pytest.mark.parametrize("kwargs", [{"write_threads": 0}, {"chunk_bytes": 1000}, {"direct_io": "maybe"}, {"max_pending": 0}])
+@pytest.mark.parametrize("kwargs", [{"write_threads": 0}, {"chunk_bytes": 1000}, {"direct_io": "maybe"}, {"max_pending": 0},
+                                    {"remote_timeout_s": 0}, {"remote_timeout_s": True}, {"max_unsynced_bytes": -1}])
 def test_bad_settings_are_config_errors(ckpt_dir, kwargs):
     (name, value), = kwargs.items()
     with pytest.raises(ConfigError, match=f"{name}={value!r}"):
