@@ -189,7 +189,7 @@ class CheckpointEngine:
             raise
         base = plan.manifest(step=step, time=self._wall_clock(), metadata=metadata)
         handle = SaveHandle(SaveStats(step=step, nbytes=plan.shard.file_bytes, wait_s=staged.wait_s,
-                                      staging_s=staged.staging_s, stall_s=time.perf_counter() - t0))
+                                      staging_s=staged.staging_s))
         self._latest_step = max(self._latest_step, step)
         self._history.add(decided_at, step, handle)
         job = WriteJob(handle=handle, buf=staged.buf, base=base, staged_at=staged.done_at, signature=plan.signature)
@@ -289,6 +289,7 @@ class CheckpointEngine:
 
         Raises:
             TimeoutError: something is still pending after ``timeout`` seconds.
+            RemoteError: uploads still fail after ``remote_timeout_s`` (names the un-synced steps).
             PersistError: a background failure no other call has raised yet (raised once).
         """
         self._pipeline.drain(timeout)

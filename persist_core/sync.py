@@ -137,23 +137,25 @@ class RemoteSync:
         """The remote has been listed once (until then nobody knows what it lacks)."""
         return self._listed
 
+    def _unsynced(self) -> dict[int, SyncJob]:
+        """The jobs not uploaded yet: queued, uploading or failed, by step."""
+        with self._cond:
+            return {j.step: j for j in [*self._queue, *self._failed.values(), *([self._active] if self._active else [])]}
+
     def unsynced_steps(self) -> set[int]:
         """Steps queued, uploading or failed: local retention must keep them."""
-        with self._cond:
-            return ({j.step for j in self._queue} | set(self._failed)
-                    | ({self._active.step} if self._active else set()))
+        return set(self._unsynced())
+
+    def unsynced_bytes(self) -> int:
+        return sum(j.manifest.nbytes for j in self._unsynced().values())
 
     def backlog(self) -> dict[str, float | int | None]:
         """How far behind the remote is: un-synced checkpoints, their bytes, the oldest one's age (s)."""
-        with self._cond:
-            jobs = {j.step: j for j in [*self._queue, *self._failed.values(), *([self._active] if self._active else [])]}
+        jobs = self._unsynced()
         oldest = min((j.committed_at for j in jobs.values()), default=None)
         return {"remote_behind_steps": len(jobs), "remote_behind_bytes": sum(j.manifest.nbytes for j in jobs.values()),
                 "oldest_unsynced_age_s": None if oldest is None else time.monotonic() - oldest,
                 "upload_failures": self.failures}
-
-    def unsynced_bytes(self) -> int:
-        return int(self.backlog()["remote_behind_bytes"] or 0)
 
     def _queued_steps(self) -> set[int]:
         with self._cond:

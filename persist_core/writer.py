@@ -3,7 +3,7 @@
 Who calls what, per checkpoint: ``save()`` (training thread) calls :meth:`Writer.reserve` for
 its step, stages the state, then :meth:`Writer.submit`; the writer thread writes the shard in
 parallel chunks (:mod:`persist_core.fileio`), commits it (:mod:`persist_core.commit`), calls
-``after_commit`` (the engine: local retention, then the hand-off to the upload queue), and only
+``after_commit`` (the :class:`Pipeline`: the hand-off to the upload queue, then local retention), and only
 then ends the handle's local phase — in a ``finally``, so every escape ends it, reaches the
 :class:`~persist_core.handle.ErrorLedger` and is raised once. The step stays *pending* (protected
 from retention) until the upload queue has it.
@@ -301,15 +301,6 @@ class Pipeline:
                 "save again"))
 
     def drain(self, timeout: float | None) -> None:
-        remote_timeout_s = min(0.5, self._remote_timeout_s) if self.closing and self._gave_up else self._remote_timeout_s
-        try:
-            self._drain(timeout, remote_timeout_s)
-        except RemoteError:
-            self._gave_up = True
-            raise
-        self._gave_up = False
-
-    def _drain(self, timeout: float | None, remote_timeout_s: float) -> None:
         """Block until nothing is pending or un-synced.
 
         Raises:
@@ -317,19 +308,28 @@ class Pipeline:
             RemoteError: uploads still fail after ``remote_timeout_s``; names the un-synced steps
                 (committed locally and protected there; the next engine uploads them).
         """
+        remote_wait_s = min(0.5, self._remote_timeout_s) if self.closing and self._gave_up else self._remote_timeout_s
+        try:
+            self._drain(timeout, remote_wait_s)
+        except RemoteError:
+            self._gave_up = True
+            raise
+        self._gave_up = False
+
+    def _drain(self, timeout: float | None, remote_wait_s: float) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.writer.drain(deadline)
         if self.sync is None:
             return
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        bounded = left is None or left > remote_timeout_s
-        if self.sync.drain(remote_timeout_s if bounded else left):
+        bounded = left is None or left > remote_wait_s
+        if self.sync.drain(remote_wait_s if bounded else left):
             return
         if not bounded:
             raise TimeoutError(f"uploads to {self._url} still pending after {timeout} s")
         steps = sorted(self.sync.unsynced_steps())
         raise RemoteError(
-            f"uploads to {self._url} did not complete within remote_timeout_s={remote_timeout_s:g}: un-synced steps "
+            f"uploads to {self._url} did not complete within remote_timeout_s={self._remote_timeout_s:g}: un-synced steps "
             f"{steps} ({self.sync.failures} failed attempts so far). They stay committed in {self._root} and are "
             "never deleted before they are uploaded; a later wait(), or the next engine on this directory, uploads them")
 

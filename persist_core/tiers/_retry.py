@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from persist_core.errors import PersistError, RemoteError
@@ -49,16 +49,19 @@ def _transient_one(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in _ERRNOS
 
 
-def is_transient(error: BaseException) -> bool:
-    """Whether retrying ``error`` can help (it, or an exception it was raised ``from``)."""
+def causes(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then each exception it was raised ``from``, in turn (each once, however they loop)."""
     seen: set[int] = set()
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
-        if _transient_one(e):
-            return True
+        yield e
         seen.add(id(e))
         e = e.__cause__
-    return False
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether retrying ``error`` can help (it, or an exception it was raised ``from``)."""
+    return any(_transient_one(e) for e in causes(error))
 
 
 def retry(what: str, where: str, fn: Callable[[], T], *, attempts: int, backoff_s: float,

@@ -23,7 +23,7 @@ import crc32c
 import fsspec
 
 from persist_core import _knobs
-from persist_core.tiers._retry import retry
+from persist_core.tiers._retry import causes, retry
 from persist_core.tiers._s3 import S3Transfer
 from persist_core.errors import ConfigError, CorruptCheckpointError, RemoteError
 from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname
@@ -106,14 +106,12 @@ class RemoteTier:
 
     def hint(self, error: BaseException) -> str:
         """The likely fix when ``error`` (an upload's) means the URL itself is unusable, else ``""``."""
-        e: BaseException | None = error
-        while e is not None:
+        for e in causes(error):
             if isinstance(e, FileNotFoundError):
                 return f"; the bucket or path of remote_url={self.url!r} does not exist: create it or fix the URL"
             if isinstance(e, PermissionError):
                 return (f"; remote_url={self.url!r} is not writable with these credentials: check them (environment, "
                         "profile or storage_options) and the bucket policy")
-            e = e.__cause__
         return ""
 
     # ------------------------------------------------------------------ listing

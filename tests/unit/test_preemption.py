@@ -75,10 +75,9 @@ def test_sigterm_with_the_default_action_flushes_then_ends_the_process_as_sigter
         engine = CheckpointEngine({str(tmp_path / "ckpt")!r})
         install_sigterm_flush(lambda: engine.wait, 60)
         engine.save({{"w": torch.arange(100_000.0), "step": 3}}, step=3)
-        import os, signal, time
+        import os, signal, threading
         os.kill(os.getpid(), signal.SIGTERM)
-        for _ in range(600):   # training goes on while the flush runs; the flush then ends the process
-            time.sleep(0.1)
+        threading.Event().wait(60)  # training goes on while the flush runs; the flush then ends the process
         print("not ended", flush=True)
     """)
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
