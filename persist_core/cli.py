@@ -21,7 +21,8 @@ from typing import Any
 import click
 
 from persist_core.errors import PersistError
-from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname, parse_tmp_dirname
+from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname, parse_tmp_dirname
+from persist_core.ownership import describe, owner_of, read_unsynced, remove_dead
 from persist_core.format.manifest import Manifest
 from persist_core.reader import CheckpointReader
 from persist_core.tiers import CheckpointInfo, LocalTier, RemoteTier, Tier
@@ -74,17 +75,19 @@ class _Location:
             raise _Error(f"no committed checkpoint for step {step} in {self.name}; steps: {steps}")
         return step
 
-    def incomplete(self) -> list[tuple[str, float]]:
-        """Directories or prefixes without a manifest, with their age in seconds."""
+    def incomplete(self) -> list[tuple[str, float, dict[str, Any] | None]]:
+        """Directories or prefixes without a manifest: their age in seconds and their live owner, if any."""
         now = time.time()
-        found = []
+        found: list[tuple[str, float, dict[str, Any] | None]] = []
         if self.remote is None:
+            assert self.root is not None
             for entry in os.scandir(self.root):
                 step = parse_checkpoint_dirname(entry.name)
-                partial = (step is not None and not os.path.exists(os.path.join(entry.path, "manifest.json"))) or \
-                    parse_tmp_dirname(entry.name) is not None
+                tmp = parse_tmp_dirname(entry.name) is not None
+                partial = (step is not None and not os.path.exists(os.path.join(entry.path, MANIFEST_NAME))) or tmp
                 if partial and entry.is_dir():
-                    found.append((entry.path, now - entry.stat().st_mtime))
+                    owner = owner_of(self.root, Path(entry.path)) if tmp else None
+                    found.append((entry.path, now - entry.stat().st_mtime, owner))
             return found
         by_prefix: dict[str, list[float]] = {}
         manifests = set()
@@ -96,11 +99,13 @@ class _Location:
             if parts[-1] == "manifest.json":
                 manifests.add(prefix)
             by_prefix.setdefault(prefix, []).append(_mtime(info))
-        return [(p, now - max(ts)) for p, ts in by_prefix.items() if p not in manifests]
+        return [(p, now - max(ts), None) for p, ts in by_prefix.items() if p not in manifests]
 
     def remove_incomplete(self, path: str) -> None:
         if self.remote is None:
             shutil.rmtree(path)
+            assert self.root is not None
+            remove_dead(self.root, rank=0)  # and the dead marks left beside temporaries
         else:
             for f in self.remote.fs.find(path):
                 self.remote.fs.rm_file(f)
@@ -328,13 +333,27 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
         raise click.UsageError("say what to keep: --keep-last, --keep-every-n-steps and/or --keep-every-n-seconds")
     loc = _open(ctx, location)
     context = RetentionContext(tier=loc.tier.kind, now=time.time())
-    doomed = to_delete(loc.list(), policy, context=context)
-    stale = [(p, age) for p, age in loc.incomplete() if age > incomplete_older_than]
+    keep: dict[int, str] = {}
+    if loc.root is not None:  # a live job's un-synced checkpoints and temporaries are not gc's to take
+        remote, unsynced = read_unsynced(loc.root)
+        committed = [c.step for c in loc.list()]
+        for step in committed if unsynced is None else sorted(unsynced & set(committed)):
+            keep[step] = f"not yet uploaded to {remote}" if unsynced is not None else \
+                "the record of what is uploaded is unreadable"
+    doomed = [c for c in to_delete(loc.list(), policy, context=context) if c.step not in keep]
     verb = "would remove" if dry_run else "removed"
     for info in doomed:
         if not dry_run:
             loc.tier.remove(info.step)
         click.echo(f"{verb} step {info.step} ({_size(info.nbytes)})")
+    for step, why in keep.items():
+        click.echo(f"kept step {step}: {why} (the job uploads it when the remote is back; `persist push` does too)")
+    stale = []
+    for path, age, owner in loc.incomplete():
+        if owner is not None:
+            click.echo(f"kept incomplete {path}: owned by a live process ({describe(owner)})")
+        elif age > incomplete_older_than:
+            stale.append((path, age))
     for path, age in stale:
         if not dry_run:
             loc.remove_incomplete(path)

@@ -6,7 +6,7 @@ and the protocol is the classic one: shard, fsync, manifest, fsync, rename, fsyn
 
 ::
 
-    rank 0       mkdir local_dir/.tmp-step-N-pid-token          -> broadcast its name
+    rank 0       mark + mkdir local_dir/.tmp-step-N-pid-token   -> broadcast its name (ownership.claim_tmp)
     every rank   write + fsync rank-R.safetensors in it         -> all_gather (file entry, records, step, or error)
     rank 0       all ranks ok, the same step and state structure? every file there with its size?
                  write + fsync manifest.json, rename to step-N, fsync local_dir
@@ -20,18 +20,19 @@ finds out, and says so, when another rank's file is not there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from persist_core.distributed import Collectives
 from persist_core.errors import CorruptCheckpointError, PersistError
-from persist_core.layout import checkpoint_dirname, tmp_dirname
+from persist_core.layout import checkpoint_dirname
 from persist_core.fileio import FileOps, commit_dir
 from persist_core.format.manifest import FileEntry, Manifest
+from persist_core.ownership import claim_tmp
 from persist_core.tiers.local import check_files
 
 
@@ -64,19 +65,25 @@ def commit_checkpoint(
         The exception of this rank's own failure, or :class:`PersistError` naming the rank
         that failed; nothing is committed then.
     """
+    with contextlib.ExitStack() as owned:
+        tmp, error = None, None
+        if coll.rank == 0:
+            try:  # owned (alive) until renamed into place or removed, even when this process dies
+                tmp = owned.enter_context(claim_tmp(root, base.step))
+            except OSError as e:  # still make every collective call below, so no rank waits forever
+                error = e
+        return _commit(root, base, signature, coll=coll, write_shard=write_shard, release=release, ops=ops,
+                       tmp=tmp, error=error)
+
+
+def _commit(root: Path, base: Manifest, signature: str, *, coll: Collectives, write_shard: Callable[[Path], FileEntry],
+            release: Callable[[], None], ops: FileOps, tmp: Path | None, error: BaseException | None) -> Manifest:
     step = base.step
     leader = coll.rank == 0
-    error: BaseException | None = None
     name: str | None = None
     entry: FileEntry | None = None
     try:
-        if leader:
-            try:
-                name = tmp_dirname(step, os.getpid(), secrets.token_hex(3))
-                os.mkdir(root / name)
-            except OSError as e:
-                error, name = e, None
-        name = coll.broadcast(name)
+        name = coll.broadcast(None if tmp is None else tmp.name)
         if name is None:
             error = error or PersistError(f"rank 0 could not create a temporary directory in {root}")
         else:

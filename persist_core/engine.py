@@ -40,7 +40,7 @@ from persist_core.preemption import PreemptionNotice, check_grace
 from persist_core.reader import CheckpointReader
 from persist_core.scheduler import SaveScheduler
 from persist_core.staging import StagingPool, stage_into
-from persist_core.tiers.local import prepare_local_dir
+from persist_core.tiers.local import open_local_dir
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.tier import CheckpointInfo
 from persist_core.writer import Pipeline, WriteJob
@@ -58,7 +58,7 @@ class CheckpointEngine:
                 train_step()
                 if step % 100 == 0:
                     engine.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step)
-        state = CheckpointEngine(local_dir="/nvme/ckpt").load()   # the newest committed checkpoint
+        state = CheckpointReader("/nvme/ckpt").load()   # the newest committed checkpoint (no writer lock)
 
     Args:
         local_dir: directory of the local tier (created if missing); ideally on NVMe.
@@ -96,6 +96,8 @@ class CheckpointEngine:
 
     Raises:
         ConfigError: a bad argument, or ``local_dir`` cannot be created or written.
+        DirectoryInUseError: another live process writes ``local_dir`` for this rank (it names the
+            holder's host, pid and start time); the lock is held until :meth:`close`.
     """
 
     def __init__(
@@ -134,8 +136,12 @@ class CheckpointEngine:
         self._wall_clock = wall_clock
         self._closed = False
         self._latest_step = -1
-        prepare_local_dir(self._root, rank=self._coll.rank)
-        tier = None if remote_url is None else RemoteTier(remote_url, storage_options)
+        self._dir_lock = open_local_dir(self._root, rank=self._coll.rank)  # one writer per directory and rank
+        try:
+            tier = None if remote_url is None else RemoteTier(remote_url, storage_options)
+        except BaseException:
+            self._dir_lock.release()
+            raise
         self._tier = tier
         self._ledger = ErrorLedger()
         self._history = SaveHistory(clock)
@@ -308,6 +314,7 @@ class CheckpointEngine:
             if self._tier is not None:
                 self._tier.close()
             self._reader.close()
+            self._dir_lock.release()
 
     def __enter__(self) -> CheckpointEngine:
         return self

@@ -5,7 +5,8 @@ builtin whose meaning matches, so callers can catch either::
 
     PersistError(Exception)
     ├── ConfigError(PersistError, ValueError)         bad argument or environment; the message names the fix
-    │   └── StepExistsError                           a step that is already committed or pending
+    │   ├── StepExistsError                           a step that is already committed or pending
+    │   └── DirectoryInUseError                       another live writer holds local_dir (named)
     ├── UnsupportedStateError(PersistError, TypeError) a state leaf that cannot be checkpointed
     ├── CheckpointNotFoundError(PersistError, FileNotFoundError)
     ├── CorruptCheckpointError(PersistError)          a manifest, size or checksum that does not verify
@@ -22,6 +23,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigError",
     "CorruptCheckpointError",
+    "DirectoryInUseError",
     "PersistError",
     "RemoteError",
     "StepExistsError",
@@ -40,6 +42,10 @@ class ConfigError(PersistError, ValueError):
 
 class StepExistsError(ConfigError):
     """A checkpoint for this step is already committed or being written."""
+
+
+class DirectoryInUseError(ConfigError):
+    """Another live process holds the writer lock of this ``local_dir`` and rank (the message names it)."""
 
 
 class UnsupportedStateError(PersistError, TypeError):

@@ -19,7 +19,6 @@ import ctypes
 import errno
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
@@ -173,13 +172,3 @@ def commit_dir(tmp: Path, final: Path, manifest: bytes, *, ops: FileOps) -> None
     fsync_dir(tmp)
     os.rename(tmp, final)
     fsync_dir(final.parent)
-
-
-def remove_checkpoint(ckpt: Path) -> None:
-    """Delete a committed checkpoint directory: its manifest first (durably), then the rest.
-
-    A crash part-way leaves a directory without a manifest, which is not a checkpoint.
-    """
-    (ckpt / MANIFEST_NAME).unlink(missing_ok=True)
-    fsync_dir(ckpt)
-    shutil.rmtree(ckpt)

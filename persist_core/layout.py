@@ -6,7 +6,13 @@ A local tier looks like::
         step-000000000100/                  a committed checkpoint (it holds a manifest)
             manifest.json                   written last
             rank-00000.safetensors          one shard file per rank
-        .tmp-step-000000000200-pid4242-1a2b3c/   being written; removed at start if its writer is gone
+        .tmp-step-000000000200-pid4242-1a2b3c/        being written, downloaded or deleted
+        .tmp-step-000000000200-pid4242-1a2b3c.owner   its owner's mark: locked while the owner lives
+        .lock-rank-00000                    the writer lock of rank 0 (who holds it: host, pid, start)
+        .unsynced.json                      steps committed here and not yet uploaded (for ``persist gc``)
+
+A temporary directory whose ``.owner`` file nobody holds locked (or that has none) is dead: any
+process may remove it. See :mod:`persist_core.ownership`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,10 @@ MANIFEST_NAME = "manifest.json"
 _STEP_DIGITS = 12
 _CHECKPOINT_RE = re.compile(r"^step-(\d{%d,})$" % _STEP_DIGITS)
 _TMP_RE = re.compile(r"^\.tmp-step-(\d+)-pid(\d+)-[0-9a-f]+$")
+_LOCK_RE = re.compile(r"^\.lock-rank-(\d{5,})$")
+
+OWNER_SUFFIX = ".owner"
+UNSYNCED_NAME = ".unsynced.json"
 
 
 def checkpoint_dirname(step: int) -> str:
@@ -45,3 +55,19 @@ def parse_tmp_dirname(name: str) -> tuple[int, int] | None:
 def shard_filename(rank: int) -> str:
     """Name of the shard file that ``rank`` writes."""
     return f"rank-{rank:05d}.safetensors"
+
+
+def owner_filename(tmp_name: str) -> str:
+    """Name of the owner mark of the temporary directory ``tmp_name`` (next to it)."""
+    return tmp_name + OWNER_SUFFIX
+
+
+def lock_filename(rank: int) -> str:
+    """Name of the writer lock file that ``rank`` holds in ``local_dir``."""
+    return f".lock-rank-{rank:05d}"
+
+
+def parse_lock_filename(name: str) -> int | None:
+    """The rank of a writer lock file name, or ``None`` for any other name."""
+    m = _LOCK_RE.match(name)
+    return int(m.group(1)) if m else None

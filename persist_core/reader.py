@@ -11,8 +11,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import secrets
-import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +19,8 @@ from typing import Any, TypeVar
 
 from persist_core import _knobs
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RemoteError
-from persist_core.layout import parse_checkpoint_dirname, tmp_dirname
+from persist_core.layout import parse_checkpoint_dirname
+from persist_core.ownership import claim_tmp, discard
 from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
 from persist_core.tiers.remote import RemoteTier
@@ -213,21 +212,23 @@ class CheckpointReader:
         return ckpt
 
     def _download(self, step: int, progress: Callable[[int], None] | None = None) -> Manifest:
-        """Download ``step`` into ``local_dir`` and rename it into place (or take another process's copy)."""
+        """Download ``step`` into ``local_dir`` and rename it into place (or take another process's copy).
+
+        The download goes into an owned temporary directory: a failure or a kill leaves nothing alive.
+        """
         assert self._tier is not None
         ckpt = checkpoint_dir(self._root, step)
-        tmp, manifest = self._tier.download(step, self._root, tmp_dirname(step, os.getpid(), secrets.token_hex(3)),
-                                            progress)
-        try:
-            os.rename(tmp, ckpt)
-            fsync_dir(self._root)
-            log.info("[step=%d] downloaded from %s into %s", step, self._tier.url, ckpt)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-            # another process (a rank on this node) put its download in place first: use that one
-            manifest = read_manifest(ckpt)
+        with claim_tmp(self._root, step) as tmp:
+            manifest = self._tier.download(step, tmp, progress)
+            try:
+                os.rename(tmp, ckpt)
+                fsync_dir(self._root)
+                log.info("[step=%d] downloaded from %s into %s", step, self._tier.url, ckpt)
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                # another process (a rank on this node) put its download in place first: use that one
+                manifest = read_manifest(ckpt)
         return manifest
 
     def _remote_or_nothing(self, read: Callable[[], T], nothing: T) -> T:
@@ -240,9 +241,4 @@ class CheckpointReader:
 
     def _set_aside(self, ckpt: Path) -> None:
         """Move a copy that failed verification out of the way with one rename (then delete it)."""
-        aside = self._root / tmp_dirname(parse_checkpoint_dirname(ckpt.name) or 0, os.getpid(), secrets.token_hex(3))
-        try:
-            os.rename(ckpt, aside)
-        except FileNotFoundError:
-            return  # another reader moved it already
-        shutil.rmtree(aside, ignore_errors=True)
+        discard(self._root, ckpt)

@@ -30,6 +30,7 @@ from persist_core.fileio import CHECKSUM_ALGORITHM, FileOps, write_file
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.layout import shard_filename
+from persist_core.ownership import write_unsynced
 from persist_core.policies.retention import RetentionPolicy
 from persist_core.retainer import Retainer
 from persist_core.staging import StagingBuffer, StagingPool
@@ -240,9 +241,10 @@ class Pipeline:
                              direct_io=settings.direct_io)
         self.local = Retainer(LocalTier(root), keep_local if leader else None, protected=self.protected)
         self.sync = None if tier is None or not leader else RemoteSync(
-            tier, keep_remote=keep_remote, ledger=ledger, backlog=self._backlog, after_upload=self.local.apply,
+            tier, keep_remote=keep_remote, ledger=ledger, backlog=self._backlog, after_upload=self._after_upload,
             latest_step=latest_step)
         self._url = None if tier is None else tier.url
+        self._record_lock = threading.Lock()
 
     def protected(self) -> set[int]:
         """Steps local retention must keep: pending here, or not uploaded yet (queued, uploading, failed).
@@ -264,7 +266,22 @@ class Pipeline:
         else:
             self.sync.submit(SyncJob(local_ckpt=checkpoint_dir(self._root, handle.step), manifest=manifest,
                                      handle=handle, committed_at=time.monotonic()))
+            self._record_unsynced()
         self.local.apply()
+
+    def _after_upload(self) -> None:
+        """Sync thread, after each upload: the record first, then local retention (what waited may go)."""
+        self._record_unsynced()
+        self.local.apply()
+
+    def _record_unsynced(self) -> None:
+        """Rewrite ``local_dir``'s record of what is not uploaded yet, for ``persist gc`` (best effort)."""
+        assert self._url is not None
+        with self._record_lock:
+            try:
+                write_unsynced(self._root, self._url, self.protected())
+            except OSError as e:
+                log.warning("could not record the un-synced steps in %s: %s", self._root, e)
 
     def _backlog(self, remote_steps: set[int]) -> list[SyncJob]:
         """Sync thread, at start-up: the committed local checkpoints the remote lacks (an earlier run's)."""

@@ -12,7 +12,6 @@ import logging
 import os
 import pickle
 import secrets
-import shutil
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -25,8 +24,8 @@ import torch
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from persist_core.format.shard_file import OBJECTS_ENTRY, dtype_from_name, parse_header
 from persist_core.format.tree import unflatten
-from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname, parse_tmp_dirname
-from persist_core.fileio import remove_checkpoint
+from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname
+from persist_core.ownership import DirLock, discard, remove_dead, take
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.tiers.tier import CheckpointInfo
 
@@ -297,15 +296,25 @@ class LocalTier:
         return verify_files(ckpt, read_manifest(ckpt), progress)
 
     def remove(self, step: int) -> None:
-        remove_checkpoint(checkpoint_dir(self.root, step))
+        discard(self.root, checkpoint_dir(self.root, step))
 
 
-def prepare_local_dir(root: Path, *, rank: int) -> None:
-    """Create ``root``, check it takes files, and remove temporary directories of crashed runs.
+def open_local_dir(root: Path, *, rank: int) -> DirLock:
+    """Create ``root``, check it takes files, take this rank's writer lock, remove dead temporaries.
+
+    No collective here: adapters open their engines at different moments on different ranks.
 
     Raises:
         ConfigError: ``root`` cannot be created or written.
+        DirectoryInUseError: another live writer holds the lock of this rank (named, with its holder).
     """
+    _check_writable(root)
+    lock = take(root, rank)
+    remove_dead(root, rank=rank)
+    return lock
+
+
+def _check_writable(root: Path) -> None:
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".probe-pid{os.getpid()}-{secrets.token_hex(3)}"
@@ -316,18 +325,3 @@ def prepare_local_dir(root: Path, *, rank: int) -> None:
             f"local_dir={str(root)!r} is not a writable directory ({e.strerror or e}); "
             "pass a directory this process can create files in"
         ) from e
-    for entry in os.scandir(root):
-        parsed = parse_tmp_dirname(entry.name)
-        if parsed is not None and not _pid_alive(parsed[1]):
-            log.info("[rank=%d][step=%d] removing %s left by a crashed run", rank, parsed[0], entry.path)
-            shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

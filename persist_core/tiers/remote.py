@@ -242,12 +242,11 @@ class RemoteTier:
                 fut.result()
         return sorted(problems)
 
-    def download(self, step: int, local_root: Path, tmp_name: str,
-                 progress: Callable[[int], None] | None = None) -> tuple[Path, Manifest]:
-        """Download ``step`` into ``local_root/tmp_name`` with parallel ranged reads.
+    def download(self, step: int, tmp: Path, progress: Callable[[int], None] | None = None) -> Manifest:
+        """Download ``step`` into the empty directory ``tmp`` with parallel ranged reads; its manifest.
 
         Each chunk's crc32c is checked as it arrives; the manifest is written last. The caller
-        renames the directory into place.
+        renames the directory into place (or removes it, after a failure).
 
         Raises:
             CorruptCheckpointError: a chunk does not match its checksum.
@@ -255,8 +254,6 @@ class RemoteTier:
         """
         manifest = self.read_manifest(step)
         prefix = self._path(checkpoint_dirname(step))
-        tmp = local_root / tmp_name
-        tmp.mkdir()
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="persist-download") as pool:
             for f in manifest.files:
                 source = f"{prefix}/{f.name}"
@@ -274,7 +271,7 @@ class RemoteTier:
         with open(tmp / MANIFEST_NAME, "rb+") as fh:
             os.fsync(fh.fileno())
         fsync_dir(tmp)
-        return tmp, manifest
+        return manifest
 
     def _fetch_chunk(self, source: str, fd: int, index: int, chunk_bytes: int, size: int, expected: int,
                      progress: Callable[[int], None] | None = None) -> None:

@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import persist_core.session as plugin_module
 from lightning_persist import PersistCheckpointIO
-from persist_core import CheckpointEngine, CheckpointNotFoundError, ConfigError, WriteError
+from persist_core import CheckpointEngine, CheckpointReader, CheckpointNotFoundError, ConfigError, WriteError
 from tests.support.lightning_app import Net, make_trainer, weights
 from tests.support.fakes import FailingOps, GatedOps
 from tests.support.states import assert_state_equal
@@ -204,7 +204,7 @@ def test_a_fresh_local_dir_resumes_from_the_s3_remote(tmp_path, bucket, s3_optio
     assert latest == f"{url}/step-000000000006"
     resumed = fit(fresh, tmp_path / "c", max_steps=9, ckpt_path=latest)
     assert_state_equal(weights(resumed), weights(straight))
-    remote = [c.step for c in CheckpointEngine(tmp_path / "d", remote_url=url, storage_options=s3_options).list("remote")]
+    remote = [c.step for c in CheckpointReader(tmp_path / "d", remote_url=url, storage_options=s3_options).list("remote")]
     assert remote == [8, 9]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from persist_core import CheckpointEngine
+from persist_core import CheckpointEngine, CheckpointReader
 from persist_core.cli import main
 from tests.support.states import assert_state_equal
 
@@ -108,7 +108,7 @@ def test_verify_catches_a_corrupt_remote_object(remote, s3_options):
 def test_pull_push_round_trip(remote, s3_options, tmp_path):
     result = run("pull", remote, str(tmp_path / "fresh"), "--step", "30", options=s3_options)
     assert result.exit_code == 0, result.output
-    assert_state_equal(CheckpointEngine(tmp_path / "fresh").load(30), state_for(30))
+    assert_state_equal(CheckpointReader(tmp_path / "fresh").load(30), state_for(30))
     again = run("push", str(tmp_path / "fresh"), remote, options=s3_options)
     assert "has every committed checkpoint" in again.output
 
@@ -123,7 +123,7 @@ def test_gc_dry_run_deletes_nothing_then_gc_keeps_policy_and_newest(local, tmp_p
     assert sorted(p.name for p in local.iterdir()) == before
     done = run("gc", str(local), "--keep-last", "1", "--keep-every-n-steps", "20")
     assert done.exit_code == 0
-    assert sorted(p.name for p in local.iterdir()) == ["step-000000000020", "step-000000000040"]
+    assert sorted(p.name for p in local.iterdir() if not p.name.startswith(".")) == ["step-000000000020", "step-000000000040"]
     assert run("gc", str(local)).exit_code == 2  # nothing to keep said: a usage error
 
 

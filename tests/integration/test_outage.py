@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from persist_core import CheckpointEngine, KeepLastN, RemoteError, WriteError
+from persist_core import CheckpointEngine, CheckpointReader, KeepLastN, RemoteError, WriteError
 from persist_core.tiers.remote import RemoteTier
 
 
@@ -81,7 +81,7 @@ def test_a_restart_during_an_outage_deletes_nothing_and_a_later_engine_uploads_t
     second.save(state_for(3), step=3)
     with pytest.raises(RemoteError, match=r"un-synced steps \[3\]"):
         second.close()
-    assert [c.step for c in CheckpointEngine(local).list()] == [1, 2, 3]  # nothing the remote lacks was deleted
+    assert [c.step for c in CheckpointReader(local).list()] == [1, 2, 3]  # nothing the remote lacks was deleted
     with CheckpointEngine(local, remote_url=url, storage_options=s3_options, keep_local=KeepLastN(1)) as third:
         third.wait()
         assert [c.step for c in third.list(tier="remote")] == [1, 2, 3]

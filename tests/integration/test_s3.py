@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from persist_core import AnyOf, CheckpointEngine, KeepEveryNSteps, KeepLastN, RemoteError
+from persist_core import AnyOf, CheckpointEngine, CheckpointReader, KeepEveryNSteps, KeepLastN, RemoteError
 from tests.support.states import assert_state_equal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def test_a_missing_bucket_is_found_by_the_first_upload_and_named_once(tmp_path, 
         handle.wait()
     with pytest.raises(RemoteError, match=r"un-synced steps \[1\]"):  # retried meanwhile, still failing
         engine.close()
-    assert [i.step for i in CheckpointEngine(tmp_path / "a").list()] == [1]  # the local copy is intact
+    assert [i.step for i in CheckpointReader(tmp_path / "a").list()] == [1]  # the local copy is intact
 
 
 def test_an_unreachable_endpoint_is_reported_by_the_upload_not_the_constructor(tmp_path, proxy, bucket, monkeypatch):

@@ -16,6 +16,7 @@ import torch
 import persist_core
 
 from persist_core import (
+    CheckpointReader,
     CheckpointEngine,
     CheckpointNotFoundError,
     ConfigError,
@@ -24,6 +25,7 @@ from persist_core import (
     StepExistsError,
     WriteError,
 )
+from persist_core.ownership import claim_tmp
 from persist_core.staging import StagingBuffer
 from tests.support.states import assert_state_equal
 from tests.support.fakes import FailingOps, GatedOps, NoDirectOps
@@ -142,9 +144,9 @@ def test_write_failure_is_raised_once_and_earlier_checkpoints_survive(ckpt_dir):
         failed.wait()  # raised once: the handle is now quiet
         engine.wait()  # and so is the engine
         engine.save(state_for(3), step=3).wait()
-    assert [i.step for i in CheckpointEngine(ckpt_dir).list()] == [1, 3]
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-000000000001", "step-000000000003"]
-    assert_state_equal(CheckpointEngine(ckpt_dir).load(1), state_for(1))
+    assert [i.step for i in CheckpointReader(ckpt_dir).list()] == [1, 3]
+    assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith(".lock-")) == ["step-000000000001", "step-000000000003"]
+    assert_state_equal(CheckpointReader(ckpt_dir).load(1), state_for(1))
 
 
 def test_unobserved_write_failure_is_raised_by_the_next_save(ckpt_dir):
@@ -156,7 +158,7 @@ def test_unobserved_write_failure_is_raised_by_the_next_save(ckpt_dir):
         engine.save(state_for(2), step=2)
     handle = engine.save(state_for(2), step=2)  # the error was raised once; saving goes on
     engine.close()
-    assert handle.done() and [i.step for i in CheckpointEngine(ckpt_dir).list()] == [2]
+    assert handle.done() and [i.step for i in CheckpointReader(ckpt_dir).list()] == [2]
 
 
 def test_close_raises_a_background_error_once(ckpt_dir):
@@ -182,7 +184,7 @@ def test_real_full_disk(tmp_path):
                 engine.save({"x": torch.ones(1_000_000)}, step=2).wait()
             assert info.value.errno == errno.ENOSPC
             assert engine.load()["x"].equal(torch.ones(100_000))
-            assert [p.name for p in mnt.iterdir()] == ["step-000000000001"]
+            assert [p.name for p in mnt.iterdir() if not p.name.startswith(".lock-")] == ["step-000000000001"]
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
 
@@ -236,10 +238,9 @@ def test_directory_without_manifest_is_not_a_checkpoint_and_stale_tmp_is_removed
     stale = ckpt_dir / f".tmp-step-000000000010-pid{int(dead.stdout)}-abc123"
     stale.mkdir()
     (stale / "rank-00000.safetensors").write_bytes(b"partial")
-    live = ckpt_dir / f".tmp-step-000000000011-pid{os.getpid()}-abc123"
-    live.mkdir()
-    engine = CheckpointEngine(ckpt_dir)
-    assert not stale.exists() and live.exists()  # a live writer's directory is left alone
+    with claim_tmp(ckpt_dir, 11) as live:  # owned by this live process
+        engine = CheckpointEngine(ckpt_dir)
+        assert not stale.exists() and live.exists()  # a live owner's directory is left alone
     assert [i.step for i in engine.list()] == [1] and engine.load()["step"] == 1
     with pytest.raises(CheckpointNotFoundError, match="step=9"):
         engine.load(9)
@@ -274,7 +275,7 @@ def test_exit_with_an_exception_still_drains_and_does_not_mask_it(ckpt_dir):
         with CheckpointEngine(ckpt_dir) as engine:
             engine.save(state_for(1), step=1)
             raise KeyError("from the training loop")
-    assert [i.step for i in CheckpointEngine(ckpt_dir).list()] == [1]
+    assert [i.step for i in CheckpointReader(ckpt_dir).list()] == [1]
 
 
 def test_engine_imports_neither_lightning_nor_accelerate():

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from persist_core import CheckpointEngine, ConfigError, PreemptionNotice
+from persist_core import CheckpointEngine, CheckpointReader, ConfigError, PreemptionNotice
 from persist_core.preemption import SignalFlush
 from tests.support.fakes import GatedOps
 
@@ -83,7 +83,7 @@ def test_sigterm_with_the_default_action_flushes_then_ends_the_process_as_sigter
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr
     assert "not ended" not in done.stdout
-    assert [c.step for c in CheckpointEngine(tmp_path / "ckpt").list()] == [3]
+    assert [c.step for c in CheckpointReader(tmp_path / "ckpt").list()] == [3]
 
 
 def test_restore_puts_the_previous_handler_back_and_a_later_signal_reaches_it(tmp_path):

@@ -13,6 +13,7 @@ import torch
 from persist_core import (
     AnyOf,
     CheckpointEngine,
+    CheckpointReader,
     ConfigError,
     Continuous,
     DecisionContext,
@@ -106,7 +107,7 @@ def test_continuous_never_has_two_saves_in_flight_and_keeps_its_interval(tmp_pat
         assert engine.maybe_save(make(7), step=7) is not None
         assert engine.maybe_save(make(7), step=7) is None  # a step is saved once
     assert built == [1, 5, 7]
-    assert [c.step for c in CheckpointEngine(tmp_path).list()] == [1, 5, 7]
+    assert [c.step for c in CheckpointReader(tmp_path).list()] == [1, 5, 7]
 
 
 def test_optimal_interval_uses_the_cost_of_the_saves_it_measured(tmp_path):

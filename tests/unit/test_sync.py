@@ -12,6 +12,7 @@ import torch
 from persist_core import (
     AnyOf,
     CheckpointEngine,
+    CheckpointReader,
     CheckpointNotFoundError,
     ConfigError,
     KeepEveryNSteps,
@@ -145,7 +146,7 @@ def test_upload_failure_is_raised_once_and_nothing_partial_is_listed(tmp_path, u
     assert engine.list(tier="remote") == [] and [i.step for i in engine.list()] == [1]
     monkeypatch.undo()
     engine.close()  # the remote is healthy again: the retry gets it through
-    assert [i.step for i in CheckpointEngine(tmp_path / "b", remote_url=url).list(tier="remote")] == [1]
+    assert [i.step for i in CheckpointReader(tmp_path / "b", remote_url=url).list(tier="remote")] == [1]
 
 
 def test_a_new_engine_uploads_what_an_earlier_run_left_unsynced(tmp_path, url):
@@ -184,7 +185,7 @@ def test_an_unwritable_file_url_fails_the_first_upload_once_and_keeps_the_local_
         handle.wait()
     with pytest.raises(RemoteError, match=r"un-synced steps \[1\]"):
         engine.close()
-    assert [i.step for i in CheckpointEngine(tmp_path / "a").list()] == [1]
+    assert [i.step for i in CheckpointReader(tmp_path / "a").list()] == [1]
 
 
 def test_keep_remote_without_remote_is_a_config_error(tmp_path):
@@ -197,7 +198,7 @@ def test_interpreter_exit_without_close_still_commits_and_uploads(tmp_path):
     import sys
 
     remote = (tmp_path / "remote").as_uri()
-    code = ("import sys, torch\nfrom persist_core import CheckpointEngine\n"
+    code = ("import sys, torch\nfrom persist_core import CheckpointEngine, CheckpointReader\n"
             "engine = CheckpointEngine(sys.argv[1], remote_url=sys.argv[2])\n"
             "engine.save({'x': torch.arange(1000)}, step=3)\n")  # no wait(), no close()
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "a"), remote], check=True, timeout=120)
