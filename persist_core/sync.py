@@ -34,6 +34,7 @@ from pathlib import Path
 
 from persist_core.errors import PersistError, RemoteError
 from persist_core.format.manifest import Manifest
+from persist_core.layout import MANIFEST_NAME
 from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.policies.retention import RetentionContext, RetentionPolicy, to_delete
 from persist_core.retainer import Retainer
@@ -278,9 +279,15 @@ class RemoteSync:
         except BaseException as e:  # recorded on the handle, raised once by the engine
             error = e
         upload_s = time.perf_counter() - t0
+        vanished = not uploaded and not (job.local_ckpt / MANIFEST_NAME).exists()
+        if vanished:  # nothing to retry: say who lost it instead of a raw FileNotFoundError
+            error = _wrapped(f"checkpoint step={job.step} was removed from {job.local_ckpt.parent} by another process "
+                             f"before its upload to {self._tier.url}; it is not retried", error)
         with self._cond:
             self._active = None  # uploaded, or failed and kept (protected) for a retry
-            if not uploaded:
+            if vanished:
+                self.failures += 1
+            elif not uploaded:
                 self._failed[job.step] = job
                 self.failures += 1
                 self._retry_s = min(self._retry_s * 2, 60.0)
@@ -299,14 +306,14 @@ class RemoteSync:
             except BaseException as e:
                 error = e
         if error is not None:
-            if not uploaded and (hint := self._tier.hint(error)):
+            if not uploaded and not vanished and (hint := self._tier.hint(error)):
                 error = _wrapped(f"uploading checkpoint step={job.step} to {self._tier.url} failed{hint}", error)
             elif uploaded:
                 error = _wrapped(f"checkpoint step={job.step} was uploaded, but the retention that follows failed", error)
             if job.step not in self._reported:  # once per checkpoint; retries only log
                 self._reported.add(job.step)
                 log.error("[step=%d] %s (kept locally; retried while the job runs)", job.step, error)
-                self._ledger.fail(handle, error, remote=not uploaded)
+                self._ledger.fail(handle, error, remote=not uploaded and not vanished)
             else:
                 log.debug("[step=%d] retry failed: %s", job.step, error)
         else:

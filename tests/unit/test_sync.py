@@ -3,6 +3,7 @@ retention, back-pressure, errors."""
 
 from __future__ import annotations
 
+import shutil
 import uuid
 
 import fsspec
@@ -224,3 +225,18 @@ def test_a_manifest_whose_step_was_flipped_is_corrupt_and_never_overwrites_anoth
     with CheckpointEngine(tmp_path / "fresh", remote_url=url) as fresh:
         assert [c.step for c in fresh.list(tier="remote")] == [7]
         assert_state_equal(fresh.load(7), state_for(7))  # before: step 5's state under step 7's name
+
+
+def test_a_checkpoint_removed_by_another_process_before_its_upload_is_named_not_a_raw_error(tmp_path, url,
+                                                                                             monkeypatch):
+    gate = GatedUploads(monkeypatch)
+    engine = CheckpointEngine(tmp_path / "a", remote_url=url, remote_timeout_s=5)
+    engine.save(state_for(1), step=1).wait_local()
+    assert gate.first_started.wait(60)
+    shutil.rmtree(tmp_path / "a" / "step-000000000001")  # someone's rm -rf behind the job's back
+    gate.gate.set()
+    with pytest.raises(PersistError, match=r"step=1 was removed from .* by another process before its upload"):
+        engine.wait()
+    engine.save(state_for(2), step=2)  # the job goes on
+    engine.close()
+    assert [i.step for i in CheckpointReader(tmp_path / "b", remote_url=url).list(tier="remote")] == [2]
