@@ -151,6 +151,36 @@ def live_writers(root: Path) -> dict[int, dict[str, Any] | None]:
     return found
 
 
+def _new_mark(mark: Path) -> int:
+    """Create ``mark`` already locked, with this process's name in it; its fd.
+
+    Where the file system takes ``O_TMPFILE``, the mark is locked and written before it gets its
+    name, so a mark found unlocked is dead at once (``"whole": true``). Elsewhere it is created, then
+    locked: one found unlocked and empty may be a moment old, and is left for a minute.
+    """
+    record = _identity()
+    try:
+        fd = os.open(mark.parent, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o644)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.pwrite(fd, json.dumps({**record, "whole": True}).encode(), 0)
+            proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:  # a dir fd makes os.link use linkat(AT_SYMLINK_FOLLOW): the open file itself gets the name
+                os.link(str(fd), mark, src_dir_fd=proc, follow_symlinks=True)
+            finally:
+                os.close(proc)
+            return fd
+        except OSError:
+            os.close(fd)
+    fd = os.open(mark, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    return fd
+
+
 @contextlib.contextmanager
 def claim_tmp(root: Path, step: int) -> Iterator[Path]:
     """A new temporary directory under ``root`` for ``step``, owned (marked) while the block runs.
@@ -161,10 +191,8 @@ def claim_tmp(root: Path, step: int) -> Iterator[Path]:
     """
     name = tmp_dirname(step, os.getpid(), secrets.token_hex(3))
     mark = root / owner_filename(name)
-    fd = os.open(mark, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = _new_mark(mark)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.pwrite(fd, json.dumps(_identity()).encode(), 0)
         os.mkdir(root / name)
         try:
             yield root / name
@@ -200,14 +228,22 @@ def dead_tmp(root: Path) -> list[Path]:
         base = name.removesuffix(OWNER_SUFFIX)
         if parse_tmp_dirname(base) is None or (name != base and base in names):
             continue
-        if name != base and _age(root / name) < _STRAY_MARK_AGE_S:
-            continue  # created, not yet locked: its directory comes next
+        if name != base and not _whole(root / name) and _age(root / name) < _STRAY_MARK_AGE_S:
+            continue  # maybe created, not yet locked: its directory comes next
         alive, fd = _owner_alive(root, base)
         if fd is not None:
             os.close(fd)
         if not alive:
             dead.append(root / name)
     return dead
+
+
+def _whole(mark: Path) -> bool:
+    """The mark was locked before it had its name (so unlocked means dead)."""
+    try:
+        return bool(json.loads(mark.read_bytes() or b"{}").get("whole"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _age(path: Path) -> float:

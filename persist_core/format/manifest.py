@@ -1,18 +1,32 @@
-"""The manifest (format version 1): the one file that makes a directory a checkpoint.
+"""The manifest: the one file that makes a directory a checkpoint.
 
 It is written last. It names every shard file with its size and per-chunk crc32c, says which
 file and entry holds each tensor of the state, and carries the state's tree (see
 :mod:`persist_core.format.tree`). Readers check every file it names before trusting it.
+
+Since format version 2 it ends with its own checksum, over the exact bytes before it::
+
+    {"format":"torch-persist","version":2,...,"metadata":{}    ,"manifest_crc32c":1234567}
+    |<---------------- crc32c of these bytes + "}" ---------->|
+
+and nothing in it is trusted before that checks (a version 1 manifest has none and still loads).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import crc32c
+
 from persist_core.errors import CorruptCheckpointError
 from persist_core.format.shard_file import FORMAT_NAME, FORMAT_VERSION
+
+_CHECKSUM_KEY = "manifest_crc32c"
+_CHECKSUM_TAIL = re.compile(rb',"' + _CHECKSUM_KEY.encode() + rb'":(\d{1,10})\}$')
+_FIRST_CHECKSUMMED_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -58,8 +72,9 @@ class Manifest:
         return sum(f.size for f in self.files)
 
     def to_bytes(self) -> bytes:
-        body = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **asdict(self)}
-        return json.dumps(body, separators=(",", ":")).encode()
+        body = json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, **asdict(self)},
+                          separators=(",", ":")).encode()
+        return body[:-1] + f',"{_CHECKSUM_KEY}":{crc32c.crc32c(body)}}}'.encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes, *, where: str, step: int | None = None) -> Manifest:
@@ -79,14 +94,20 @@ class Manifest:
     @classmethod
     def _parse(cls, raw: bytes, *, where: str) -> Manifest:
         try:
-            body = json.loads(raw)
-            if body.get("format") != FORMAT_NAME:
-                raise CorruptCheckpointError(f"{where} is not a torch-persist manifest (format={body.get('format')!r})")
-            if body.get("version") != FORMAT_VERSION:
+            body = json.loads(_checked(raw, where=where))
+            if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+                raise CorruptCheckpointError(f"{where} is not a torch-persist manifest")
+            version = body.get("version")
+            if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+                raise CorruptCheckpointError(f"{where} has no valid format version ({version!r})")
+            if version > FORMAT_VERSION:
                 raise CorruptCheckpointError(
-                    f"{where} has format version {body.get('version')!r}; this torch-persist reads version "
+                    f"{where} has format version {version}; this torch-persist reads versions up to "
                     f"{FORMAT_VERSION}: upgrade torch-persist to load it"
                 )
+            if (_CHECKSUM_KEY in body) != (version >= _FIRST_CHECKSUMMED_VERSION):
+                raise CorruptCheckpointError(f"{where}: a version {version} manifest "
+                                             f"{'without' if version >= 2 else 'with'} a checksum is corrupt")
             return cls(
                 step=int(body["step"]),
                 time=float(body["time"]),
@@ -99,5 +120,20 @@ class Manifest:
             )
         except CorruptCheckpointError:
             raise
-        except (ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # whatever a damaged manifest makes the parser raise, it is corrupt
             raise CorruptCheckpointError(f"{where} is not a valid manifest: {type(e).__name__}: {e}") from e
+
+
+def _checked(raw: bytes, *, where: str) -> bytes:
+    """``raw`` when its checksum matches (or it has none: version 1, checked by the caller)."""
+    tail = _CHECKSUM_TAIL.search(raw)
+    if tail is None:
+        if f'"{_CHECKSUM_KEY}"'.encode() in raw:
+            raise CorruptCheckpointError(f"{where}: its checksum field is damaged; the manifest is corrupt")
+        return raw
+    body = raw[: tail.start()] + b"}"
+    if crc32c.crc32c(body) != int(tail.group(1)):
+        raise CorruptCheckpointError(
+            f"{where} does not match its own checksum: the manifest is corrupt (this checkpoint is skipped; "
+            "restore it from the other tier, or delete it)")
+    return raw

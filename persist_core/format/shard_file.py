@@ -33,7 +33,7 @@ from persist_core.errors import CorruptCheckpointError
 FORMAT_NAME = "torch-persist"
 
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest carries its own crc32c. Readers take every version up to this one.
 
 
 OBJECTS_ENTRY = "__objects__"

@@ -222,14 +222,14 @@ def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, verify: b
                 t = torch.empty(0, dtype=dtype, device=entry.device).set_(
                     entry.untyped_storage(), rec["offset"] // es, shape, tuple(rec["stride"])
                 )
-        except (KeyError, RuntimeError) as e:
+        except Exception as e:  # any failure to rebuild from a record means the record is damaged
             raise CorruptCheckpointError(f"{ckpt}: tensor record {rec} does not match its shard: {e}") from e
         tensors.append(t)
     try:
         return unflatten(manifest.tree, tensors, objects)
     except CorruptCheckpointError:
         raise
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:  # a tree that does not fit the records
+    except Exception as e:  # a tree that does not fit the records, however it fails
         raise CorruptCheckpointError(f"{ckpt}: the manifest's tree does not match its tensors ({type(e).__name__}: "
                                      f"{e})") from e
 

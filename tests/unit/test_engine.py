@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import logging
 import os
 import subprocess
@@ -25,6 +27,7 @@ from persist_core import (
     StepExistsError,
     WriteError,
 )
+from persist_core.format import Manifest
 from persist_core.ownership import claim_tmp
 from persist_core.staging import StagingBuffer
 from tests.support.states import assert_state_equal
@@ -379,9 +382,10 @@ def test_a_manifest_whose_tree_does_not_fit_is_corrupt_and_load_falls_back_namin
         for step in (1, 2):
             engine.save(state_for(step), step=step)
     manifest = ckpt_dir / "step-000000000002" / "manifest.json"
-    raw = manifest.read_bytes()
-    assert raw.count(b'{"tensor":0}') == 1
-    manifest.write_bytes(raw.replace(b'{"tensor":0}', b'{"tensor":9}'))  # parses, but names a tensor not there
+    good = Manifest.from_bytes(manifest.read_bytes(), where="m")
+    tree = json.dumps(good.tree, separators=(",", ":"))
+    assert tree.count('{"tensor":0}') == 1  # a manifest with its checksum right, naming a tensor not there
+    manifest.write_bytes(dataclasses.replace(good, tree=json.loads(tree.replace('{"tensor":0}', '{"tensor":9}'))).to_bytes())
     with CheckpointEngine(ckpt_dir) as engine:
         with pytest.raises(CorruptCheckpointError, match="tree does not match"):
             engine.load(2)
