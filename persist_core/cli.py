@@ -181,7 +181,10 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None)
         m = loc.manifest(info.step)
         rows.append({"step": info.step, "time": info.time, "bytes": info.nbytes, "files": len(m.files),
                      "ranks": m.world_size, "path": info.path,
-                     "milestone": bool(milestones) and info.step % milestones == 0})
+                     "milestone": bool(milestones) and info.step % milestones == 0, "abandoned": False})
+    for info in loc.tier.abandoned():  # kept, never the latest: a resume from an older step branched
+        rows.append({"step": info.step, "time": info.time, "bytes": info.nbytes, "files": None, "ranks": None,
+                     "path": info.path, "milestone": False, "abandoned": True})
     if as_json:
         click.echo(json.dumps(rows))
         return
@@ -189,13 +192,14 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None)
     from rich.table import Table
 
     table = Table(title=location)
-    for col in ("step", "saved (UTC)", "age", "size", "files", "ranks", "milestone"):
+    for col in ("step", "saved (UTC)", "age", "size", "files", "ranks", "milestone", "branch"):
         table.add_column(col, justify="right" if col in ("step", "size", "files", "ranks") else "left")
     now = time.time()
     for r in rows:
         table.add_row(str(r["step"]), time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"])),
-                      f"{(now - r['time']) / 3600:.1f} h", _size(r["bytes"]), str(r["files"]), str(r["ranks"]),
-                      "yes" if r["milestone"] else "")
+                      f"{(now - r['time']) / 3600:.1f} h", _size(r["bytes"]), str(r["files"] or ""),
+                      str(r["ranks"] or ""), "yes" if r["milestone"] else "",
+                      "abandoned" if r.get("abandoned") else "live")
     Console().print(table)
 
 

@@ -136,6 +136,7 @@ class CheckpointEngine:
         self._wall_clock = wall_clock
         self._closed = False
         self._latest_step = -1
+        self._resumed: int | None = None
         self._dir_lock = open_local_dir(self._root, rank=self._coll.rank)  # one writer per directory and rank
         try:
             tier = None if remote_url is None else RemoteTier(remote_url, storage_options)
@@ -185,6 +186,7 @@ class CheckpointEngine:
         self._ledger.raise_first()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int (the training step)")
+        self._pipeline.check_timeline(step, self._resumed_at())
         self._writer.reserve(step)
         try:
             plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size)
@@ -346,6 +348,23 @@ class CheckpointEngine:
             tier: ``"local"``, ``"remote"``, or ``"all"`` (both, each with its ``tier``).
         """
         return self._reader.list(tier)
+
+    def resume_from(self, step: int) -> None:
+        """Say that this run continues from committed checkpoint ``step`` (``load`` says so by itself).
+
+        A save past ``step`` while newer checkpoints are committed starts a new branch: those are set
+        aside on both tiers (kept, listed by :meth:`abandoned`, never pruned, never the latest).
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"step={step!r} must be a non-negative int (the step resumed from)")
+        self._resumed = step
+
+    def _resumed_at(self) -> int | None:
+        return self._resumed if self._resumed is not None else self._reader.loaded_step
+
+    def abandoned(self, tier: str = "local") -> list[CheckpointInfo]:
+        """Checkpoints set aside by a branch (see :meth:`resume_from`), oldest first."""
+        return self._reader.abandoned(tier)
 
     def load(self, step: int | None = None, *, map_location: Any = "cpu", verify: bool | None = None) -> Any:
         """Load the newest committed checkpoint that verifies, or the one for ``step``.

@@ -8,6 +8,7 @@ A local tier looks like::
             rank-00000.safetensors          one shard file per rank
         .tmp-step-000000000200-pid4242-1a2b3c/        being written, downloaded or deleted
         .tmp-step-000000000200-pid4242-1a2b3c.owner   its owner's mark: locked while the owner lives
+        abandoned-step-000000000300-at-000000000200-9f8e7d/   set aside: a resume from step 200 branched
         .lock-rank-00000                    the writer lock of rank 0 (who holds it: host, pid, start)
         .unsynced.json                      steps committed here and not yet uploaded (for ``persist gc``)
 
@@ -24,6 +25,7 @@ MANIFEST_NAME = "manifest.json"
 _STEP_DIGITS = 12
 _CHECKPOINT_RE = re.compile(r"^step-(\d{%d,})$" % _STEP_DIGITS)
 _TMP_RE = re.compile(r"^\.tmp-step-(\d+)-pid(\d+)-[0-9a-f]+$")
+_ABANDONED_RE = re.compile(r"^abandoned-step-(\d{%d,})-at-(\d{%d,})-[0-9a-f]+$" % (_STEP_DIGITS, _STEP_DIGITS))
 _LOCK_RE = re.compile(r"^\.lock-rank-(\d{5,})$")
 
 OWNER_SUFFIX = ".owner"
@@ -71,3 +73,15 @@ def parse_lock_filename(name: str) -> int | None:
     """The rank of a writer lock file name, or ``None`` for any other name."""
     m = _LOCK_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def abandoned_dirname(step: int, at: int, token: str) -> str:
+    """Name a checkpoint of an abandoned branch is set aside under: ``step``, set aside when a run
+    resumed from ``at`` and saved past it."""
+    return f"abandoned-{checkpoint_dirname(step)}-at-{at:0{_STEP_DIGITS}d}-{token}"
+
+
+def parse_abandoned_dirname(name: str) -> tuple[int, int] | None:
+    """``(step, at)`` of a set-aside checkpoint's name, or ``None`` for any other name."""
+    m = _ABANDONED_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None

@@ -24,7 +24,14 @@ from persist_core.ownership import claim_tmp, discard
 from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
 from persist_core.tiers.remote import RemoteTier
-from persist_core.tiers.local import checkpoint_dir, committed_steps, discover, load_checkpoint, read_manifest
+from persist_core.tiers.local import (
+    LocalTier,
+    checkpoint_dir,
+    committed_steps,
+    discover,
+    load_checkpoint,
+    read_manifest,
+)
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -70,6 +77,7 @@ class CheckpointReader:
         self._owns_tier = tier is None and remote_url is not None
         self._tier = tier if tier is not None else (RemoteTier(remote_url, storage_options) if remote_url else None)
         self._pool = ThreadPoolExecutor(_knobs.write_threads(), thread_name_prefix="persist-read")
+        self.loaded_step: int | None = None  # the step the last successful load() returned (a resume point)
 
     @property
     def local_dir(self) -> Path:
@@ -113,6 +121,16 @@ class CheckpointReader:
         elif tier == "all" and self._tier is not None:
             remote = self._remote_or_nothing(self._tier.list, [])
         return sorted(local + remote, key=lambda i: (i.step, i.tier))
+
+    def abandoned(self, tier: str = "local") -> list[CheckpointInfo]:
+        """Checkpoints set aside because a run resumed from an older one and saved past it (``"local"``,
+        ``"remote"`` or ``"all"``): kept, never pruned, never the latest; ``persist ls`` shows them."""
+        if tier not in ("local", "remote", "all"):
+            raise ConfigError(f"tier={tier!r} must be 'local', 'remote' or 'all'")
+        found = LocalTier(self._root).abandoned() if tier in ("local", "all") else []
+        if tier in ("remote", "all") and self._tier is not None:
+            found += self._tier.abandoned()
+        return found
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint: the local copy when there is one, else the remote's."""
@@ -179,6 +197,11 @@ class CheckpointReader:
         raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {where}")
 
     def _load_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any) -> Any:
+        state = self._read_step(step, in_local, in_remote, verify, map_location)
+        self.loaded_step = step
+        return state
+
+    def _read_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any) -> Any:
         ckpt = checkpoint_dir(self._root, step)
         if in_local:
             try:

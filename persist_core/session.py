@@ -158,6 +158,8 @@ class PersistSession:
             collectives=self._collectives, save_policy=o.save_policy, preemption=self.notice,
             preemption_grace_s=o.preemption_grace_s, remote_timeout_s=o.remote_timeout_s,
         )
+        if self._reader is not None and self._reader.loaded_step is not None:  # resumed before the engine opened
+            self._engine.resume_from(self._reader.loaded_step)
         return self._engine
 
     @property

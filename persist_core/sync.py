@@ -123,6 +123,8 @@ class RemoteSync:
         self._busy = True  # the thread is working (start-up, or a job until its outcome is recorded)
         self._listed = False
         self._stopping = False
+        self._gave_up = False  # close() after remote_timeout_s: nothing more is started
+        self._branch_at: int | None = None  # set the remote's steps after this aside before the next upload
         self._thread = threading.Thread(target=self._run, name="persist-sync", daemon=False)
         self._thread.start()
         # At interpreter exit (an engine never closed), finish the queued uploads, then stop,
@@ -142,6 +144,10 @@ class RemoteSync:
         """The jobs not uploaded yet: queued, uploading or failed, by step."""
         with self._cond:
             return {j.step: j for j in [*self._queue, *self._failed.values(), *([self._active] if self._active else [])]}
+
+    def known_steps(self) -> set[int]:
+        """The remote's committed steps as this thread knows them (empty until it is listed)."""
+        return {i.step for i in self._known.list()}
 
     def unsynced_steps(self) -> set[int]:
         """Steps queued, uploading or failed: local retention must keep them."""
@@ -193,6 +199,32 @@ class RemoteSync:
         self._queue = [j for j in self._queue if j not in dropped]
         return dropped
 
+    def start_branch(self, at: int) -> None:
+        """A run resumed from ``at`` saves past it: before its next upload, the remote's newer checkpoints
+        are set aside (kept under abandoned names); queued or failed uploads of them are dropped."""
+        with self._cond:
+            self._branch_at = at
+            dropped = [j for j in [*self._queue, *self._failed.values()] if j.step > at]
+            self._queue = [j for j in self._queue if j.step <= at]
+            self._failed = {s: j for s, j in self._failed.items() if s <= at}
+        for job in dropped:
+            log.info("[step=%d] not uploaded: set aside locally by the branch from step %d", job.step, at)
+            job.handle._update(superseded=True)
+            job.handle._set_remote_done()
+
+    def _set_aside_remote(self) -> None:
+        """Sync thread: set aside the remote's checkpoints newer than the branch point (raises to retry)."""
+        at = self._branch_at
+        if at is None:
+            return
+        for info in [i for i in self._known.list() if i.step > at]:
+            self._tier.set_aside(info.step, at)
+            with self._known.lock:
+                self._known.infos.pop(info.step, None)
+        with self._cond:
+            if self._branch_at == at:
+                self._branch_at = None
+
     def drain(self, timeout: float | None = None) -> bool:
         """Retry failed uploads now and wait until nothing is queued, uploading or failed.
 
@@ -208,8 +240,25 @@ class RemoteSync:
         if self._listed:
             self._retainer.apply()
 
-    def close(self) -> None:
-        """Finish every queued upload, then stop the thread."""
+    def close(self, *, give_up: bool = False) -> None:
+        """Finish every queued upload, then stop the thread.
+
+        With ``give_up`` (a drain already waited ``remote_timeout_s`` in vain) only the upload under
+        way finishes; the queued ones stay committed locally and recorded as un-synced, for the next
+        engine, and their handles fail with a ``RemoteError`` saying so.
+        """
+        dropped: list[SyncJob] = []
+        if give_up:
+            with self._cond:  # kept with the failed ones: still un-synced (protected, recorded), not retried
+                dropped, self._queue = self._queue, []
+                self._failed.update({j.step: j for j in dropped})
+                self._gave_up = True
+        for job in dropped:
+            if job.step not in self._reported:
+                self._ledger.fail(job.handle, RemoteError(
+                    f"checkpoint step={job.step} was not uploaded to {self._tier.url} before the engine closed (the "
+                    "remote did not answer within remote_timeout_s); it stays committed locally and the next engine "
+                    "on this directory uploads it"), remote=True)
         self._stop()
         self._thread.join()
 
@@ -271,6 +320,7 @@ class RemoteSync:
         try:
             if not self._listed:  # the start-up listing failed: try again before this upload
                 self._start()
+            self._set_aside_remote()  # a new branch's first upload waits for the old branch to move aside
             self._tier.upload(job.local_ckpt, job.manifest)
             uploaded = True
             with self._known.lock:
@@ -293,7 +343,7 @@ class RemoteSync:
                 self._retry_s = min(self._retry_s * 2, 60.0)
             else:
                 self._retry_s = self._tier.backoff_s
-                if self._failed:  # the remote is back: the newest un-synced next, then the backlog
+                if self._failed and not self._gave_up:  # the remote is back: the newest un-synced next
                     self._requeue_failed()
         handle = job.handle
         if uploaded:

@@ -25,7 +25,7 @@ from typing import Any
 from persist_core._knobs import WriteSettings
 from persist_core.commit import commit_checkpoint
 from persist_core.distributed import Collectives
-from persist_core.errors import PersistError, RemoteError, StepExistsError, WriteError
+from persist_core.errors import ConfigError, PersistError, RemoteError, StepExistsError, WriteError
 from persist_core.fileio import CHECKSUM_ALGORITHM, FileOps, write_file
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
@@ -245,6 +245,39 @@ class Pipeline:
             latest_step=latest_step)
         self._url = None if tier is None else tier.url
         self._record_lock = threading.Lock()
+        self._leader = leader
+        self._newest: int | None = None  # the newest step committed or saved on the live branch
+
+    def check_timeline(self, step: int, resumed_at: int | None) -> None:
+        """Refuse a save older than the newest committed, unless the run resumed from an older step.
+
+        The first save past ``resumed_at`` with newer checkpoints committed starts a branch: they are set
+        aside (renamed, kept, never pruned, never the latest) here at once and on the remote before the
+        next upload, so retention and ``latest`` follow the live branch.
+
+        Raises:
+            ConfigError: ``step`` is older than the newest committed checkpoint and no resume explains it.
+        """
+        if self._newest is None:  # once: what is committed here (and on the remote, if it was listed)
+            remote = self.sync.known_steps() if self.sync is not None else set()
+            self._newest = max([*self.local.tier.committed_steps(), *remote], default=-1)
+        if resumed_at is not None and resumed_at < step <= self._newest:
+            if self._leader:
+                for newer in [s for s in self.local.tier.committed_steps() if s > resumed_at]:
+                    self.local.tier.set_aside(newer, resumed_at)
+                if self.sync is not None:
+                    self.sync.start_branch(resumed_at)
+            self._newest = step
+            return
+        if step >= self._newest:
+            self._newest = step
+            return
+        raise ConfigError(
+            f"step={step} is older than the newest committed checkpoint ({self._newest}) in {self._root}: saving it "
+            "would make a timeline where retention deletes it and resuming returns the newer one. To go back on "
+            "purpose, load the older checkpoint first (engine.load(step), or the adapters' fit(ckpt_path=...) / "
+            "load_state(...)): the next save starts a new branch and sets the newer ones aside; otherwise save a "
+            f"step after {self._newest}")
 
     def protected(self) -> set[int]:
         """Steps local retention must keep: pending here, or not uploaded yet (queued, uploading, failed).
@@ -352,5 +385,5 @@ class Pipeline:
 
     def close(self) -> None:
         self.writer.close()
-        if self.sync is not None:
-            self.sync.close()
+        if self.sync is not None:  # after giving up on the remote, do not upload the queue at close
+            self.sync.close(give_up=self._gave_up)

@@ -24,7 +24,14 @@ import torch
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from persist_core.format.shard_file import OBJECTS_ENTRY, dtype_from_name, parse_header
 from persist_core.format.tree import unflatten
-from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname
+from persist_core.fileio import fsync_dir
+from persist_core.layout import (
+    MANIFEST_NAME,
+    abandoned_dirname,
+    checkpoint_dirname,
+    parse_abandoned_dirname,
+    parse_checkpoint_dirname,
+)
 from persist_core.ownership import DirLock, discard, remove_dead, take
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.tiers.tier import CheckpointInfo
@@ -297,6 +304,27 @@ class LocalTier:
 
     def remove(self, step: int) -> None:
         discard(self.root, checkpoint_dir(self.root, step))
+
+    def set_aside(self, step: int, at: int) -> None:
+        """Move checkpoint ``step`` out of the live branch (one durable rename): a run resumed from ``at``."""
+        os.rename(checkpoint_dir(self.root, step), self.root / abandoned_dirname(step, at, secrets.token_hex(3)))
+        fsync_dir(self.root)
+        log.info("[step=%d] set aside in %s: the run resumed from step %d and saved past it", step, self.root, at)
+
+    def abandoned(self) -> list[CheckpointInfo]:
+        """Checkpoints set aside when a run resumed from an older one, oldest first (kept, never pruned)."""
+        found = []
+        for entry in os.scandir(self.root):
+            parsed = parse_abandoned_dirname(entry.name)
+            if parsed is None:
+                continue
+            try:
+                m = Manifest.from_bytes((Path(entry.path) / MANIFEST_NAME).read_bytes(), where=entry.path, step=parsed[0])
+            except (OSError, CorruptCheckpointError) as e:
+                log.warning("skipping %s: %s", entry.path, e)
+                continue
+            found.append(CheckpointInfo(step=parsed[0], time=m.time, nbytes=m.nbytes, path=entry.path))
+        return sorted(found, key=lambda c: (c.step, c.path))
 
 
 def open_local_dir(root: Path, *, rank: int) -> DirLock:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -26,7 +27,13 @@ from persist_core import _knobs
 from persist_core.tiers._retry import causes, retry
 from persist_core.tiers._s3 import S3Transfer
 from persist_core.errors import ConfigError, CorruptCheckpointError, RemoteError
-from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname
+from persist_core.layout import (
+    MANIFEST_NAME,
+    abandoned_dirname,
+    checkpoint_dirname,
+    parse_abandoned_dirname,
+    parse_checkpoint_dirname,
+)
 from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
 from persist_core.tiers.tier import CheckpointInfo
@@ -199,6 +206,37 @@ class RemoteTier:
         if self._s3 is not None:
             return self._s3.read_range(path, start, end)
         return self.fs.cat_file(path, start=start, end=end)
+
+    def set_aside(self, step: int, at: int) -> None:
+        """Copy checkpoint ``step`` under its abandoned name (manifest last), then remove it from the live branch."""
+        src = self._path(checkpoint_dirname(step))
+        dst = self._path(abandoned_dirname(step, at, secrets.token_hex(3)))
+        self.fs.invalidate_cache(src)
+        files = sorted(self.retry(f"listing {src}", lambda: self.fs.find(src)), key=lambda p: p.endswith(MANIFEST_NAME))
+        for path in files:
+            target = dst + path[len(src.rstrip("/")):] if path.startswith(src) else f"{dst}/{path.rsplit('/', 1)[-1]}"
+            self.retry(f"copying {path}", lambda path=path, target=target: self.fs.copy(path, target))
+        self.remove(step)
+        log.info("[step=%d] set aside on %s: the run resumed from step %d and saved past it", step, self.url, at)
+
+    def abandoned(self) -> list[CheckpointInfo]:
+        """Checkpoints set aside when a run resumed from an older one, oldest first."""
+        self.fs.invalidate_cache(self.root)
+        found = []
+        for path in self.retry("listing", lambda: self.fs.find(self.root)):
+            parts = path.rstrip("/").split("/")
+            parsed = parse_abandoned_dirname(parts[-2]) if len(parts) >= 2 and parts[-1] == MANIFEST_NAME else None
+            if parsed is None:
+                continue
+            try:
+                raw = self.retry(f"reading {path}", lambda path=path: self.fs.cat_file(path))
+                m = Manifest.from_bytes(raw, where=path, step=parsed[0])
+            except CorruptCheckpointError as e:
+                log.warning("skipping %s: %s", path, e)
+                continue
+            found.append(CheckpointInfo(step=parsed[0], time=m.time, nbytes=m.nbytes,
+                                        path=f"{self.url}/{parts[-2]}", tier="remote"))
+        return sorted(found, key=lambda c: (c.step, c.path))
 
     def remove(self, step: int) -> None:
         """Delete a remote checkpoint: the manifest first, then its shards."""

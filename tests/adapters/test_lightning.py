@@ -402,3 +402,16 @@ def test_two_ranks_autosave_the_steps_rank_0_decides_even_when_their_policies_di
     newest = d / os.readlink(d / "autosave.ckpt")
     assert newest.name == f"step-{saved[0][-1]:012d}"
     assert json.loads((newest / "manifest.json").read_text())["world_size"] == 2  # both ranks wrote it
+
+
+def test_fit_from_an_older_checkpoint_branches_and_the_new_branch_is_the_one_kept_and_resumed(tmp_path):
+    d = tmp_path / "ckpt"
+    fit(PersistCheckpointIO(local_dir=d), d, max_steps=9)
+    assert step_dirs(d) == {"step-000000000008", "step-000000000009"}
+    io = PersistCheckpointIO(local_dir=d)  # a new process, going back to step 8 on purpose
+    fit(io, d, max_steps=12, ckpt_path=str(d / "epoch=1-step=8.ckpt"))
+    # as with Lightning's own IO, top-k keeps the resumed-from 8 and the 9 saved again; the old 9 is set aside
+    assert ckpt_files(d) == {f"epoch=1-step={s}.ckpt" for s in (8, 9, 11, 12)} | {"last.ckpt"}
+    assert step_dirs(d) == {f"step-{s:012d}" for s in (8, 9, 11, 12)}
+    assert [a.step for a in CheckpointReader(d).abandoned()] == [9]  # the old 9, set aside, not deleted
+    assert PersistCheckpointIO(local_dir=d).latest_path() == str(d / "step-000000000012")

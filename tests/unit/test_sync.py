@@ -3,6 +3,7 @@ retention, back-pressure, errors."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 
@@ -22,6 +23,7 @@ from persist_core import (
     RemoteError,
 )
 from tests.support.states import assert_state_equal
+from persist_core.sync import RemoteSync
 from tests.support.fakes import GatedUploads
 
 
@@ -240,3 +242,28 @@ def test_a_checkpoint_removed_by_another_process_before_its_upload_is_named_not_
     engine.save(state_for(2), step=2)  # the job goes on
     engine.close()
     assert [i.step for i in CheckpointReader(tmp_path / "b", remote_url=url).list(tier="remote")] == [2]
+
+
+def test_close_after_the_remote_timed_out_does_not_upload_the_queue_first(tmp_path, url, monkeypatch):
+    """A black-holed remote: close() after remote_timeout_s finishes only the upload under way."""
+    gate = GatedUploads(monkeypatch)
+    engine = CheckpointEngine(tmp_path / "a", remote_url=url, remote_timeout_s=0.2)
+    for step in (1, 2, 3):
+        engine.save(state_for(step), step=step)
+    with pytest.raises(RemoteError, match=r"un-synced steps \[1, 2, 3\]"):
+        engine.wait()
+    stop = RemoteSync._stop
+
+    def stop_then_open(sync):  # the upload under way (step 1) ends once close stopped the queue
+        stop(sync)
+        gate.gate.set()
+
+    monkeypatch.setattr(RemoteSync, "_stop", stop_then_open)
+    with pytest.raises(RemoteError):
+        engine.close()  # raised again: still un-synced
+    assert gate.started == [1]
+    assert [c.step for c in CheckpointReader(tmp_path / "a").list()] == [1, 2, 3]
+    assert json.loads((tmp_path / "a" / ".unsynced.json").read_text())["steps"] == [2, 3]
+    with CheckpointEngine(tmp_path / "a", remote_url=url) as again:  # the next engine uploads them
+        again.wait()
+        assert [c.step for c in again.list("remote")] == [1, 2, 3]

@@ -1,0 +1,72 @@
+"""Resuming from an older checkpoint on purpose starts a new branch: the old branch's newer checkpoints
+are set aside on both tiers (kept, listed as abandoned, never the latest, never pruned); a save older than
+the newest committed without such a resume is refused."""
+
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import pytest
+import torch
+from click.testing import CliRunner
+
+from persist_core import CheckpointEngine, CheckpointReader, ConfigError, KeepLastN
+from persist_core.cli import main as cli
+from tests.support.states import assert_state_equal
+
+
+def state_for(step: int) -> dict:
+    return {"w": torch.full((256,), float(step)), "step": step}
+
+
+@pytest.fixture
+def url():
+    root = f"/persist-tests/{uuid.uuid4().hex}/run"
+    yield f"memory://{root}"
+    store = fsspec.filesystem("memory").store
+    for key in [k for k in store if k.startswith(root)]:
+        del store[key]
+
+
+def test_a_resume_from_an_older_checkpoint_starts_a_branch_and_retention_follows_it(tmp_path, url):
+    local = tmp_path / "ckpt"
+    with CheckpointEngine(local, remote_url=url, keep_local=KeepLastN(2)) as engine:
+        for step in (10, 20, 30):
+            engine.save(state_for(step), step=step)
+    with CheckpointEngine(local, remote_url=url, keep_local=KeepLastN(2)) as engine:
+        assert_state_equal(engine.load(20), state_for(20))  # back to 20 on purpose
+        for step in (25, 26, 27):
+            engine.save(state_for(step), step=step)
+        engine.wait()
+        assert [c.step for c in engine.list()] == [26, 27]  # KeepLastN(2) on the live branch
+        assert [c.step for c in engine.list("remote")] == [10, 20, 25, 26, 27]
+        assert [a.step for a in engine.abandoned()] == [30] and [a.step for a in engine.abandoned("remote")] == [30]
+    with CheckpointReader(tmp_path / "fresh", remote_url=url) as fresh:  # a fresh machine resumes the live branch
+        assert_state_equal(fresh.load(), state_for(27))
+    assert_state_equal(CheckpointReader(local).load(), state_for(27))
+    listing = CliRunner().invoke(cli, ["ls", str(local)], catch_exceptions=False)
+    assert "abandoned" in listing.output and "30" in listing.output
+
+
+def test_a_save_older_than_the_newest_without_a_resume_is_refused_and_names_the_fix(tmp_path):
+    with CheckpointEngine(tmp_path, keep_local=KeepLastN(2)) as engine:
+        for step in (10, 20, 30):
+            engine.save(state_for(step), step=step)
+    with CheckpointEngine(tmp_path, keep_local=KeepLastN(2)) as engine:
+        with pytest.raises(ConfigError, match=r"step=15 is older than the newest committed checkpoint \(30\).*"
+                                              r"engine.load\(step\)"):
+            engine.save(state_for(15), step=15)
+        assert [c.step for c in engine.list()] == [20, 30]  # nothing touched
+        engine.save(state_for(31), step=31)  # going forward is fine
+
+
+def test_resume_from_latest_is_not_a_branch(tmp_path):
+    with CheckpointEngine(tmp_path) as engine:
+        for step in (1, 2):
+            engine.save(state_for(step), step=step)
+    with CheckpointEngine(tmp_path) as engine:
+        engine.load()
+        engine.save(state_for(3), step=3)
+        engine.wait()
+        assert engine.abandoned() == [] and [c.step for c in engine.list()] == [1, 2, 3]
