@@ -116,3 +116,17 @@ class WriteSettings:
             raise ConfigError(
                 f"max_pending={self.max_pending!r} must be at least 1 (each pending save holds one staging buffer)"
             )
+
+
+def remote_lease_s() -> int:
+    """How long a writer's lease on ``remote_url`` lasts unrenewed: ``PERSIST_REMOTE_LEASE_S`` (>= 10 s)."""
+    return _env_int("PERSIST_REMOTE_LEASE_S", 600, minimum=10)
+
+
+def run_id_from_env() -> str | None:
+    """The run's id from the launcher: ``PERSIST_RUN_ID``, else torchrun's or SLURM's job id, else ``None``."""
+    for name in ("PERSIST_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        value = os.environ.get(name, "").strip()
+        if value and value != "none":
+            return value
+    return None

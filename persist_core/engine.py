@@ -29,7 +29,7 @@ import torch
 
 from persist_core._knobs import WriteSettings
 from persist_core.distributed import Collectives, SingleProcess
-from persist_core.errors import ConfigError, PersistError
+from persist_core.errors import ConfigError, PersistError, RemoteError
 from persist_core.fileio import FileOps, OsFileOps
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import SaveHistory
@@ -90,6 +90,9 @@ class CheckpointEngine:
         max_unsynced_bytes: the most bytes of checkpoints not yet uploaded that may pile up locally
             during an outage; then ``save`` raises ``WriteError`` (nothing is deleted). Default:
             whatever leaves 10% of ``local_dir``'s file system free.
+        run_id: this run's id for its lease on ``remote_url`` (one writing run per remote). Default: the
+            launcher's (``PERSIST_RUN_ID``, ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``), else one kept in
+            ``local_dir``. Pass the same id to resume the run on a fresh machine before its old lease expires.
         clock: the monotonic clock decisions use (a fake one in tests).
         wall_clock: the wall clock manifests record (``time.time``).
         file_ops: the file system calls the writer makes (for fault injection in tests).
@@ -119,6 +122,7 @@ class CheckpointEngine:
         preemption_grace_s: float = 120.0,
         remote_timeout_s: float = 300.0,
         max_unsynced_bytes: int | None = None,
+        run_id: str | None = None,
         clock: Clock = time.monotonic,
         wall_clock: Clock = time.time,
         file_ops: FileOps | None = None,
@@ -131,6 +135,8 @@ class CheckpointEngine:
         if keep_remote is not None and remote_url is None:
             raise ConfigError("keep_remote was given without remote_url; pass remote_url='s3://...' or drop keep_remote")
         save_policy = None if save_policy is None else check_save_policy(save_policy)
+        if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
+            raise ConfigError(f"run_id={run_id!r} must be a non-empty string (the id of this training run)")
         self._root = Path(local_dir).expanduser().absolute()
         self._coll = collectives or SingleProcess()
         self._wall_clock = wall_clock
@@ -152,7 +158,7 @@ class CheckpointEngine:
                                   ledger=self._ledger, settings=settings, tier=tier, keep_local=keep_local,
                                   keep_remote=keep_remote, latest_step=lambda: self._latest_step,
                                   remote_timeout_s=settings.remote_timeout_s,
-                                  max_unsynced_bytes=settings.max_unsynced_bytes)
+                                  max_unsynced_bytes=settings.max_unsynced_bytes, run_id=run_id)
         self._writer = self._pipeline.writer
         self._scheduler = SaveScheduler(policy=save_policy, preemption=preemption,
                                         grace_s=check_grace(preemption_grace_s), coll=self._coll,
@@ -300,7 +306,11 @@ class CheckpointEngine:
             RemoteError: uploads still fail after ``remote_timeout_s`` (names the un-synced steps).
             PersistError: a background failure no other call has raised yet (raised once).
         """
-        self._pipeline.drain(timeout)
+        try:
+            self._pipeline.drain(timeout)
+        except RemoteError:
+            self._ledger.raise_first()  # a more specific failure behind it (another run's lease) first
+            raise
         self._ledger.raise_first()
 
     def close(self) -> None:
@@ -349,15 +359,19 @@ class CheckpointEngine:
         """
         return self._reader.list(tier)
 
-    def resume_from(self, step: int) -> None:
+    def resume_from(self, step: int, *, from_remote: bool = False) -> None:
         """Say that this run continues from committed checkpoint ``step`` (``load`` says so by itself).
 
         A save past ``step`` while newer checkpoints are committed starts a new branch: those are set
         aside on both tiers (kept, listed by :meth:`abandoned`, never pruned, never the latest).
+        ``from_remote``: it was downloaded (a fresh machine), so this run takes over the lease of the
+        run that wrote it on ``remote_url``.
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int (the step resumed from)")
         self._resumed = step
+        if from_remote:
+            self._pipeline.adopt_remote_run()
 
     def _resumed_at(self) -> int | None:
         return self._resumed if self._resumed is not None else self._reader.loaded_step
@@ -378,7 +392,10 @@ class CheckpointEngine:
             CorruptCheckpointError: no copy of ``step`` verifies (names the file).
         """
         self._check_open()
-        return self._reader.load(step, map_location=map_location, verify=verify)
+        state = self._reader.load(step, map_location=map_location, verify=verify)
+        if self._reader.loaded_from_remote:  # a fresh machine: this run continues the one that wrote it
+            self._pipeline.adopt_remote_run()
+        return state
 
 
 def _close_at_exit(engine: CheckpointEngine) -> None:

@@ -11,6 +11,9 @@ A local tier looks like::
         abandoned-step-000000000300-at-000000000200-9f8e7d/   set aside: a resume from step 200 branched
         .lock-rank-00000                    the writer lock of rank 0 (who holds it: host, pid, start)
         .unsynced.json                      steps committed here and not yet uploaded (for ``persist gc``)
+        .run-id                             the run id a restart on this directory keeps (remote lease)
+
+A remote holds ``.lease.json`` beside its checkpoints: the run writing there, until when.
 
 A temporary directory whose ``.owner`` file nobody holds locked (or that has none) is dead: any
 process may remove it. See :mod:`persist_core.ownership`.
@@ -29,6 +32,8 @@ _ABANDONED_RE = re.compile(r"^abandoned-step-(\d{%d,})-at-(\d{%d,})-[0-9a-f]+$" 
 _LOCK_RE = re.compile(r"^\.lock-rank-(\d{5,})$")
 
 OWNER_SUFFIX = ".owner"
+LEASE_NAME = ".lease.json"  # on the remote: which run writes there, until when
+RUN_ID_NAME = ".run-id"  # in local_dir: the run id a restart on this directory keeps
 UNSYNCED_NAME = ".unsynced.json"
 
 

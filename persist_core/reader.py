@@ -77,7 +77,9 @@ class CheckpointReader:
         self._owns_tier = tier is None and remote_url is not None
         self._tier = tier if tier is not None else (RemoteTier(remote_url, storage_options) if remote_url else None)
         self._pool = ThreadPoolExecutor(_knobs.write_threads(), thread_name_prefix="persist-read")
+        self._downloads = 0
         self.loaded_step: int | None = None  # the step the last successful load() returned (a resume point)
+        self.loaded_from_remote = False  # ... and it was downloaded (a fresh machine resuming the remote's run)
 
     @property
     def local_dir(self) -> Path:
@@ -197,8 +199,9 @@ class CheckpointReader:
         raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {where}")
 
     def _load_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any) -> Any:
+        downloads = self._downloads
         state = self._read_step(step, in_local, in_remote, verify, map_location)
-        self.loaded_step = step
+        self.loaded_step, self.loaded_from_remote = step, self._downloads > downloads
         return state
 
     def _read_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any) -> Any:
@@ -241,6 +244,7 @@ class CheckpointReader:
         """
         assert self._tier is not None
         ckpt = checkpoint_dir(self._root, step)
+        self._downloads += 1
         with claim_tmp(self._root, step) as tmp:
             manifest = self._tier.download(step, tmp, progress)
             try:

@@ -159,7 +159,7 @@ class PersistSession:
             preemption_grace_s=o.preemption_grace_s, remote_timeout_s=o.remote_timeout_s,
         )
         if self._reader is not None and self._reader.loaded_step is not None:  # resumed before the engine opened
-            self._engine.resume_from(self._reader.loaded_step)
+            self._engine.resume_from(self._reader.loaded_step, from_remote=self._reader.loaded_from_remote)
         return self._engine
 
     @property

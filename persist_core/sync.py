@@ -32,12 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from persist_core.errors import PersistError, RemoteError
+from persist_core.errors import DirectoryInUseError, PersistError, RemoteError
 from persist_core.format.manifest import Manifest
 from persist_core.layout import MANIFEST_NAME
 from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.policies.retention import RetentionContext, RetentionPolicy, to_delete
 from persist_core.retainer import Retainer
+from persist_core.tiers.lease import RemoteLease
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.tier import CheckpointInfo
 
@@ -100,11 +101,14 @@ class RemoteSync:
         backlog: called once on the sync thread with the remote's steps; its jobs are queued.
         after_upload: called after each job ends (the engine's local retention); may raise.
         latest_step: the newest step saved so far (for ``lag_steps``).
+        lease: this run's lease on the remote, taken or renewed before every write there.
     """
 
     def __init__(self, tier: RemoteTier, *, keep_remote: RetentionPolicy | None, ledger: ErrorLedger,
-                 backlog: Backlog, after_upload: Callable[[], None], latest_step: Callable[[], int]) -> None:
+                 backlog: Backlog, after_upload: Callable[[], None], latest_step: Callable[[], int],
+                 lease: RemoteLease | None = None) -> None:
         self._tier = tier
+        self._lease = lease
         self._keep = keep_remote
         self._ledger = ledger
         self._backlog = backlog
@@ -199,6 +203,11 @@ class RemoteSync:
         self._queue = [j for j in self._queue if j not in dropped]
         return dropped
 
+    def adopt_lease(self, root: Path) -> None:
+        """Continue the run that holds the remote's lease (see :meth:`RemoteLease.adopt`)."""
+        if self._lease is not None:
+            self._lease.adopt(root)
+
     def start_branch(self, at: int) -> None:
         """A run resumed from ``at`` saves past it: before its next upload, the remote's newer checkpoints
         are set aside (kept under abandoned names); queued or failed uploads of them are dropped."""
@@ -237,7 +246,7 @@ class RemoteSync:
 
     def apply_retention(self) -> None:
         """Apply ``keep_remote`` to the remote now (the sync thread also does after each upload)."""
-        if self._listed:
+        if self._listed and (self._lease is None or self._lease.held):
             self._retainer.apply()
 
     def close(self, *, give_up: bool = False) -> None:
@@ -261,6 +270,8 @@ class RemoteSync:
                     "on this directory uploads it"), remote=True)
         self._stop()
         self._thread.join()
+        if self._lease is not None:
+            self._lease.release()
 
     def _stop(self) -> None:
         with self._cond:
@@ -320,6 +331,8 @@ class RemoteSync:
         try:
             if not self._listed:  # the start-up listing failed: try again before this upload
                 self._start()
+            if self._lease is not None:
+                self._lease.ensure()  # another run's live lease: nothing is written, retried later
             self._set_aside_remote()  # a new branch's first upload waits for the old branch to move aside
             self._tier.upload(job.local_ckpt, job.manifest)
             uploaded = True
@@ -356,14 +369,17 @@ class RemoteSync:
             except BaseException as e:
                 error = e
         if error is not None:
-            if not uploaded and not vanished and (hint := self._tier.hint(error)):
+            if isinstance(error, DirectoryInUseError):
+                pass  # says it all: the holder and the fix
+            elif not uploaded and not vanished and (hint := self._tier.hint(error)):
                 error = _wrapped(f"uploading checkpoint step={job.step} to {self._tier.url} failed{hint}", error)
             elif uploaded:
                 error = _wrapped(f"checkpoint step={job.step} was uploaded, but the retention that follows failed", error)
             if job.step not in self._reported:  # once per checkpoint; retries only log
                 self._reported.add(job.step)
                 log.error("[step=%d] %s (kept locally; retried while the job runs)", job.step, error)
-                self._ledger.fail(handle, error, remote=not uploaded and not vanished)
+                in_use = isinstance(error, DirectoryInUseError)  # a misconfiguration: the next save says so
+                self._ledger.fail(handle, error, remote=not uploaded and not vanished and not in_use)
             else:
                 log.debug("[step=%d] retry failed: %s", job.step, error)
         else:

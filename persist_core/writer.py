@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from persist_core._knobs import WriteSettings
+from persist_core._knobs import WriteSettings, remote_lease_s, run_id_from_env
 from persist_core.commit import commit_checkpoint
 from persist_core.distributed import Collectives
 from persist_core.errors import ConfigError, PersistError, RemoteError, StepExistsError, WriteError
@@ -36,6 +36,7 @@ from persist_core.retainer import Retainer
 from persist_core.staging import StagingBuffer, StagingPool
 from persist_core.sync import RemoteSync, SyncJob
 from persist_core.tiers.local import LocalTier, checkpoint_dir, discover
+from persist_core.tiers.lease import RemoteLease, local_run_id
 from persist_core.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
@@ -223,13 +224,13 @@ class Pipeline:
         tier: the remote tier, or ``None``.
         keep_local / keep_remote: the tiers' retention policies.
         latest_step: the newest step saved (for upload lag).
-        remote_timeout_s / max_unsynced_bytes: see :class:`CheckpointEngine`.
+        remote_timeout_s / max_unsynced_bytes / run_id: see :class:`CheckpointEngine`.
     """
 
     def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
                  settings: WriteSettings, tier: RemoteTier | None, keep_local: RetentionPolicy | None,
                  keep_remote: RetentionPolicy | None, latest_step: Callable[[], int], remote_timeout_s: float = 300.0,
-                 max_unsynced_bytes: int | None = None) -> None:
+                 max_unsynced_bytes: int | None = None, run_id: str | None = None) -> None:
         self._root = root
         self._remote_timeout_s = remote_timeout_s
         self._max_unsynced = max_unsynced_bytes
@@ -242,7 +243,8 @@ class Pipeline:
         self.local = Retainer(LocalTier(root), keep_local if leader else None, protected=self.protected)
         self.sync = None if tier is None or not leader else RemoteSync(
             tier, keep_remote=keep_remote, ledger=ledger, backlog=self._backlog, after_upload=self._after_upload,
-            latest_step=latest_step)
+            latest_step=latest_step, lease=RemoteLease(tier, run_id or run_id_from_env() or local_run_id(root),
+                                                       ttl_s=remote_lease_s()))
         self._url = None if tier is None else tier.url
         self._record_lock = threading.Lock()
         self._leader = leader
@@ -278,6 +280,11 @@ class Pipeline:
             "purpose, load the older checkpoint first (engine.load(step), or the adapters' fit(ckpt_path=...) / "
             "load_state(...)): the next save starts a new branch and sets the newer ones aside; otherwise save a "
             f"step after {self._newest}")
+
+    def adopt_remote_run(self) -> None:
+        """This run resumed from a checkpoint downloaded from the remote: continue the run holding its lease."""
+        if self.sync is not None:
+            self.sync.adopt_lease(self._root)
 
     def protected(self) -> set[int]:
         """Steps local retention must keep: pending here, or not uploaded yet (queued, uploading, failed).

@@ -101,6 +101,10 @@ class RemoteTier:
     def _path(self, *parts: str) -> str:
         return "/".join((self.root, *parts))
 
+    def path_of(self, name: str) -> str:
+        """The store path of ``name`` directly under the remote root (the lease object)."""
+        return self._path(name)
+
     # ------------------------------------------------------------------ retries
 
     def retry(self, what: str, fn: Callable[[], T]) -> T:

@@ -100,8 +100,8 @@ def test_connection_resets_mid_upload_still_commit(tmp_path, bucket, proxy, smal
     url = f"s3://{bucket}/run"
     options = {"client_kwargs": {"endpoint_url": proxy.url}}
     with CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=options) as engine:
-        engine.wait()  # the sync thread has listed the remote: the connections reset below are the upload's
-        proxy.reset_connections(3, after_bytes=1 << 20)
+        engine.save(state_for(0, n=8), step=0).wait()  # listed the remote, took the lease: the resets below hit
+        proxy.reset_connections(3, after_bytes=1 << 20)        # the upload
         engine.save(state_for(1, n=1536), step=1).wait()
     assert proxy.resets_done >= 1
     direct = {"client_kwargs": {"endpoint_url": proxy.url}}
