@@ -317,11 +317,21 @@ class RemoteSync:
             self._upload(job)
 
     def _requeue_failed(self) -> None:
-        """Queue the failed uploads again with what is queued: the newest first, then oldest first (lock held)."""
+        """Queue the failed uploads again with what is queued (lock held): the newest first, then what the
+        remote policy keeps for good (milestones), then the rest, each oldest first."""
         self._retry_now = False
         jobs = sorted([*self._failed.values(), *self._queue], key=lambda j: j.step)
         self._failed.clear()
-        self._queue = [jobs[-1], *jobs[:-1]]
+        doomed: set[int] = set()
+        if self._keep is not None:
+            infos = sorted([*self._known.list(), *(j.info(self._tier.url) for j in jobs)], key=lambda c: c.step)
+            try:
+                doomed = {c.step for c in to_delete(infos, self._keep,
+                                                    context=RetentionContext(tier="remote", now=time.time()))}
+            except Exception as e:  # a broken policy only costs the order; retention reports it itself
+                log.warning("ordering the retries by keep_remote failed: %s", e)
+        rest = jobs[:-1]
+        self._queue = [jobs[-1], *[j for j in rest if j.step not in doomed], *[j for j in rest if j.step in doomed]]
         log.info("retrying the upload of steps %s to %s", [j.step for j in self._queue], self._tier.url)
 
     def _upload(self, job: SyncJob) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from persist_core import CheckpointEngine, CheckpointReader, KeepLastN, RemoteError, WriteError
+from persist_core import AnyOf, CheckpointEngine, CheckpointReader, KeepEveryNSteps, KeepLastN, RemoteError, WriteError
 from persist_core.tiers.remote import RemoteTier
 
 
@@ -105,4 +105,21 @@ def test_a_backlog_over_its_cap_refuses_the_save_with_a_write_error_and_deletes_
     proxy.outage(False)
     engine.wait()
     engine.save(state_for(3), step=3).wait()  # uploaded: room again
+    engine.close()
+
+
+def test_after_an_outage_the_newest_goes_first_then_the_milestones_then_the_rest(tmp_path, bucket, proxy, fast,
+                                                                                 uploads):
+    url = f"s3://{bucket}/run"
+    proxy.outage(True)
+    engine = CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=_options(proxy),
+                              keep_remote=AnyOf(KeepLastN(1), KeepEveryNSteps(4)), remote_timeout_s=1)
+    for step in range(1, 9):
+        engine.save(state_for(step), step=step).wait_local()
+    with pytest.raises(RemoteError):
+        engine.wait()
+    proxy.outage(False)
+    engine.wait()
+    assert uploads[:2] == [8, 4], uploads  # 8: the newest; 4: a milestone KeepEveryNSteps(4) keeps for good
+    assert [c.step for c in engine.list("remote")] == [4, 8]
     engine.close()
