@@ -192,7 +192,7 @@ class CheckpointEngine:
         self._ledger.raise_first()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int (the training step)")
-        self._pipeline.check_timeline(step, self._resumed_at())
+        self._pipeline.timeline.check(step, self._resumed_at())
         self._writer.reserve(step)
         try:
             plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size)

@@ -25,7 +25,7 @@ from typing import Any
 from persist_core._knobs import WriteSettings, remote_lease_s, run_id_from_env
 from persist_core.commit import commit_checkpoint
 from persist_core.distributed import Collectives
-from persist_core.errors import ConfigError, PersistError, RemoteError, StepExistsError, WriteError
+from persist_core.errors import PersistError, RemoteError, StepExistsError, WriteError
 from persist_core.fileio import CHECKSUM_ALGORITHM, FileOps, write_file
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
@@ -37,6 +37,7 @@ from persist_core.staging import StagingBuffer, StagingPool
 from persist_core.sync import RemoteSync, SyncJob
 from persist_core.tiers.local import LocalTier, checkpoint_dir, discover
 from persist_core.tiers.lease import RemoteLease, local_run_id
+from persist_core.timeline import Timeline
 from persist_core.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
@@ -247,39 +248,7 @@ class Pipeline:
                                                        ttl_s=remote_lease_s()))
         self._url = None if tier is None else tier.url
         self._record_lock = threading.Lock()
-        self._leader = leader
-        self._newest: int | None = None  # the newest step committed or saved on the live branch
-
-    def check_timeline(self, step: int, resumed_at: int | None) -> None:
-        """Refuse a save older than the newest committed, unless the run resumed from an older step.
-
-        The first save past ``resumed_at`` with newer checkpoints committed starts a branch: they are set
-        aside (renamed, kept, never pruned, never the latest) here at once and on the remote before the
-        next upload, so retention and ``latest`` follow the live branch.
-
-        Raises:
-            ConfigError: ``step`` is older than the newest committed checkpoint and no resume explains it.
-        """
-        if self._newest is None:  # once: what is committed here (and on the remote, if it was listed)
-            remote = self.sync.known_steps() if self.sync is not None else set()
-            self._newest = max([*self.local.tier.committed_steps(), *remote], default=-1)
-        if resumed_at is not None and resumed_at < step <= self._newest:
-            if self._leader:
-                for newer in [s for s in self.local.tier.committed_steps() if s > resumed_at]:
-                    self.local.tier.set_aside(newer, resumed_at)
-                if self.sync is not None:
-                    self.sync.start_branch(resumed_at)
-            self._newest = step
-            return
-        if step >= self._newest:
-            self._newest = step
-            return
-        raise ConfigError(
-            f"step={step} is older than the newest committed checkpoint ({self._newest}) in {self._root}: saving it "
-            "would make a timeline where retention deletes it and resuming returns the newer one. To go back on "
-            "purpose, load the older checkpoint first (engine.load(step), or the adapters' fit(ckpt_path=...) / "
-            "load_state(...)): the next save starts a new branch and sets the newer ones aside; otherwise save a "
-            f"step after {self._newest}")
+        self.timeline = Timeline(root, LocalTier(root), self.sync, leader=leader)
 
     def adopt_remote_run(self) -> None:
         """This run resumed from a checkpoint downloaded from the remote: continue the run holding its lease."""
