@@ -183,6 +183,7 @@ class CheckpointReader:
         verify = self._verify if verify is None else verify
         local = set(committed_steps(self._root))
         remote = set(self._remote_or_nothing(self._tier.committed_steps, [])) if self._tier is not None else set()
+        remote -= self._set_aside_here(remote - local)
         if step is not None:
             if step not in local | remote:
                 where = f"{self._root}" + (f" or {self._tier.url}" if self._tier else "")
@@ -257,6 +258,22 @@ class CheckpointReader:
                 # another process (a rank on this node) put its download in place first: use that one
                 manifest = read_manifest(ckpt)
         return manifest
+
+    def _set_aside_here(self, remote_only: set[int]) -> set[int]:
+        """Remote steps that are checkpoints this directory set aside (a run died before the remote followed)."""
+        found = set()
+        for step, _, manifest, _ in LocalTier(self._root).abandoned_manifests():
+            if step not in remote_only:
+                continue
+            try:
+                same = self._remote_or_nothing(lambda s=step: self._tier.read_manifest(s), None) == manifest
+            except CorruptCheckpointError:
+                same = False  # not the same checkpoint, whatever it is: load() judges it as usual
+            if same:
+                log.warning("[step=%d] not loading it from %s: this directory set it aside (an abandoned branch)", step,
+                            self._tier.url)
+                found.add(step)
+        return found
 
     def _remote_or_nothing(self, read: Callable[[], T], nothing: T) -> T:
         """``read()`` from the remote, or ``nothing`` when the remote is down: local copies still serve."""

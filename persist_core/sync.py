@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from persist_core.errors import DirectoryInUseError, PersistError, RemoteError
+from persist_core.errors import CorruptCheckpointError, DirectoryInUseError, PersistError, RemoteError
 from persist_core.format.manifest import Manifest
 from persist_core.layout import MANIFEST_NAME
 from persist_core.handle import ErrorLedger, SaveHandle
@@ -102,13 +102,17 @@ class RemoteSync:
         after_upload: called after each job ends (the engine's local retention); may raise.
         latest_step: the newest step saved so far (for ``lag_steps``).
         lease: this run's lease on the remote, taken or renewed before every write there.
+        abandoned: the local set-aside checkpoints (their remote copies are set aside too, at start).
     """
 
     def __init__(self, tier: RemoteTier, *, keep_remote: RetentionPolicy | None, ledger: ErrorLedger,
                  backlog: Backlog, after_upload: Callable[[], None], latest_step: Callable[[], int],
-                 lease: RemoteLease | None = None) -> None:
+                 lease: RemoteLease | None = None,
+                 abandoned: Callable[[], list[tuple[int, int, Manifest, str]]] | None = None) -> None:
         self._tier = tier
         self._lease = lease
+        self._abandoned = abandoned
+        self._unmoved: list[tuple[int, int, Manifest, str]] = []
         self._keep = keep_remote
         self._ledger = ledger
         self._backlog = backlog
@@ -221,6 +225,22 @@ class RemoteSync:
             job.handle._update(superseded=True)
             job.handle._set_remote_done()
 
+    def _finish_set_aside(self) -> None:
+        """Sync thread: a run that set checkpoints aside locally may have died before the remote followed;
+        set aside the remote copies that are the same checkpoints (same manifest), once after listing."""
+        while self._unmoved:
+            step, at, manifest, _ = self._unmoved[0]
+            try:
+                same = step in self._known.infos and self._tier.read_manifest(step) == manifest
+            except CorruptCheckpointError:
+                same = False
+            if same:
+                log.info("[step=%d] setting aside on %s what an earlier run set aside locally", step, self._tier.url)
+                self._tier.set_aside(step, at)
+                with self._known.lock:
+                    self._known.infos.pop(step, None)
+            self._unmoved.pop(0)
+
     def _set_aside_remote(self) -> None:
         """Sync thread: set aside the remote's checkpoints newer than the branch point (raises to retry)."""
         at = self._branch_at
@@ -290,6 +310,7 @@ class RemoteSync:
         with self._known.lock:
             self._known.infos = {i.step: i for i in infos}
         self._listed = True
+        self._unmoved = self._abandoned() if self._abandoned is not None else []
         for job in self._backlog(set(self._known.infos)):
             log.info("[step=%d] queueing the upload of %s left unsynced by an earlier run", job.step, job.local_ckpt)
             self.submit(job)
@@ -344,6 +365,7 @@ class RemoteSync:
             if self._lease is not None:
                 self._lease.ensure()  # another run's live lease: nothing is written, retried later
             self._set_aside_remote()  # a new branch's first upload waits for the old branch to move aside
+            self._finish_set_aside()
             self._tier.upload(job.local_ckpt, job.manifest)
             uploaded = True
             with self._known.lock:

@@ -245,7 +245,8 @@ class Pipeline:
         self.sync = None if tier is None or not leader else RemoteSync(
             tier, keep_remote=keep_remote, ledger=ledger, backlog=self._backlog, after_upload=self._after_upload,
             latest_step=latest_step, lease=RemoteLease(tier, run_id or run_id_from_env() or local_run_id(root),
-                                                       ttl_s=remote_lease_s()))
+                                                       ttl_s=remote_lease_s()),
+            abandoned=LocalTier(root).abandoned_manifests)
         self._url = None if tier is None else tier.url
         self._record_lock = threading.Lock()
         self.timeline = Timeline(root, LocalTier(root), self.sync, leader=leader)

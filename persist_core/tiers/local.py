@@ -313,6 +313,11 @@ class LocalTier:
 
     def abandoned(self) -> list[CheckpointInfo]:
         """Checkpoints set aside when a run resumed from an older one, oldest first (kept, never pruned)."""
+        return [CheckpointInfo(step=step, time=m.time, nbytes=m.nbytes, path=path)
+                for step, _, m, path in self.abandoned_manifests()]
+
+    def abandoned_manifests(self) -> list[tuple[int, int, Manifest, str]]:
+        """``(step, resumed-at step, manifest, path)`` of each set-aside checkpoint that reads, oldest first."""
         found = []
         for entry in os.scandir(self.root):
             parsed = parse_abandoned_dirname(entry.name)
@@ -323,8 +328,8 @@ class LocalTier:
             except (OSError, CorruptCheckpointError) as e:
                 log.warning("skipping %s: %s", entry.path, e)
                 continue
-            found.append(CheckpointInfo(step=parsed[0], time=m.time, nbytes=m.nbytes, path=entry.path))
-        return sorted(found, key=lambda c: (c.step, c.path))
+            found.append((parsed[0], parsed[1], m, entry.path))
+        return sorted(found, key=lambda f: (f[0], f[3]))
 
 
 def open_local_dir(root: Path, *, rank: int) -> DirLock:

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from persist_core import CheckpointEngine, CheckpointReader, ConfigError, KeepLastN
 from persist_core.cli import main as cli
+from persist_core.tiers.local import LocalTier
 from tests.support.states import assert_state_equal
 
 
@@ -70,3 +71,19 @@ def test_resume_from_latest_is_not_a_branch(tmp_path):
         engine.save(state_for(3), step=3)
         engine.wait()
         assert engine.abandoned() == [] and [c.step for c in engine.list()] == [1, 2, 3]
+
+
+def test_a_run_killed_between_the_local_and_the_remote_set_aside_never_resumes_the_abandoned_branch(tmp_path, url):
+    local = tmp_path / "ckpt"
+    with CheckpointEngine(local, remote_url=url) as engine:
+        for step in (10, 20, 30):
+            engine.save(state_for(step), step=step)
+    LocalTier(local).set_aside(30, 20)  # what the killed run did before its sync thread could follow
+    with CheckpointEngine(local, remote_url=url) as restarted:
+        assert restarted.load()["step"] == 20  # not the remote's 30: this directory set it aside
+        restarted.save(state_for(21), step=21)
+        restarted.wait()
+        assert [c.step for c in restarted.list("remote")] == [10, 20, 21]
+        assert [a.step for a in restarted.abandoned("remote")] == [30]
+    with CheckpointReader(tmp_path / "fresh", remote_url=url) as fresh:
+        assert fresh.load()["step"] == 21
