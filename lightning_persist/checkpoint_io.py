@@ -176,6 +176,7 @@ class PersistCheckpointIO(CheckpointIO):
         handle = self._session.save(checkpoint, step, metadata={"lightning_path": os.path.basename(target)})
         if not self._leader or handle is None:
             return  # rank 0 names the checkpoint
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)  # save_last="link" links in it right away
         self._links.intend(target, step)
         handle.add_local_callback(lambda committed: self._links.on_committed(target, step, committed))
 

@@ -415,3 +415,16 @@ def test_fit_from_an_older_checkpoint_branches_and_the_new_branch_is_the_one_kep
     assert step_dirs(d) == {f"step-{s:012d}" for s in (8, 9, 11, 12)}
     assert [a.step for a in CheckpointReader(d).abandoned()] == [9]  # the old 9, set aside, not deleted
     assert PersistCheckpointIO(local_dir=d).latest_path() == str(d / "step-000000000012")
+
+
+def test_save_last_link_into_a_dirpath_that_does_not_exist_yet(tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    d = tmp_path / "not" / "yet"
+    io = PersistCheckpointIO(local_dir=tmp_path / "ckpt")
+    Trainer(max_steps=3, plugins=[io], accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[ModelCheckpoint(dirpath=d, every_n_train_steps=1, save_top_k=-1, save_last="link")]).fit(Net())
+    assert os.path.islink(d / "last.ckpt")  # Lightning links last.ckpt to the newest path itself
+    assert io.load_checkpoint(d / "last.ckpt")["global_step"] == 3
