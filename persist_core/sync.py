@@ -311,9 +311,19 @@ class RemoteSync:
             self._known.infos = {i.step: i for i in infos}
         self._listed = True
         self._unmoved = self._abandoned() if self._abandoned is not None else []
-        for job in self._backlog(set(self._known.infos)):
+        backlog = self._backlog(set(self._known.infos))
+        for job in backlog:
             log.info("[step=%d] queueing the upload of %s left unsynced by an earlier run", job.step, job.local_ckpt)
-            self.submit(job)
+        superseded: list[SyncJob] = []
+        if backlog:
+            with self._cond:  # the newest first, then milestones, then the rest; superseded as at submit
+                self._queue = self._ordered([*self._queue, *backlog])
+                superseded = self._supersede()
+                self._cond.notify_all()
+        for old in superseded:
+            log.info("[step=%d] upload superseded by a newer checkpoint (remote is behind)", old.step)
+            old.handle._update(superseded=True)
+            old.handle._set_remote_done()
 
     def _run(self) -> None:
         try:
@@ -341,8 +351,17 @@ class RemoteSync:
         """Queue the failed uploads again with what is queued (lock held): the newest first, then what the
         remote policy keeps for good (milestones), then the rest, each oldest first."""
         self._retry_now = False
-        jobs = sorted([*self._failed.values(), *self._queue], key=lambda j: j.step)
+        jobs = [*self._failed.values(), *self._queue]
         self._failed.clear()
+        self._queue = self._ordered(jobs)
+        log.info("retrying the upload of steps %s to %s", [j.step for j in self._queue], self._tier.url)
+
+    def _ordered(self, jobs: list[SyncJob]) -> list[SyncJob]:
+        """The newest first, then what the remote policy keeps for good (milestones), then the rest, each
+        oldest first."""
+        jobs = sorted({j.step: j for j in jobs}.values(), key=lambda j: j.step)
+        if not jobs:
+            return []
         doomed: set[int] = set()
         if self._keep is not None:
             infos = sorted([*self._known.list(), *(j.info(self._tier.url) for j in jobs)], key=lambda c: c.step)
@@ -352,8 +371,7 @@ class RemoteSync:
             except Exception as e:  # a broken policy only costs the order; retention reports it itself
                 log.warning("ordering the retries by keep_remote failed: %s", e)
         rest = jobs[:-1]
-        self._queue = [jobs[-1], *[j for j in rest if j.step not in doomed], *[j for j in rest if j.step in doomed]]
-        log.info("retrying the upload of steps %s to %s", [j.step for j in self._queue], self._tier.url)
+        return [jobs[-1], *[j for j in rest if j.step not in doomed], *[j for j in rest if j.step in doomed]]
 
     def _upload(self, job: SyncJob) -> None:
         t0 = time.perf_counter()

@@ -110,16 +110,17 @@ def test_a_backlog_over_its_cap_refuses_the_save_with_a_write_error_and_deletes_
 
 def test_after_an_outage_the_newest_goes_first_then_the_milestones_then_the_rest(tmp_path, bucket, proxy, fast,
                                                                                  uploads):
-    url = f"s3://{bucket}/run"
+    url, policy = f"s3://{bucket}/run", AnyOf(KeepLastN(1), KeepEveryNSteps(4))
     proxy.outage(True)
-    engine = CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=_options(proxy),
-                              keep_remote=AnyOf(KeepLastN(1), KeepEveryNSteps(4)), remote_timeout_s=1)
-    for step in range(1, 9):
-        engine.save(state_for(step), step=step).wait_local()
+    down = CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=_options(proxy), keep_remote=policy,
+                            remote_timeout_s=1)
+    for step in range(1, 10):
+        down.save(state_for(step), step=step).wait_local()
     with pytest.raises(RemoteError):
-        engine.wait()
+        down.close()  # the job ends during the outage: 1..9 un-synced
+    assert uploads == []
     proxy.outage(False)
-    engine.wait()
-    assert uploads[:2] == [8, 4], uploads  # 8: the newest; 4: a milestone KeepEveryNSteps(4) keeps for good
-    assert [c.step for c in engine.list("remote")] == [4, 8]
-    engine.close()
+    with CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=_options(proxy), keep_remote=policy) as up:
+        up.wait()
+        assert uploads == [9, 4, 8], uploads  # the newest, then the milestones KeepEveryNSteps(4) keeps for good
+        assert [c.step for c in up.list("remote")] == [4, 8, 9]
