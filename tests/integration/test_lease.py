@@ -26,7 +26,7 @@ def test_a_second_run_on_one_remote_url_is_refused_and_prunes_nothing_until_the_
         first.save(state_for(step), step=step)
     first.wait()
     second = CheckpointEngine(tmp_path / "b", remote_url=url, storage_options=s3_options, keep_remote=KeepLastN(1),
-                              remote_timeout_s=1)
+                              remote_timeout_s=3)
     second.save(state_for(10), step=10)  # training goes on: the refusal comes from the upload
     with pytest.raises(DirectoryInUseError, match=r"written by another run: run_id='run-[0-9a-f]+' on host=.* "
                                                   r"pid=\d+.*own remote_url.*run_id="):

@@ -119,10 +119,10 @@ def _options(proxy) -> dict:
 
 
 def test_gc_on_a_live_job_during_an_outage_keeps_what_is_not_uploaded(tmp_path, bucket, proxy, monkeypatch):
-    monkeypatch.setenv("PERSIST_REMOTE_RETRIES", "1")
+    monkeypatch.setenv("PERSIST_REMOTE_RETRIES", "3")  # a connection the outage left stale is retried at once
     monkeypatch.setenv("PERSIST_REMOTE_BACKOFF_MS", "10")
     local, url = tmp_path / "ckpt", f"s3://{bucket}/run"
-    engine = CheckpointEngine(local, remote_url=url, storage_options=_options(proxy), remote_timeout_s=1)
+    engine = CheckpointEngine(local, remote_url=url, storage_options=_options(proxy), remote_timeout_s=3)
     engine.save({"w": torch.ones(1024)}, step=1)
     engine.wait()
     proxy.outage(True)
