@@ -337,14 +337,15 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
         raise click.UsageError("say what to keep: --keep-last, --keep-every-n-steps and/or --keep-every-n-seconds")
     loc = _open(ctx, location)
     context = RetentionContext(tier=loc.tier.kind, now=time.time())
+    listed = loc.list()  # reads every manifest: once
     keep: dict[int, str] = {}
     if loc.root is not None:  # a live job's un-synced checkpoints and temporaries are not gc's to take
         remote, unsynced = read_unsynced(loc.root)
-        committed = [c.step for c in loc.list()]
+        committed = [c.step for c in listed]
         for step in committed if unsynced is None else sorted(unsynced & set(committed)):
             keep[step] = f"not yet uploaded to {remote}" if unsynced is not None else \
                 "the record of what is uploaded is unreadable"
-    doomed = [c for c in to_delete(loc.list(), policy, context=context) if c.step not in keep]
+    doomed = [c for c in to_delete(listed, policy, context=context) if c.step not in keep]
     verb = "would remove" if dry_run else "removed"
     for info in doomed:
         if not dry_run:

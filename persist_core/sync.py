@@ -189,23 +189,23 @@ class RemoteSync:
                 superseded = self._supersede()
             finally:
                 self._cond.notify_all()
-        for old in superseded:
-            log.info("[step=%d] upload superseded by a newer checkpoint (remote is behind)", old.step)
-            old.handle._update(superseded=True)
-            old.handle._set_remote_done()
+        _end_superseded(superseded, "upload superseded by a newer checkpoint (remote is behind)")
 
     def _supersede(self) -> list[SyncJob]:
         """Drop queued jobs, except the newest, that the remote policy would not keep (lock held)."""
         if self._keep is None or len(self._queue) < 2:
             return []
-        pending = ([self._active] if self._active else []) + self._queue
-        infos = sorted([*self._known.list(), *(j.info(self._tier.url) for j in pending)], key=lambda c: c.step)
-        context = RetentionContext(tier="remote", now=time.time())
-        doomed = {c.step for c in to_delete(infos, self._keep, context=context)}
+        doomed = self._doomed(([self._active] if self._active else []) + self._queue)
         newest = max(j.step for j in self._queue)
         dropped = [j for j in self._queue if j.step in doomed and j.step != newest]
         self._queue = [j for j in self._queue if j not in dropped]
         return dropped
+
+    def _doomed(self, jobs: list[SyncJob]) -> set[int]:
+        """Steps ``keep_remote`` would delete from what the remote holds plus ``jobs`` (lock held)."""
+        assert self._keep is not None
+        infos = sorted([*self._known.list(), *(j.info(self._tier.url) for j in jobs)], key=lambda c: c.step)
+        return {c.step for c in to_delete(infos, self._keep, context=RetentionContext(tier="remote", now=time.time()))}
 
     def adopt_lease(self, root: Path) -> None:
         """Continue the run that holds the remote's lease (see :meth:`RemoteLease.adopt`)."""
@@ -220,10 +220,7 @@ class RemoteSync:
             dropped = [j for j in [*self._queue, *self._failed.values()] if j.step > at]
             self._queue = [j for j in self._queue if j.step <= at]
             self._failed = {s: j for s, j in self._failed.items() if s <= at}
-        for job in dropped:
-            log.info("[step=%d] not uploaded: set aside locally by the branch from step %d", job.step, at)
-            job.handle._update(superseded=True)
-            job.handle._set_remote_done()
+        _end_superseded(dropped, f"not uploaded: set aside locally by the branch from step {at}")
 
     def _finish_set_aside(self) -> None:
         """Sync thread: a run that set checkpoints aside locally may have died before the remote followed;
@@ -320,10 +317,7 @@ class RemoteSync:
                 self._queue = self._ordered([*self._queue, *backlog])
                 superseded = self._supersede()
                 self._cond.notify_all()
-        for old in superseded:
-            log.info("[step=%d] upload superseded by a newer checkpoint (remote is behind)", old.step)
-            old.handle._update(superseded=True)
-            old.handle._set_remote_done()
+        _end_superseded(superseded, "upload superseded by a newer checkpoint (remote is behind)")
 
     def _run(self) -> None:
         try:
@@ -364,10 +358,8 @@ class RemoteSync:
             return []
         doomed: set[int] = set()
         if self._keep is not None:
-            infos = sorted([*self._known.list(), *(j.info(self._tier.url) for j in jobs)], key=lambda c: c.step)
             try:
-                doomed = {c.step for c in to_delete(infos, self._keep,
-                                                    context=RetentionContext(tier="remote", now=time.time()))}
+                doomed = self._doomed(jobs)
             except Exception as e:  # a broken policy only costs the order; retention reports it itself
                 log.warning("ordering the retries by keep_remote failed: %s", e)
         rest = jobs[:-1]
@@ -434,6 +426,14 @@ class RemoteSync:
                 log.debug("[step=%d] retry failed: %s", job.step, error)
         else:
             handle._set_remote_done()
+
+
+def _end_superseded(jobs: list[SyncJob], why: str) -> None:
+    """End the remote phase of jobs that will not be uploaded by this engine (each handle says so)."""
+    for job in jobs:
+        log.info("[step=%d] %s", job.step, why)
+        job.handle._update(superseded=True)
+        job.handle._set_remote_done()
 
 
 def _wrapped(message: str, error: BaseException) -> BaseException:

@@ -241,15 +241,16 @@ class Pipeline:
         self.writer = Writer(root, pool=pool, coll=coll, ops=ops, ledger=ledger, after_commit=self._after_commit,
                              write_threads=settings.write_threads, chunk_bytes=settings.chunk_bytes,
                              direct_io=settings.direct_io)
-        self.local = Retainer(LocalTier(root), keep_local if leader else None, protected=self.protected)
+        local = LocalTier(root)
+        self.local = Retainer(local, keep_local if leader else None, protected=self.protected)
         self.sync = None if tier is None or not leader else RemoteSync(
             tier, keep_remote=keep_remote, ledger=ledger, backlog=self._backlog, after_upload=self._after_upload,
             latest_step=latest_step, lease=RemoteLease(tier, run_id or run_id_from_env() or local_run_id(root),
                                                        ttl_s=remote_lease_s()),
-            abandoned=LocalTier(root).abandoned_manifests)
+            abandoned=local.abandoned_manifests)
         self._url = None if tier is None else tier.url
         self._record_lock = threading.Lock()
-        self.timeline = Timeline(root, LocalTier(root), self.sync, leader=leader)
+        self.timeline = Timeline(root, local, self.sync, leader=leader)
 
     def adopt_remote_run(self) -> None:
         """This run resumed from a checkpoint downloaded from the remote: continue the run holding its lease."""
