@@ -21,7 +21,8 @@ from typing import Any
 import click
 
 from persist_core.errors import PersistError
-from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, parse_checkpoint_dirname, parse_tmp_dirname
+from persist_core.layout import (FULL, KINDS, MANIFEST_NAME, checkpoint_dirname, kind_subdir, parse_checkpoint_dirname,
+                                 parse_tmp_dirname)
 from persist_core.ownership import describe, owner_of, read_unsynced, remove_dead
 from persist_core.format.manifest import Manifest
 from persist_core.reader import CheckpointReader
@@ -175,16 +176,24 @@ def _open(ctx: click.Context, location: str) -> _Location:
 @click.pass_context
 def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None) -> None:
     """Committed checkpoints: step, time, size, files (sizes checked; `verify` reads every byte)."""
-    loc = _open(ctx, location)
     rows = []
-    for info in loc.list():
-        m = loc.manifest(info.step)
-        rows.append({"step": info.step, "time": info.time, "bytes": info.nbytes, "files": len(m.files),
-                     "ranks": m.world_size, "path": info.path,
-                     "milestone": bool(milestones) and info.step % milestones == 0, "abandoned": False})
-    for info in loc.tier.abandoned():  # kept, never the latest: a resume from an older step branched
-        rows.append({"step": info.step, "time": info.time, "bytes": info.nbytes, "files": None, "ranks": None,
-                     "path": info.path, "milestone": False, "abandoned": True})
+    for kind in KINDS:  # full ones in LOCATION, weights-only ones in LOCATION/weights-only
+        sub = kind_subdir(kind)
+        if not sub:
+            loc = _open(ctx, location)
+        elif _is_url(location) or os.path.isdir(os.path.join(location.removeprefix("file://"), sub)):
+            loc = _open(ctx, f"{location.rstrip('/')}/{sub}")
+        else:
+            continue
+        for info in loc.list():
+            m = loc.manifest(info.step)
+            rows.append({"step": info.step, "kind": kind, "time": info.time, "bytes": info.nbytes,
+                         "files": len(m.files), "ranks": m.world_size, "path": info.path,
+                         "milestone": bool(milestones) and info.step % milestones == 0, "abandoned": False})
+        for info in loc.tier.abandoned():  # kept, never the latest: a resume from an older step branched
+            rows.append({"step": info.step, "kind": kind, "time": info.time, "bytes": info.nbytes, "files": None,
+                         "ranks": None, "path": info.path, "milestone": False, "abandoned": True})
+    rows.sort(key=lambda r: (r["abandoned"], r["step"], KINDS.index(r["kind"])))
     if as_json:
         click.echo(json.dumps(rows))
         return
@@ -192,11 +201,16 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None)
     from rich.table import Table
 
     table = Table(title=location)
-    for col in ("step", "saved (UTC)", "age", "size", "files", "ranks", "milestone", "branch"):
-        table.add_column(col, justify="right" if col in ("step", "size", "files", "ranks") else "left")
+    kinds = any(r["kind"] != FULL for r in rows)  # the kind column only when there is more than one kind
+    columns = ("step", *(("kind",) if kinds else ()), "saved (UTC)", "age", "size", "files", "ranks", "milestone",
+               "branch")
+    for col in columns:
+        table.add_column(col, justify="right" if col in ("step", "size", "files", "ranks") else "left",
+                         no_wrap=col in ("step", "kind"))
     now = time.time()
     for r in rows:
-        table.add_row(str(r["step"]), time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"])),
+        table.add_row(str(r["step"]), *((r["kind"],) if kinds else ()),
+                      time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"])),
                       f"{(now - r['time']) / 3600:.1f} h", _size(r["bytes"]), str(r["files"] or ""),
                       str(r["ranks"] or ""), "yes" if r["milestone"] else "",
                       "abandoned" if r.get("abandoned") else "live")

@@ -45,6 +45,7 @@ def commit_checkpoint(
     write_shard: Callable[[Path], FileEntry],
     release: Callable[[], None],
     ops: FileOps,
+    replace: bool = False,
 ) -> Manifest:
     """Write this rank's shard of ``base.step`` and commit the checkpoint with the other ranks.
 
@@ -57,6 +58,8 @@ def commit_checkpoint(
         write_shard: writes and fsyncs this rank's shard into the given directory.
         release: frees the staging buffer; called once, as soon as the shard is written.
         ops: file calls for the manifest.
+        replace: ``step-N`` may be committed already (a re-save after a resume): the new one takes its
+            name atomically and the old one is removed after (:func:`~persist_core.fileio.commit_dir`).
 
     Returns:
         The committed manifest (on rank 0; the other ranks get ``base``).
@@ -73,11 +76,12 @@ def commit_checkpoint(
             except OSError as e:  # still make every collective call below, so no rank waits forever
                 error = e
         return _commit(root, base, signature, coll=coll, write_shard=write_shard, release=release, ops=ops,
-                       tmp=tmp, error=error)
+                       tmp=tmp, error=error, replace=replace)
 
 
 def _commit(root: Path, base: Manifest, signature: str, *, coll: Collectives, write_shard: Callable[[Path], FileEntry],
-            release: Callable[[], None], ops: FileOps, tmp: Path | None, error: BaseException | None) -> Manifest:
+            release: Callable[[], None], ops: FileOps, tmp: Path | None, error: BaseException | None,
+            replace: bool) -> Manifest:
     step = base.step
     leader = coll.rank == 0
     name: str | None = None
@@ -122,7 +126,8 @@ def _commit(root: Path, base: Manifest, signature: str, *, coll: Collectives, wr
                         f"{e}: local_dir={str(root)!r} must be one directory every rank shares (one node or a "
                         "shared file system) for all ranks to write"
                     ) from None
-                commit_dir(root / name, root / checkpoint_dirname(step), manifest.to_bytes(), ops=ops)
+                commit_dir(root / name, root / checkpoint_dirname(step), manifest.to_bytes(), ops=ops,
+                           replace=replace)  # the old one, if any, is left at the temporary name: removed below
             except BaseException as e:
                 error = error or e
                 problems.append(f"rank 0: {type(e).__name__}: {e}")

@@ -176,7 +176,10 @@ class CheckpointEngine:
 
         Args:
             state: nested dicts / lists / tuples of tensors (any device) and picklable values.
-            step: the training step, a non-negative int not saved before in ``local_dir``.
+            step: the training step, a non-negative int not saved before in ``local_dir`` — except the
+                step this run resumed from (:meth:`load`, :meth:`resume_from`): saving it again replaces
+                it atomically (the new checkpoint takes its name in one exchange; the old one is removed
+                after, and uploaded over on the remote), as a framework re-saving that step expects.
             metadata: JSON-able values stored in the manifest.
 
         Returns:
@@ -192,8 +195,10 @@ class CheckpointEngine:
         self._ledger.raise_first()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int (the training step)")
-        self._pipeline.timeline.check(step, self._resumed_at())
-        self._writer.reserve(step)
+        resumed_at = self._resumed_at()
+        self._pipeline.timeline.check(step, resumed_at)
+        replace = step == resumed_at  # the step resumed from, saved again (Lightning does, with accumulation)
+        self._writer.reserve(step, replace=replace)
         try:
             plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size)
             self._pipeline.check_backlog(step, plan.shard.file_bytes)
@@ -206,7 +211,8 @@ class CheckpointEngine:
                                       staging_s=staged.staging_s))
         self._latest_step = max(self._latest_step, step)
         self._history.add(decided_at, step, handle)
-        job = WriteJob(handle=handle, buf=staged.buf, base=base, staged_at=staged.done_at, signature=plan.signature)
+        job = WriteJob(handle=handle, buf=staged.buf, base=base, staged_at=staged.done_at, signature=plan.signature,
+                       replace=replace)
         del plan  # the writer needs only the staged bytes, not the caller's tensors
         handle._update(stall_s=time.perf_counter() - t0)
         self._writer.submit(job)
@@ -372,6 +378,11 @@ class CheckpointEngine:
         self._resumed = step
         if from_remote:
             self._pipeline.adopt_remote_run()
+
+    @property
+    def resumed_step(self) -> int | None:
+        """The committed step this run continues from (:meth:`load` or :meth:`resume_from`), or ``None``."""
+        return self._resumed_at()
 
     def _resumed_at(self) -> int | None:
         return self._resumed if self._resumed is not None else self._reader.loaded_step

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import crc32c
 
@@ -154,8 +155,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def commit_dir(tmp: Path, final: Path, manifest: bytes, *, ops: FileOps) -> None:
+def commit_dir(tmp: Path, final: Path, manifest: bytes, *, ops: FileOps, replace: bool = False) -> None:
     """Write the manifest last into ``tmp``, then rename ``tmp`` to ``final`` durably.
+
+    ``replace``: ``final`` may be a committed checkpoint; the two are exchanged in one atomic
+    ``renameat2(RENAME_EXCHANGE)``, so ``final`` always names a committed one, and the old one is
+    left at ``tmp`` for the caller to remove (see :func:`exchange_dirs` for file systems without it).
 
     Raises:
         OSError: any step failed; ``final`` then does not exist (or is not yet durable).
@@ -170,5 +175,41 @@ def commit_dir(tmp: Path, final: Path, manifest: bytes, *, ops: FileOps) -> None
     finally:
         ops.close(fd)
     fsync_dir(tmp)
-    os.rename(tmp, final)
+    if replace and os.path.lexists(final):
+        exchange_dirs(tmp, final)
+    else:
+        os.rename(tmp, final)
     fsync_dir(final.parent)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange_dirs(new: Path, old: Path) -> None:
+    """Put ``new`` at ``old``'s name and ``old``'s directory at ``new``'s, atomically where the kernel can.
+
+    ``renameat2(RENAME_EXCHANGE)`` (Linux 3.15+, ext4/xfs/btrfs/tmpfs) swaps the two names in one
+    step. Elsewhere two renames: ``old`` to ``new``'s name with a suffix, then ``new`` into place,
+    then the suffixed one to ``new``'s name — a moment in between without ``old``'s name.
+    """
+    libc = _libc()
+    renameat2 = getattr(libc, "renameat2", None) if libc is not None else None
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(old), _RENAME_EXCHANGE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, f"exchanging {new} and {old}: {os.strerror(err)}")
+    aside = new.with_name(new.name + "0")
+    os.rename(old, aside)
+    os.rename(new, old)
+    os.rename(aside, new)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None

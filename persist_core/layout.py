@@ -12,6 +12,12 @@ A local tier looks like::
         .lock-rank-00000                    the writer lock of rank 0 (who holds it: host, pid, start)
         .unsynced.json                      steps committed here and not yet uploaded (for ``persist gc``)
         .run-id                             the run id a restart on this directory keeps (remote lease)
+        weights-only/                       checkpoints of the other kind: weights only (Lightning's
+            step-000000000100/                  save_weights_only), a tier of its own laid out as above
+
+A checkpoint has a kind, ``full`` (resumable) or ``weights-only``, and ``(step, kind)`` is its key:
+the full ones live in ``local_dir`` (and ``remote_url``), the weights-only ones in
+``local_dir/weights-only`` (and ``remote_url/weights-only``), each kind with its own retention.
 
 A remote holds ``.lease.json`` beside its checkpoints: the run writing there, until when.
 
@@ -35,6 +41,18 @@ OWNER_SUFFIX = ".owner"
 LEASE_NAME = ".lease.json"  # on the remote: which run writes there, until when
 RUN_ID_NAME = ".run-id"  # in local_dir: the run id a restart on this directory keeps
 UNSYNCED_NAME = ".unsynced.json"
+
+
+FULL = "full"
+WEIGHTS_ONLY = "weights-only"
+KINDS = (FULL, WEIGHTS_ONLY)
+
+
+def kind_subdir(kind: str) -> str:
+    """The sub-directory (and remote sub-prefix) of a kind's checkpoints: ``""`` for full ones."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not one of {KINDS}")
+    return "" if kind == FULL else WEIGHTS_ONLY
 
 
 def checkpoint_dirname(step: int) -> str:

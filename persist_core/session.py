@@ -32,6 +32,7 @@ from persist_core.engine import CheckpointEngine
 from persist_core.errors import ConfigError, StepExistsError
 from persist_core.handle import SaveHandle, SaveStats
 from persist_core.history import describe_summary
+from persist_core.layout import FULL, kind_subdir
 from persist_core.policies.anyof import AnyOf, policy_from_keywords
 from persist_core.policies.retention import RetentionPolicy
 from persist_core.policies.save import SavePolicy, check_save_policy
@@ -113,7 +114,8 @@ class PersistSession:
         self._engine: CheckpointEngine | None = None
         self._reader: CheckpointReader | None = None
         self._collectives: Collectives = SingleProcess()
-        self._saved: dict[int, SaveHandle | None] = {}  # None: restored from it, not saved here
+        self._saved: dict[tuple[str, int], SaveHandle | None] = {}  # (kind, step); None: restored from it
+        self._others: dict[str, CheckpointEngine] = {}  # the engines of kinds other than full, by kind
         self._unreported: list[SaveHandle] = []
         self._flush: SignalFlush | None = None
         self.notice: PreemptionNotice | None = None
@@ -130,9 +132,9 @@ class PersistSession:
 
     def use_collectives(self, collectives: Collectives) -> None:
         """Every rank writes from the next save on (an engine already open is closed first)."""
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
+        for engine in self.engines():
+            engine.close()
+        self._engine, self._others = None, {}
         self._collectives = collectives
 
     def open(self, *, keep_extra: RetentionPolicy | None = None, preemption: bool = False) -> CheckpointEngine:
@@ -162,6 +164,37 @@ class PersistSession:
             self._engine.resume_from(self._reader.loaded_step, from_remote=self._reader.loaded_from_remote)
         return self._engine
 
+    def open_kind(self, kind: str, *, keep_extra: RetentionPolicy | None = None) -> CheckpointEngine:
+        """The engine of one kind of checkpoint (see :mod:`persist_core.layout`): ``full`` is :meth:`open`'s;
+        ``weights-only`` ones go to ``local_dir/weights-only`` (and ``remote_url/weights-only``), with
+        the same options and a retention of their own, and continue from the step the run resumed from.
+        """
+        if kind == FULL:
+            return self.open(keep_extra=keep_extra)
+        if kind in self._others:
+            return self._others[kind]
+        main = self.open()
+        o = self.options
+        user = o.retention
+        local = keep_extra if user is None else user if keep_extra is None else AnyOf(user, keep_extra)
+        sub = kind_subdir(kind)
+        url = None if o.remote_url is None else f"{o.remote_url.rstrip('/')}/{sub}"
+        engine = CheckpointEngine(
+            o.local_dir / sub, remote_url=url, storage_options=o.storage_options, keep_local=local,
+            keep_remote=None if user is None or url is None else local, verify=o.verify, max_pending=o.max_pending,
+            write_threads=o.write_threads, collectives=self._collectives, preemption_grace_s=o.preemption_grace_s,
+            remote_timeout_s=o.remote_timeout_s,
+        )
+        resumed = main.resumed_step
+        if resumed is not None:  # the run goes on from there on every kind
+            engine.resume_from(resumed, from_remote=main.reader.loaded_from_remote)
+        self._others[kind] = engine
+        return engine
+
+    def engines(self) -> list[CheckpointEngine]:
+        """Every engine open now (the full one first)."""
+        return [e for e in (self._engine, *self._others.values()) if e is not None]
+
     @property
     def engine(self) -> CheckpointEngine | None:
         """The open engine, or ``None`` before :meth:`open`."""
@@ -180,8 +213,9 @@ class PersistSession:
 
     # ---- saving
 
-    def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> SaveHandle | None:
-        """Save ``step`` once: a step this session saved (or restored from) returns its handle.
+    def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None,
+             kind: str = FULL) -> SaveHandle | None:
+        """Save ``(step, kind)`` once: a step this session saved (or restored from) returns its handle.
 
         Returns:
             The handle (``None`` for a step this session restored from and did not save).
@@ -189,9 +223,9 @@ class PersistSession:
         Raises:
             ConfigError: ``step`` is committed in ``local_dir`` by an earlier run (names the resume call).
         """
-        if step in self._saved:
-            return self._saved[step]
-        engine = self.open()
+        if (kind, step) in self._saved:
+            return self._saved[kind, step]
+        engine = self.open_kind(kind)
         try:
             handle = engine.save(state, step, metadata=metadata)
         except StepExistsError as e:
@@ -199,22 +233,22 @@ class PersistSession:
                 f"step {step} is already committed in {self.options.local_dir} by an earlier run; {self._hint}, or "
                 "give this run its own local_dir (committed checkpoints are never overwritten)"
             ) from e
-        self._saved[step] = handle
+        self._saved[kind, step] = handle
         self._unreported.append(handle)
         return handle
 
-    def saved(self, step: int) -> bool:
-        return step in self._saved
+    def saved(self, step: int, kind: str = FULL) -> bool:
+        return (kind, step) in self._saved
 
-    def handle(self, step: int) -> SaveHandle | None:
-        return self._saved.get(step)
+    def handle(self, step: int, kind: str = FULL) -> SaveHandle | None:
+        return self._saved.get((kind, step))
 
     def newest_saved(self) -> int:
-        return max(self._saved, default=-1)
+        return max((step for _, step in self._saved), default=-1)
 
     def restored(self, step: int) -> None:
         """The state was restored from ``step``: saving it again is a no-op."""
-        self._saved.setdefault(step, None)
+        self._saved.setdefault((FULL, step), None)
 
     def report(self, sink: Callable[[SaveStats], None] | None = None) -> list[SaveStats]:
         """Log each save that finished since the last call, once, and hand its stats to ``sink``."""
@@ -233,8 +267,7 @@ class PersistSession:
     def install_flush(self) -> None:
         """On SIGTERM, drain pending saves within the grace period on a thread, then chain (main thread only)."""
         if self._flush is None and self.notice is None:
-            flush = SignalFlush(lambda: None if self._engine is None else self._engine.wait,
-                                self.options.preemption_grace_s)
+            flush = SignalFlush(lambda: self.wait, self.options.preemption_grace_s)
             if flush.install():
                 self._flush = flush
 
@@ -247,33 +280,61 @@ class PersistSession:
             self.notice.restore()
             self.notice = None
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Every open engine's :meth:`~CheckpointEngine.wait` (each raises its failure once)."""
+        for engine in self.engines():
+            engine.wait(timeout)
+
     # ---- the end
 
-    def close(self, *, preempted: bool = False, sink: Callable[[SaveStats], None] | None = None) -> None:
-        """Drain, prune, log the summary and close; puts signal handlers back. Raises a failure once.
+    def close(self, *, preempted: bool = False, sink: Callable[[SaveStats], None] | None = None,
+              announce: Callable[[str], None] | None = None) -> None:
+        """Drain, prune, report each save, then the one summary line, and close; puts signal handlers
+        back. Raises a failure once.
 
         After a preemption the wait is bounded by ``preemption_grace_s``; what is not uploaded by
         then stays committed locally (the engine's exit hook goes on uploading while it can, the
         next run uploads the rest).
+
+        Args:
+            preempted: bound the wait by ``preemption_grace_s``.
+            sink: the adapter's loggers, for each save's stats.
+            announce: where the summary goes (an adapter's console channel, e.g. Lightning's
+                rank-zero info); default: this module's log at INFO.
         """
-        engine, self._engine = self._engine, None
+        engine, others = self._engine, list(self._others.values())
+        self._engine, self._others = None, {}
         reader, self._reader = self._reader, None
         self.restore_signals()
         if reader is not None:
             reader.close()
         if engine is None:
             return
+        summary = None
         try:
+            for other in others:  # weights-only checkpoints: drained and closed first, the summary is the run's
+                try:
+                    if not preempted or drain_within(other.wait, self.options.preemption_grace_s):
+                        other.wait()
+                        other.prune()
+                finally:
+                    other.close()
             if preempted and not drain_within(engine.wait, self.options.preemption_grace_s):
                 return
             try:
                 engine.wait()
                 engine.prune()
             finally:
-                log.info("torch-persist: %s", describe_summary(engine.summary()))
+                summary = engine.summary()
                 engine.close()
         finally:
             self.report(sink)
+            if summary is not None:
+                (announce or _log_info)(f"torch-persist: {describe_summary(summary)}")
+
+
+def _log_info(text: str) -> None:
+    log.info("%s", text)
 
 
 def _fmt(value: float | None) -> str:

@@ -37,7 +37,7 @@ class Timeline:
     def check(self, step: int, resumed_at: int | None) -> None:
         """Refuse a save older than the newest committed, unless the run resumed from an older step.
 
-        The first save past ``resumed_at`` with newer checkpoints committed starts a branch: they are
+        The first save at or past ``resumed_at`` with newer checkpoints committed starts a branch: they are
         set aside here at once and on the remote before the next upload.
 
         Raises:
@@ -46,7 +46,7 @@ class Timeline:
         if self._newest is None:  # once: what is committed here (and on the remote, if it was listed)
             remote = self._sync.known_steps() if self._sync is not None else set()
             self._newest = max([*self._local.committed_steps(), *remote], default=-1)
-        if resumed_at is not None and resumed_at < step <= self._newest:
+        if resumed_at is not None and resumed_at <= step <= self._newest and not step == resumed_at == self._newest:
             if self._leader:
                 for newer in [s for s in self._local.committed_steps() if s > resumed_at]:
                     self._local.set_aside(newer, resumed_at)

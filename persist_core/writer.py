@@ -52,6 +52,7 @@ class WriteJob:
     base: Manifest
     staged_at: float  # time.perf_counter() when staging ended
     signature: str  # the state's structure, compared across ranks
+    replace: bool = False  # a re-save of the committed step a run resumed from: exchanged atomically
 
 
 #: ``after_commit(handle, manifest)``: writer thread, after the commit; may raise
@@ -89,14 +90,14 @@ class Writer:
 
     # ---- training thread
 
-    def reserve(self, step: int) -> None:
-        """Claim ``step`` for a save about to stage.
+    def reserve(self, step: int, *, replace: bool = False) -> None:
+        """Claim ``step`` for a save about to stage (``replace``: it may be committed already).
 
         Raises:
-            StepExistsError: ``step`` is pending or committed in ``local_dir``.
+            StepExistsError: ``step`` is pending, or committed in ``local_dir`` and not ``replace``.
         """
         with self._lock:
-            if step in self._pending or checkpoint_dir(self._root, step).exists():
+            if step in self._pending or (not replace and checkpoint_dir(self._root, step).exists()):
                 raise StepExistsError(
                     f"a checkpoint for step={step} already exists or is being written in {self._root}; "
                     f"save each step once (delete {checkpoint_dir(self._root, step)} first to overwrite it)"
@@ -188,7 +189,7 @@ class Writer:
                              chunk_bytes=written.chunk_bytes, chunks=written.chunks)
 
         manifest = commit_checkpoint(self._root, job.base, job.signature, coll=self._coll, write_shard=write_shard,
-                                     release=lambda: self._pool.release(buf), ops=self._ops)
+                                     release=lambda: self._pool.release(buf), ops=self._ops, replace=job.replace)
         write_s = timing["write_s"]
         handle._update(write_s=write_s, write_gbps=handle.stats.nbytes / write_s / 1e9 if write_s > 0 else None,
                        commit_s=time.perf_counter() - job.staged_at, direct_io=timing["direct_io"])

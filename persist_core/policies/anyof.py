@@ -33,8 +33,11 @@ class AnyOf:
             self.kind = "retention"
             self.policies = tuple(check_policy(p, name=f"AnyOf argument {i}") for i, p in enumerate(policies))
 
-    def __repr__(self) -> str:
-        return f"AnyOf({', '.join(map(repr, self.policies))})"
+    def __repr__(self) -> str:  # flat and short: "KeepLastN(3) | KeepEveryNSteps(1000) | KeepLinked()"
+        return " | ".join(repr(p) for p in self._flat())
+
+    def _flat(self) -> list[Any]:
+        return [q for p in self.policies for q in (p._flat() if isinstance(p, AnyOf) else [p])]
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, AnyOf) and other.policies == self.policies

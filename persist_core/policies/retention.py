@@ -50,7 +50,7 @@ def _positive_int(owner: str, name: str, value: object) -> None:
         raise ConfigError(f"{owner}({name}={value!r}): {name} must be an int >= 1")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class KeepLastN:
     """Keep the ``n`` newest checkpoints."""
 
@@ -59,12 +59,15 @@ class KeepLastN:
     def __post_init__(self) -> None:
         _positive_int("KeepLastN", "n", self.n)
 
+    def __repr__(self) -> str:
+        return f"KeepLastN({self.n})"
+
     def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
         first_kept = len(checkpoints) - self.n
         return [i >= first_kept for i in range(len(checkpoints))]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class KeepEveryNSteps:
     """Keep milestones: every checkpoint whose step is a multiple of ``n``."""
 
@@ -73,11 +76,14 @@ class KeepEveryNSteps:
     def __post_init__(self) -> None:
         _positive_int("KeepEveryNSteps", "n", self.n)
 
+    def __repr__(self) -> str:
+        return f"KeepEveryNSteps({self.n})"
+
     def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
         return [c.step % self.n == 0 for c in checkpoints]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class KeepEveryNSeconds:
     """Keep the oldest checkpoint, then each one saved at least ``seconds`` after the last kept."""
 
@@ -86,6 +92,9 @@ class KeepEveryNSeconds:
     def __post_init__(self) -> None:
         if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)) or not self.seconds > 0:
             raise ConfigError(f"KeepEveryNSeconds(seconds={self.seconds!r}): seconds must be a number > 0")
+
+    def __repr__(self) -> str:
+        return f"KeepEveryNSeconds({self.seconds:g})"
 
     def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
         keep, last = [], None
