@@ -6,10 +6,10 @@ every rank write its part.
 """
 
 from lightning_persist.autosave import PersistAutoSave
-from lightning_persist.checkpoint_io import PersistCheckpointIO
+from lightning_persist.checkpoint_io import PersistCheckpointIO, StrategyBypassWarning
 from lightning_persist.strategy import PersistDDPStrategy
 
-__all__ = ["PersistAutoSave", "PersistCheckpointIO", "PersistDDPStrategy"]
+__all__ = ["PersistAutoSave", "PersistCheckpointIO", "PersistDDPStrategy", "StrategyBypassWarning"]
 
 
 def _register_with_pytorch_lightning() -> None:

@@ -21,43 +21,60 @@ from pathlib import Path
 
 from persist_core import CheckpointInfo, PersistError, RetentionContext
 from persist_core.fileio import fsync_dir
-from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname
+from persist_core.layout import FULL, KINDS, checkpoint_dirname, kind_subdir, parse_checkpoint_dirname
 
 log = logging.getLogger(__name__)
+
+Key = tuple[str, int]  # (kind, step): one checkpoint
 
 
 @dataclass(frozen=True)
 class KeepLinked:
     """Keeps the steps that a live Lightning path names (``linked()`` is read at each decision)."""
 
-    linked: Callable[[], set[int]]
+    linked: Callable[[], set[int]]  # the steps of one kind of checkpoint
 
     def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
         live = self.linked()
         return [c.step in live for c in checkpoints]
 
     def __repr__(self) -> str:
-        return "KeepLinkedByLightning()"
+        return "KeepLinked()"
 
 
 class Links:
-    """Path -> step, for the paths under one ``local_dir``'s checkpoints."""
+    """Path -> step, for the paths under one ``local_dir``'s checkpoints.
+
+    A path may have several saves requested and not yet committed (``last.ckpt`` at each step while
+    commits lag behind). Each commit links the path if it is the newest *request* committed so far
+    for it, so the path names the newest committed checkpoint requested for it — the older one
+    until the newer commits — and never goes missing while saves overtake commits.
+    """
 
     def __init__(self, local_dir: Path) -> None:
         self._local_dir = local_dir
         self._lock = threading.Lock()
-        self._intended: dict[str, int] = {}
-        self._on_disk: dict[str, int] = {}
+        self._requests: dict[str, dict[Key, int]] = {}  # path -> {(kind, step): request number}, not committed yet
+        self._on_disk: dict[str, tuple[Key, int]] = {}  # path -> ((kind, step), request number) its link names
+        self._count = 0
         self._scanned: set[str] = set()
         self._errors: list[BaseException] = []
 
-    def steps(self) -> set[int]:
+    def steps(self, kind: str = FULL) -> set[int]:
+        """The steps of ``kind`` some path names or will name."""
         with self._lock:
-            return set(self._intended.values()) | set(self._on_disk.values())
+            keys = {key for keys in self._requests.values() for key in keys}
+            keys |= {key for key, _ in self._on_disk.values()}
+            return {step for k, step in keys if k == kind}
 
-    def intended(self, target: str) -> int | None:
+    def intended(self, target: str) -> Key | None:
+        """``(kind, step)`` of the newest save requested for ``target`` (pending or linked), or ``None``."""
         with self._lock:
-            return self._intended.get(target)
+            best = max(((n, key) for key, n in self._requests.get(target, {}).items()), default=None)
+            linked = self._on_disk.get(target)
+            if linked is not None and (best is None or linked[1] > best[0]):
+                return linked[0]
+            return None if best is None else best[1]
 
     def adopt(self, directory: str) -> None:
         """Record the links an earlier run left in ``directory``, so their checkpoints stay."""
@@ -68,31 +85,35 @@ class Links:
             entries = list(os.scandir(directory))
         except FileNotFoundError:
             return
-        root = Path(os.path.realpath(self._local_dir))
+        roots = {Path(os.path.realpath(self._local_dir / kind_subdir(kind))): kind for kind in KINDS}
         for entry in entries:
             if not entry.is_symlink():
                 continue
             real = Path(os.path.realpath(entry.path))
-            step = parse_checkpoint_dirname(real.name) if real.parent == root else None
+            kind = roots.get(real.parent)
+            step = parse_checkpoint_dirname(real.name) if kind is not None else None
             if step is not None and real.is_dir():
                 with self._lock:
-                    self._on_disk.setdefault(entry.path, step)
+                    self._on_disk.setdefault(entry.path, ((kind, step), -1))
 
-    def intend(self, target: str, step: int) -> None:
+    def intend(self, target: str, step: int, kind: str = FULL) -> None:
         with self._lock:
-            self._intended[target] = step
+            self._count += 1
+            self._requests.setdefault(target, {})[kind, step] = self._count
 
-    def on_committed(self, target: str, step: int, committed: bool) -> None:
-        """Writer thread: link ``target`` to the committed directory, unless it was removed meanwhile."""
+    def on_committed(self, target: str, step: int, committed: bool, kind: str = FULL) -> None:
+        """Writer thread: link ``target`` to the committed directory if this is its newest committed request."""
         with self._lock:
-            if self._intended.get(target) != step:
+            number = self._requests.get(target, {}).pop((kind, step), None)
+            if not self._requests.get(target, True):
+                del self._requests[target]
+            if number is None or not committed:  # removed meanwhile, or not committed
                 return
-            if not committed:
-                del self._intended[target]
+            if self._on_disk.get(target, (-1, -1))[1] > number:  # a newer request is linked already
                 return
             try:
-                link(target, self._local_dir / checkpoint_dirname(step))
-                self._on_disk[target] = step
+                link(target, self._local_dir / kind_subdir(kind) / checkpoint_dirname(step))
+                self._on_disk[target] = ((kind, step), number)
             except OSError as e:
                 error = PersistError(f"checkpoint step={step} is committed, but linking {target!r} to it failed: {e}")
                 log.error("%s", error)
@@ -101,7 +122,7 @@ class Links:
     def remove(self, target: str) -> None:
         """Forget ``target`` and delete the link (or a plain file another IO left) there."""
         with self._lock:
-            self._intended.pop(target, None)
+            self._requests.pop(target, None)
             self._on_disk.pop(target, None)
             if os.path.islink(target):
                 os.unlink(target)

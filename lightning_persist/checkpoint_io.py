@@ -10,13 +10,20 @@ for (``dirpath/epoch=0-step=50.ckpt``, ``dirpath/last.ckpt``) becomes a relative
 that directory, created (or atomically replaced, with one ``rename``) once the checkpoint is
 committed, so every path that exists loads and ``last.ckpt`` always names a committed checkpoint.
 Two paths saved at one step (``ModelCheckpoint``'s top-k file and ``last.ckpt``) share one
-directory: the state is written once.
+directory: the state is written once. A weights-only save (``save_weights_only=True``) is a
+checkpoint of another kind, ``local_dir/weights-only/step-N``, so a full and a weights-only save of
+one step are two checkpoints (see :mod:`persist_core.layout`). A path saved again links to the newest
+of its saves that committed (the older one until the newer commits), and the step a run resumed
+from, saved again (gradient accumulation does), replaces the committed one atomically.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +36,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_persist._links import KeepLinked, Links
 from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
 from persist_core import RetentionPolicy, SaveStats
+from persist_core.layout import FULL, KINDS, WEIGHTS_ONLY, kind_subdir, parse_checkpoint_dirname
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistOptions, PersistSession
 
@@ -74,9 +82,11 @@ class PersistCheckpointIO(CheckpointIO):
     writes the whole state. ``strategy=PersistDDPStrategy()`` makes every rank write about
     ``1/world_size`` of it (rank 0 commits once all succeeded). Every rank can load either.
 
-    Limits: FSDP with sharded state dicts and DeepSpeed write their own
-    checkpoints and bypass any ``CheckpointIO``. ``ModelCheckpoint(dirpath=...)`` must be a local
-    directory (the remote tier is ``remote_url``).
+    Limits: ``ModelParallelStrategy``, ``FSDPStrategy`` and ``DeepSpeedStrategy`` save or load their
+    own checkpoints around any ``CheckpointIO``; the plugin says so once (a
+    :class:`StrategyBypassWarning`), and refuses with a ``ConfigError`` the ones that would save
+    through it but could not resume from what it saved. ``ModelCheckpoint(dirpath=...)`` must be a
+    local directory (the remote tier is ``remote_url``).
 
     Args:
         local_dir: directory of the local tier (created if missing), ideally on NVMe. Point
@@ -95,6 +105,8 @@ class PersistCheckpointIO(CheckpointIO):
             upload before the process goes on exiting (default 120 s; SIGKILL usually follows).
         remote_timeout_s: how long ``teardown`` waits for uploads that keep failing (an outage) before
             it raises one ``RemoteError`` naming the un-synced steps, which stay on disk (default 300 s).
+        exit_after_sigterm: after a SIGTERM stopped the Trainer and ``teardown`` flushed, exit with
+            status 143 as SIGTERM would (default); ``False`` lets ``fit`` return (Lightning exits 0).
 
     Raises:
         ConfigError: a bad argument, an unwritable ``local_dir`` or an unusable ``remote_url``
@@ -116,8 +128,11 @@ class PersistCheckpointIO(CheckpointIO):
         write_threads: int | None = None,
         preemption_grace_s: float = 120.0,
         remote_timeout_s: float = 300.0,
+        exit_after_sigterm: bool = True,
     ) -> None:
         super().__init__()
+        self._exit_after_sigterm = exit_after_sigterm
+        self._strategy_seen = False  # the Trainer's strategy was checked (a CheckpointIO has no set-up hook)
         options = PersistOptions.from_keywords(
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
@@ -133,8 +148,8 @@ class PersistCheckpointIO(CheckpointIO):
     def local_dir(self) -> Path:
         return self._session.options.local_dir
 
-    def _get_engine(self) -> CheckpointEngine:
-        return self._session.open(keep_extra=KeepLinked(self._links.steps))
+    def _get_engine(self, kind: str = FULL) -> CheckpointEngine:
+        return self._session.open_kind(kind, keep_extra=KeepLinked(functools.partial(self._links.steps, kind)))
 
     def _use_collectives(self, collectives: Collectives) -> None:
         """Called by :class:`PersistDDPStrategy` on every rank: all ranks write from now on."""
@@ -167,18 +182,22 @@ class PersistCheckpointIO(CheckpointIO):
         if os.path.isdir(target) and not os.path.islink(target):
             raise ConfigError(f"checkpoint path {target!r} is an existing directory; remove it or choose another dirpath")
         trainer = self._report()
+        self._strategy_seen = _check_strategy(trainer, self._strategy_seen)
         if trainer is None:
             self._session.install_flush()
         self._links.adopt(str(self.local_dir))
         self._links.adopt(os.path.dirname(target))
         step = self._step_of(checkpoint)
+        kind = _kind_of(checkpoint)
         self._get_engine()
-        handle = self._session.save(checkpoint, step, metadata={"lightning_path": os.path.basename(target)})
+        self._get_engine(kind)
+        handle = self._session.save(checkpoint, step, kind=kind,
+                                    metadata={"lightning_path": os.path.basename(target), "kind": kind})
         if not self._leader or handle is None:
             return  # rank 0 names the checkpoint
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)  # save_last="link" links in it right away
-        self._links.intend(target, step)
-        handle.add_local_callback(lambda committed: self._links.on_committed(target, step, committed))
+        self._links.intend(target, step, kind)
+        handle.add_local_callback(lambda committed: self._links.on_committed(target, step, committed, kind))
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -194,14 +213,17 @@ class PersistCheckpointIO(CheckpointIO):
             CheckpointNotFoundError: nothing there (a ``FileNotFoundError``).
             CorruptCheckpointError: the checkpoint does not verify.
         """
+        self._strategy_seen = _check_strategy(_find_trainer(), self._strategy_seen)
         text = os.fspath(path)
         if not _is_url(text):
             text = self._path_key(text)
-            step = self._links.intended(text)
-            handle = None if step is None else self._session.handle(step)
-            if handle is not None:  # saved by this plugin: wait for it, if need be, and read that step
+            key = self._links.intended(text)
+            handle = None if key is None else self._session.handle(key[1], key[0])
+            if handle is not None and key is not None:  # saved by this plugin: wait for it, if need be, and read it
                 handle.wait_local()
-                return self._get_reader().load(step, map_location=_device(map_location))
+                kind, step = key
+                reader = self._get_reader() if kind == FULL else self._get_engine(kind).reader
+                return reader.load(step, map_location=_device(map_location))
             if os.path.isfile(text):
                 return torch_load(text, map_location=map_location or "cpu", weights_only=weights_only)
             self._links.adopt(os.path.dirname(text))
@@ -217,25 +239,57 @@ class PersistCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove the path; its directory goes when no path links to it and retention lets it.
 
-        A path whose save is still being written is never linked afterwards. A plain file at
-        ``path`` (from another IO) is deleted.
+        A path whose save is still being written is never linked afterwards. A plain file or a
+        directory at ``path`` that is not one of this plugin's checkpoints (another IO's, a strategy's
+        own) is deleted, as the default IO deletes it.
         """
+        self._strategy_seen = _check_strategy(_find_trainer(), self._strategy_seen)
         target = self._path_key(path)
+        if os.path.isdir(target) and not os.path.islink(target) and not self._ours(target):
+            shutil.rmtree(target)
         self._links.remove(target)
         log.debug("removed %s", target)
 
+    def _ours(self, directory: str) -> bool:
+        """``directory`` is a checkpoint directory of this plugin's ``local_dir`` (retention removes those)."""
+        real = Path(os.path.realpath(directory))
+        roots = {Path(os.path.realpath(self.local_dir / kind_subdir(kind))) for kind in KINDS}
+        return real.parent in roots and parse_checkpoint_dirname(real.name) is not None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Flush: block until every pending save is written, committed, linked and uploaded.
+
+        ``trainer.save_checkpoint(path)`` returns once the state is copied; after ``io.wait()`` the
+        path exists and loads. Under Fabric (which never calls ``teardown``) call it before the
+        script ends, or ``io.teardown()`` to also close. Raises a background failure once.
+
+        Raises:
+            TimeoutError: something is still pending after ``timeout`` seconds (it goes on).
+            RemoteError: uploads still fail after ``remote_timeout_s`` (the steps stay on disk).
+            PersistError: a save failed in the background (raised once).
+        """
+        try:
+            self._session.wait(timeout)
+        finally:
+            self._links.raise_errors()
+
     def teardown(self) -> None:
-        """Wait until every save is committed and uploaded, prune, log a summary; raises a failure once.
+        """Wait until every save is committed and uploaded, prune, then one summary; raises a failure once.
 
         After a SIGTERM the wait is bounded by ``preemption_grace_s``: what is not uploaded by
-        then is logged (its local copy is committed, and the next run uploads it).
+        then is logged (its local copy is committed, and the next run uploads it). Then, with
+        ``exit_after_sigterm`` (the default), the process exits with status 143 (128 + SIGTERM), as
+        SIGTERM would have ended it, instead of Lightning's 0 — so a scheduler sees a preemption.
         """
         trainer = _find_trainer()
-        if self._session.engine is None:
-            _warn_if_bypassed(trainer)
+        self._strategy_seen = _check_strategy(trainer, self._strategy_seen, refuse=False)
         preempted = bool(getattr(trainer, "received_sigterm", False))
-        self._session.close(preempted=preempted, sink=self._sink(trainer))
-        self._links.raise_errors()
+        try:
+            self._session.close(preempted=preempted, sink=self._sink(trainer), announce=_rank_zero_info)
+            self._links.raise_errors()
+        finally:
+            if preempted and self._exit_after_sigterm:
+                _exit_as_sigterm()
 
     def autosave(self, policy: SavePolicy, filename: str = "autosave.ckpt") -> Callback:
         """A callback that saves when ``policy`` says so (and at a SIGTERM), through this plugin.
@@ -251,7 +305,10 @@ class PersistCheckpointIO(CheckpointIO):
     # ------------------------------------------------------------------ resume
 
     def latest_path(self) -> str | None:
-        """The newest committed checkpoint, for ``trainer.fit(model, ckpt_path=io.latest_path())``.
+        """The newest committed full checkpoint, for ``trainer.fit(model, ckpt_path=io.latest_path())``.
+
+        Weights-only saves (``save_weights_only=True``) are checkpoints of their own kind, in
+        ``local_dir/weights-only``, and never the latest: they cannot resume training.
 
         A local ``step-N`` directory when ``local_dir`` has one, else the ``remote_url`` URL of
         the newest remote checkpoint (downloaded when loaded), else ``None`` (a first run).
@@ -303,6 +360,38 @@ class PersistCheckpointIO(CheckpointIO):
         return to_loggers
 
 
+def _rank_zero_info(text: str) -> None:
+    """The console channel of a default Lightning run (its rank-zero INFO logger)."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    rank_zero_info(text)
+
+
+_SIGTERM_STATUS = 128 + signal.SIGTERM
+
+
+def _exit_as_sigterm() -> None:
+    """End with the status SIGTERM gives (143) once everything is flushed.
+
+    Lightning 2.x stops on SIGTERM by raising ``SIGTERMException`` (a ``SystemExit`` without a code,
+    so status 0) and tears the strategy down while handling it: that exception gets the status.
+    When it stopped without one (an older Lightning), raise it here.
+    """
+    in_flight = sys.exc_info()[1]
+    if isinstance(in_flight, SystemExit):
+        if in_flight.code in (None, 0):
+            in_flight.code = _SIGTERM_STATUS
+        return
+    if in_flight is None:
+        raise SystemExit(_SIGTERM_STATUS)
+
+
+def _kind_of(checkpoint: dict[str, Any]) -> str:
+    """``weights-only`` for what Lightning's ``dump_checkpoint(weights_only=True)`` makes, else ``full``."""
+    lightning = "pytorch-lightning_version" in checkpoint and "state_dict" in checkpoint
+    return WEIGHTS_ONLY if lightning and "optimizer_states" not in checkpoint else FULL
+
+
 def _device(map_location: Any) -> Any:
     if map_location is None:
         return "cpu"
@@ -311,17 +400,59 @@ def _device(map_location: Any) -> Any:
     raise ConfigError(f"map_location={map_location!r} is not supported; pass None (CPU), a device string or a torch.device")
 
 
-def _warn_if_bypassed(trainer: Any | None) -> None:
-    """Say so when the Trainer's strategy wrote its own checkpoints around this plugin."""
-    strategy = getattr(trainer, "strategy", None)
+class StrategyBypassWarning(UserWarning):
+    """The Trainer's strategy writes its own checkpoints: this plugin is not used for them."""
+
+
+_FIX = ("use strategy='ddp' or strategy=PersistDDPStrategy() with PersistCheckpointIO, or drop the plugin for this "
+        "strategy (sharded DTensor state through the engine is the README's 'Sharded state' section)")
+
+
+def _bypass_of(strategy: Any) -> tuple[str, bool] | None:
+    """``(what the strategy does, whether it breaks with this plugin)`` for a strategy that goes around
+    CheckpointIO, or ``None`` for one that calls it for every save, load and removal."""
     name = type(strategy).__name__
-    sharded = name == "FSDPStrategy" and getattr(strategy, "_state_dict_type", "full") == "sharded"
-    if name == "DeepSpeedStrategy" or sharded:
-        log.error(
-            "%s writes its own checkpoints and bypasses CheckpointIO plugins: PersistCheckpointIO wrote nothing "
-            "(no local_dir, no remote_url, no retention). Use FSDPStrategy(state_dict_type='full') or DDP with it",
-            name + ("(state_dict_type='sharded')" if sharded else ""),
-        )
+    if name == "DeepSpeedStrategy":
+        return "DeepSpeedStrategy writes and loads its own checkpoints and never calls a CheckpointIO", False
+    if name == "ModelParallelStrategy":
+        if getattr(strategy, "_save_distributed_checkpoint", True):
+            return ("ModelParallelStrategy writes its own torch.distributed.checkpoint directories and never calls a "
+                    "CheckpointIO to save or load them"), False
+        return ("ModelParallelStrategy(save_distributed_checkpoint=False) saves through a CheckpointIO but loads "
+                "without it and refuses a checkpoint path that is a link to a directory"), True
+    if name == "FSDPStrategy":
+        if getattr(strategy, "_state_dict_type", "full") == "sharded":
+            return ("FSDPStrategy(state_dict_type='sharded') writes its own torch.distributed.checkpoint directories "
+                    "and never calls a CheckpointIO to save or load them"), False
+        return ("FSDPStrategy saves full state through a CheckpointIO but loads without it and refuses a "
+                "checkpoint path that is a link to a directory"), True
+    return None
+
+
+def _check_strategy(trainer: Any | None, already: bool, *, refuse: bool = True) -> bool:
+    """Say once that the Trainer's strategy goes around this plugin; raise if it cannot work with it.
+
+    A CheckpointIO gets no set-up hook, so this runs at the first call that can see the Trainer.
+    Returns whether the Trainer was seen (no need to look again).
+
+    Raises:
+        ConfigError: a strategy that saves through this plugin but cannot load what it saved
+            (with ``refuse``; else a warning says so).
+    """
+    if already or trainer is None:
+        return already
+    bypass = _bypass_of(getattr(trainer, "strategy", None))
+    if bypass is None:
+        return True
+    what, breaks = bypass
+    if breaks and refuse:
+        raise ConfigError(f"{what}, so it cannot resume from what PersistCheckpointIO saves; {_FIX}")
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn(f"{what}: PersistCheckpointIO is not used for them (no local_dir, no remote_url, no retention, "
+                   f"and its directories are removed as the default IO would). To checkpoint with torch-persist, "
+                   f"{_FIX}", category=StrategyBypassWarning)
+    return True
 
 
 def _find_trainer() -> Any | None:
@@ -339,8 +470,9 @@ def _find_trainer() -> Any | None:
     for _ in range(12):
         if frame is None:
             return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, classes):
-            return candidate
+        for name in ("self", "trainer"):  # the Trainer's own methods; callbacks' hooks (ModelCheckpoint)
+            candidate = frame.f_locals.get(name)
+            if isinstance(candidate, classes):
+                return candidate
         frame = frame.f_back
     return None
