@@ -93,6 +93,10 @@ class CheckpointEngine:
         run_id: this run's id for its lease on ``remote_url`` (one writing run per remote). Default: the
             launcher's (``PERSIST_RUN_ID``, ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``), else one kept in
             ``local_dir``. Pass the same id to resume the run on a fresh machine before its old lease expires.
+        torch_loadable: with one process, write each shard so that it is also the zip archive
+            ``torch.save`` writes: ``torch.load(step_dir/"rank-00000.ckpt")`` (also ``mmap=True``,
+            ``weights_only=True``) reads the state without torch-persist, the bytes written once as
+            always (see :mod:`persist_core.format.torch_zip`). Ignored with several processes.
         clock: the monotonic clock decisions use (a fake one in tests).
         wall_clock: the wall clock manifests record (``time.time``).
         file_ops: the file system calls the writer makes (for fault injection in tests).
@@ -123,6 +127,7 @@ class CheckpointEngine:
         remote_timeout_s: float = 300.0,
         max_unsynced_bytes: int | None = None,
         run_id: str | None = None,
+        torch_loadable: bool = False,
         clock: Clock = time.monotonic,
         wall_clock: Clock = time.time,
         file_ops: FileOps | None = None,
@@ -138,6 +143,7 @@ class CheckpointEngine:
         if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
             raise ConfigError(f"run_id={run_id!r} must be a non-empty string (the id of this training run)")
         self._root = Path(local_dir).expanduser().absolute()
+        self._torch_loadable = bool(torch_loadable)
         self._coll = collectives or SingleProcess()
         self._wall_clock = wall_clock
         self._closed = False
@@ -200,7 +206,8 @@ class CheckpointEngine:
         replace = step == resumed_at  # the step resumed from, saved again (Lightning does, with accumulation)
         self._writer.reserve(step, replace=replace)
         try:
-            plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size)
+            plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size,
+                             torch_loadable=self._torch_loadable)
             self._pipeline.check_backlog(step, plan.shard.file_bytes)
             staged = stage_into(self._pool, plan.shard, self._streams)
         except BaseException:
@@ -212,7 +219,7 @@ class CheckpointEngine:
         self._latest_step = max(self._latest_step, step)
         self._history.add(decided_at, step, handle)
         job = WriteJob(handle=handle, buf=staged.buf, base=base, staged_at=staged.done_at, signature=plan.signature,
-                       replace=replace)
+                       replace=replace, filename=plan.filename)
         del plan  # the writer needs only the staged bytes, not the caller's tensors
         handle._update(stall_s=time.perf_counter() - t0)
         self._writer.submit(job)

@@ -5,7 +5,7 @@ A local tier looks like::
     local_dir/
         step-000000000100/                  a committed checkpoint (it holds a manifest)
             manifest.json                   written last
-            rank-00000.safetensors          one shard file per rank
+            rank-00000.safetensors          one shard file per rank (rank-00000.ckpt: torch.load reads it too)
         .tmp-step-000000000200-pid4242-1a2b3c/        being written, downloaded or deleted
         .tmp-step-000000000200-pid4242-1a2b3c.owner   its owner's mark: locked while the owner lives
         abandoned-step-000000000300-at-000000000200-9f8e7d/   set aside: a resume from step 200 branched
@@ -77,9 +77,20 @@ def parse_tmp_dirname(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def shard_filename(rank: int) -> str:
-    """Name of the shard file that ``rank`` writes."""
-    return f"rank-{rank:05d}.safetensors"
+def shard_filename(rank: int, *, torch_zip: bool = False) -> str:
+    """Name of the shard file that ``rank`` writes: ``.safetensors``, or ``.ckpt`` for a shard that
+    ``torch.load`` reads too (:mod:`persist_core.format.torch_zip`; torch reads a ``.safetensors``
+    name as safetensors)."""
+    return f"rank-{rank:05d}.{'ckpt' if torch_zip else 'safetensors'}"
+
+
+_SHARD_RE = re.compile(r"^rank-(\d{5,})\.(safetensors|ckpt)$")
+
+
+def parse_shard_filename(name: str) -> int | None:
+    """The rank of a shard file name, or ``None`` for any other name."""
+    m = _SHARD_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def owner_filename(tmp_name: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from persist_core import _knobs
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RemoteError
-from persist_core.layout import parse_checkpoint_dirname
+from persist_core.layout import parse_checkpoint_dirname, parse_shard_filename
 from persist_core.ownership import claim_tmp, discard
 from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
@@ -143,7 +143,8 @@ class CheckpointReader:
         return newest[max(newest)] if newest else None
 
     def step_of(self, path: str | os.PathLike[str]) -> int:
-        """The step of a checkpoint named by its local directory, a link to it, or its remote URL.
+        """The step of a checkpoint named by its local directory, a link to it (or to its single
+        shard file, as the Lightning plugin's paths are), or its remote URL.
 
         Raises:
             CheckpointNotFoundError: ``path`` does not name a checkpoint of this reader's tiers.
@@ -152,7 +153,7 @@ class CheckpointReader:
         if self._tier is not None and text.startswith(self._tier.url + "/"):
             step = parse_checkpoint_dirname(text[len(self._tier.url) + 1 :])
         else:
-            real = Path(os.path.realpath(text))
+            real = checkpoint_of(Path(os.path.realpath(text)))
             step = parse_checkpoint_dirname(real.name) if real.parent == Path(os.path.realpath(self._root)) else None
         if step is None:
             where = str(self._root) + (f" or {self._tier.url}" if self._tier else "")
@@ -286,3 +287,10 @@ class CheckpointReader:
     def _set_aside(self, ckpt: Path) -> None:
         """Move a copy that failed verification out of the way with one rename (then delete it)."""
         discard(self._root, ckpt)
+
+
+def checkpoint_of(real: Path) -> Path:
+    """The checkpoint directory ``real`` names: itself, or the directory of the shard file it is."""
+    if parse_shard_filename(real.name) is not None and parse_checkpoint_dirname(real.parent.name) is not None:
+        return real.parent
+    return real

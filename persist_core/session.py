@@ -60,6 +60,7 @@ class PersistOptions:
         remote_timeout_s: how long closing waits for uploads that keep failing (then one RemoteError).
         save_policy: when ``maybe_save`` saves; with one, a preemption signal only sets a notice.
         preemption_signals: the signals that mean "preempted".
+        torch_loadable: single-writer shards are also archives ``torch.load`` reads (see the engine).
     """
 
     local_dir: Path
@@ -73,6 +74,7 @@ class PersistOptions:
     remote_timeout_s: float = 300.0
     save_policy: SavePolicy | None = None
     preemption_signals: tuple[int, ...] = field(default=(signal.SIGTERM,))
+    torch_loadable: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "local_dir", Path(self.local_dir).expanduser().absolute())
@@ -159,6 +161,7 @@ class PersistSession:
             keep_remote=remote, verify=o.verify, max_pending=o.max_pending, write_threads=o.write_threads,
             collectives=self._collectives, save_policy=o.save_policy, preemption=self.notice,
             preemption_grace_s=o.preemption_grace_s, remote_timeout_s=o.remote_timeout_s,
+            torch_loadable=o.torch_loadable,
         )
         if self._reader is not None and self._reader.loaded_step is not None:  # resumed before the engine opened
             self._engine.resume_from(self._reader.loaded_step, from_remote=self._reader.loaded_from_remote)
@@ -183,7 +186,7 @@ class PersistSession:
             o.local_dir / sub, remote_url=url, storage_options=o.storage_options, keep_local=local,
             keep_remote=None if user is None or url is None else local, verify=o.verify, max_pending=o.max_pending,
             write_threads=o.write_threads, collectives=self._collectives, preemption_grace_s=o.preemption_grace_s,
-            remote_timeout_s=o.remote_timeout_s,
+            remote_timeout_s=o.remote_timeout_s, torch_loadable=o.torch_loadable,
         )
         resumed = main.resumed_step
         if resumed is not None:  # the run goes on from there on every kind

@@ -53,6 +53,7 @@ class WriteJob:
     staged_at: float  # time.perf_counter() when staging ended
     signature: str  # the state's structure, compared across ranks
     replace: bool = False  # a re-save of the committed step a run resumed from: exchanged atomically
+    filename: str = ""  # the shard file's name (layout.shard_filename); default: this rank's .safetensors
 
 
 #: ``after_commit(handle, manifest)``: writer thread, after the commit; may raise
@@ -179,9 +180,10 @@ class Writer:
             if settled:  # the next save may copy into what is written already
                 self._pool.writing(buf)
             on_chunk = (lambda offset, n: self._pool.chunk_written(buf, offset, n)) if settled else None
-            written = write_file(tmp / shard_filename(self._coll.rank), buf.memoryview(handle.stats.nbytes),
-                                 pool=self._io, chunk_bytes=self._chunk_bytes, direct_io=self._direct_io,
-                                 ops=self._ops, on_chunk=on_chunk)
+            name = job.filename or shard_filename(self._coll.rank)
+            written = write_file(tmp / name, buf.memoryview(handle.stats.nbytes), pool=self._io,
+                                 chunk_bytes=self._chunk_bytes, direct_io=self._direct_io, ops=self._ops,
+                                 on_chunk=on_chunk)
             if not settled:  # "auto" found out what this file system takes; keep to it
                 self._direct_io = "on" if written.direct_io else "off"
             timing.update(write_s=time.perf_counter() - t0, direct_io=written.direct_io)

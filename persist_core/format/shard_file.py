@@ -33,7 +33,7 @@ from persist_core.errors import CorruptCheckpointError
 FORMAT_NAME = "torch-persist"
 
 
-FORMAT_VERSION = 2  # 2: the manifest carries its own crc32c. Readers take every version up to this one.
+FORMAT_VERSION = 3  # 2: the manifest's own crc32c; 3: torch-loadable shards. Readers take every older one.
 
 
 OBJECTS_ENTRY = "__objects__"
@@ -94,9 +94,18 @@ def parse_header(prefix: bytes, *, file_size: int) -> tuple[int, list[tuple[str,
     ``begin``/``end`` are absolute file offsets. The entries must tile the file from the end of
     the header to ``file_size`` with no hole or overlap.
 
+    A torch-loadable shard (:mod:`persist_core.format.torch_zip`) starts with a zip local header;
+    the layout behind it is read the same way, its offsets shifted by the header's length.
+
     Raises:
         CorruptCheckpointError: the bytes are not such a safetensors header.
     """
+    from persist_core.format.torch_zip import image_offset
+
+    skip = image_offset(prefix)
+    if skip:
+        data_start, spans = parse_header(prefix[skip:], file_size=file_size - skip)
+        return skip + data_start, [(name, skip + b, skip + e) for name, b, e in spans]
     if len(prefix) < 8:
         raise CorruptCheckpointError("shard file is shorter than its 8-byte header length")
     (n,) = struct.unpack("<Q", prefix[:8])

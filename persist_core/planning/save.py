@@ -7,6 +7,7 @@ the manifest records. The staging copy (:mod:`persist_core.staging`) executes it
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +24,13 @@ from persist_core.format.shard_file import (
     safetensors_dtype,
 )
 from persist_core.format.manifest import Manifest
+from persist_core.format.torch_zip import (HEADER_RECORD, Record, StorageRef, header_record, local_header, pickle_state,
+                                           record_name, storage_type, zip_tail)
 from persist_core.format.tree import FlatState, flatten
 from persist_core.layout import shard_filename
 from persist_core.planning.partition import _span, assign_owners, storage_groups, structure_signature
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class ShardPlan:
     copies: list[EntryCopy]
     records: list[dict[str, Any] | None]
     objects: list[tuple[int, int]]
+    torch_zip: bool = False  # the file is also the zip archive torch.load reads (format/torch_zip.py)
 
     @property
     def data_bytes(self) -> int:
@@ -64,12 +70,14 @@ class ShardPlan:
 
 
 def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners: list[int] | None = None,
-               rank: int = 0) -> ShardPlan:
+               rank: int = 0, torch_zip: Any = None) -> ShardPlan:
     """Lay out one shard file for ``flat`` (see the module docstring).
 
     With ``owners`` (one rank per storage group, see :func:`assign_owners`), only the groups
     ``rank`` owns are laid out, and the pickled objects only on rank 0; the records of the
-    other tensors are ``None``.
+    other tensors are ``None``. With ``torch_zip`` (the state ``flat`` was made from; one writer
+    only) the file is also the zip archive ``torch.load`` reads, where the state allows it
+    (:mod:`persist_core.format.torch_zip`; otherwise the plan says ``torch_zip=False``).
     """
     groups = storage_groups(flat) if groups is None else groups
 
@@ -120,10 +128,12 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
             pos += len(o)
         pending.append((OBJECTS_ENTRY, "U8", [len(blob)], len(blob), blob, torch.uint8, (len(blob),)))
 
+    zipped = None if torch_zip is None or owners is not None else _zip_refs(flat, groups, pending, records)
     header_entries: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)}}
     copies: list[EntryCopy] = []
     pos = 0
     n_pad = 0
+    zip_records: list[tuple[bytes, int, int]] = []  # (name, local header at, size), data-relative
 
     def pad_to(align: int) -> None:
         nonlocal pos, n_pad
@@ -134,15 +144,85 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
             pos += gap
 
     for name, st, shape, nbytes, source, dtype, tshape in pending:
-        pad_to(ENTRY_ALIGN_BYTES)
+        key = None if zipped is None else zipped[0].get(name)
+        if key is None:
+            pad_to(ENTRY_ALIGN_BYTES)
+        else:  # the record's local header ends the pad before it: the data stays where it would be
+            lh = local_header(record_name(key), nbytes)
+            start = pos + len(lh)
+            start += -start % ENTRY_ALIGN_BYTES
+            gap = start - pos
+            header_entries[f"__pad__.{n_pad}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [pos, start]}
+            n_pad += 1
+            copies.append(EntryCopy(pos, start, bytes(gap - len(lh)) + lh, torch.uint8, (gap,)))
+            zip_records.append((record_name(key), start - len(lh), nbytes))
+            pos = start
         header_entries[name] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + nbytes]}
         if nbytes:
             copies.append(EntryCopy(pos, pos + nbytes, source, dtype, tshape))
         pos += nbytes
-    pad_to(PAGE_BYTES)
+    if zipped is None:
+        pad_to(PAGE_BYTES)
+        header = encode_header(header_entries)
+        return ShardPlan(header=header, file_bytes=len(header) + pos, copies=copies, records=records, objects=objects)
 
-    header = encode_header(header_entries)
-    return ShardPlan(header=header, file_bytes=len(header) + pos, copies=copies, records=records, objects=objects)
+    data_pkl = pickle_state(torch_zip, zipped[1])
+    header_len, tail, header = 2 * PAGE_BYTES, b"", b""
+    for _ in range(4):  # offsets in the tail are absolute; its length depends on them only past ZIP64's limits
+        st_len = header_len - PAGE_BYTES
+        placed = [Record(HEADER_RECORD, 0, st_len), *(Record(n, header_len + at, size) for n, at, size in zip_records)]
+        tail = zip_tail(placed, data_pkl, start=header_len + pos, align=PAGE_BYTES)
+        header_entries["__pad__.zip"] = {"dtype": "U8", "shape": [len(tail)], "data_offsets": [pos, pos + len(tail)]}
+        st_header = encode_header(header_entries)
+        header = header_record(len(st_header), PAGE_BYTES) + st_header
+        if len(header) == header_len:
+            break
+        header_len = len(header)
+    else:
+        raise AssertionError("the shard header did not settle")
+    copies.append(EntryCopy(pos, pos + len(tail), tail, torch.uint8, (len(tail),)))
+    pos += len(tail)
+    return ShardPlan(header=header, file_bytes=len(header) + pos, copies=copies, records=records, objects=objects,
+                     torch_zip=True)
+
+
+def _zip_refs(flat: FlatState, groups: list[list[int]], pending: list[tuple[Any, ...]],
+              records: list[dict[str, Any] | None]) -> tuple[dict[str, str], dict[int, Any]] | None:
+    """``({entry: storage key}, {id(tensor): (StorageRef, offset, shape, stride)})`` for ``data.pkl``,
+    or ``None`` when torch's format cannot say the state (a dtype without a torch storage type, a
+    storage group viewed as several dtypes)."""
+    keys = {p[0]: str(k) for k, p in enumerate(x for x in pending if x[0] != OBJECTS_ENTRY)}
+    sizes = {p[0]: p[3] for p in pending}
+    refs: dict[int, Any] = {}
+    for idxs in groups:
+        dtypes = {flat.tensors[i][1].dtype for i in idxs}
+        dtype = next(iter(dtypes))
+        stype = storage_type(dtype)
+        record = records[idxs[0]]
+        if len(dtypes) != 1 or stype is None or record is None:
+            log.debug("state cannot be written in torch.save's zip layout (%s); writing safetensors only", dtypes)
+            return None
+        size = flat.tensors[idxs[0]][1].element_size()
+        entry = record["entry"]
+        if sizes[entry] % size:
+            return None
+        ref = StorageRef(keys[entry], stype, sizes[entry] // size)
+        for i in idxs:
+            t, rec = flat.tensors[i][1], records[i]
+            assert rec is not None
+            stride = tuple(rec["stride"]) if rec["stride"] is not None else _contiguous(tuple(t.shape))
+            if rec["offset"] % size:
+                return None
+            refs[id(t)] = (ref, rec["offset"] // size, tuple(t.shape), stride)
+    return keys, refs
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
 
 
 
@@ -155,17 +235,24 @@ class RankPlan:
     signature: str  # "" with one rank; ranks compare it before committing
     rank: int
 
+    @property
+    def filename(self) -> str:
+        """The name of this rank's shard file."""
+        return shard_filename(self.rank, torch_zip=self.shard.torch_zip)
+
     def manifest(self, *, step: int, time: float, metadata: dict[str, Any] | None) -> Manifest:
         """This rank's manifest so far: records for the tensors it writes, no files yet (the commit adds them)."""
-        shard = shard_filename(self.rank)
+        shard = self.filename
         records = tuple(None if r is None else {"file": shard, **r, "replicated": True} for r in self.shard.records)
         return Manifest(step=step, time=time, world_size=1, tree=self.flat.tree, tensors=records,
                         objects=tuple((shard, b, n) for b, n in self.shard.objects), files=(),
                         metadata=dict(metadata or {}))
 
 
-def plan_rank(state: Any, *, rank: int, world_size: int) -> RankPlan:
+def plan_rank(state: Any, *, rank: int, world_size: int, torch_loadable: bool = False) -> RankPlan:
     """Flatten ``state`` and lay out ``rank``'s shard of it (about ``1/world_size`` of a replicated state).
+
+    ``torch_loadable`` (one writer only): the shard is also the zip archive ``torch.load`` reads.
 
     Raises:
         UnsupportedStateError: a leaf cannot be saved (its key path is named).
@@ -173,6 +260,7 @@ def plan_rank(state: Any, *, rank: int, world_size: int) -> RankPlan:
     flat = flatten(state)
     groups = storage_groups(flat)
     owners = assign_owners(flat, groups, world_size) if world_size > 1 else None
-    shard = plan_shard(flat, groups=groups, owners=owners, rank=rank)
+    shard = plan_shard(flat, groups=groups, owners=owners, rank=rank,
+                       torch_zip=state if torch_loadable and world_size == 1 else None)
     return RankPlan(flat=flat, shard=shard, signature=structure_signature(flat, groups) if owners is not None else "",
                     rank=rank)

@@ -23,6 +23,7 @@ import torch
 
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from persist_core.format.shard_file import OBJECTS_ENTRY, dtype_from_name, parse_header
+from persist_core.format.torch_zip import image_offset
 from persist_core.format.tree import unflatten
 from persist_core.fileio import fsync_dir
 from persist_core.layout import (
@@ -144,8 +145,9 @@ def _read_shard(path: Path, fe: FileEntry, *, pool: Executor, verify: bool) -> d
         if os.fstat(fd).st_size != fe.size:
             raise CorruptCheckpointError(f"{path} has {os.fstat(fd).st_size} bytes; the manifest says {fe.size}")
         prefix = os.pread(fd, 1 << 16, 0)
-        if len(prefix) >= 8 and 8 + int.from_bytes(prefix[:8], "little") > len(prefix):
-            prefix = os.pread(fd, min(fe.size, 8 + int.from_bytes(prefix[:8], "little")), 0)
+        skip = image_offset(prefix)  # past the zip local header of a torch-loadable shard
+        if len(prefix) >= skip + 8 and skip + 8 + int.from_bytes(prefix[skip : skip + 8], "little") > len(prefix):
+            prefix = os.pread(fd, min(fe.size, skip + 8 + int.from_bytes(prefix[skip : skip + 8], "little")), 0)
         try:
             data_start, entries = parse_header(prefix, file_size=fe.size)
         except CorruptCheckpointError as e:

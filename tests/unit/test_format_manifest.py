@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from persist_core import CheckpointEngine, CheckpointReader, CorruptCheckpointError
 from persist_core.format import FORMAT_VERSION, Manifest
@@ -17,37 +18,44 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 WALL = 1767225600.0  # the golden files' wall-clock time
 
 
-def _place(root: Path, version: int, step: int = 12) -> Path:
+def _place(root: Path, version: str, step: int = 12) -> Path:
     ckpt = root / f"step-{step:012d}"
     ckpt.mkdir(parents=True)
-    shutil.copy(GOLDEN / f"v{version}-rank-00000.safetensors", ckpt / "rank-00000.safetensors")
-    shutil.copy(GOLDEN / f"v{version}-manifest.json", ckpt / "manifest.json")
+    for golden in GOLDEN.glob(f"v{version}-*"):
+        if golden.name.removeprefix(f"v{version}-").count("-") <= 1:  # v3-rank-00000.x, not v3-torch-rank-...
+            shutil.copy(golden, ckpt / golden.name.removeprefix(f"v{version}-"))
     return ckpt
 
 
-def test_a_save_writes_the_golden_bytes_of_the_current_version(tmp_path):
-    with CheckpointEngine(tmp_path, direct_io="off", chunk_bytes=4096 * 4, wall_clock=lambda: WALL) as engine:
+@pytest.mark.parametrize("torch_loadable, prefix, shard", [(False, "v3-", "rank-00000.safetensors"),
+                                                           (True, "v3-torch-", "rank-00000.ckpt")])
+def test_a_save_writes_the_golden_bytes_of_the_current_version(tmp_path, torch_loadable, prefix, shard):
+    with CheckpointEngine(tmp_path, direct_io="off", chunk_bytes=4096 * 4, wall_clock=lambda: WALL,
+                          torch_loadable=torch_loadable) as engine:
         engine.save(golden_state(), step=12, metadata={"note": "golden"}).wait()
     ckpt = tmp_path / "step-000000000012"
-    assert FORMAT_VERSION == 2
-    assert (ckpt / "manifest.json").read_bytes() == (GOLDEN / "v2-manifest.json").read_bytes()
-    assert (ckpt / "rank-00000.safetensors").read_bytes() == (GOLDEN / "v2-rank-00000.safetensors").read_bytes()
+    assert FORMAT_VERSION == 3
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", shard]
+    assert (ckpt / "manifest.json").read_bytes() == (GOLDEN / f"{prefix}manifest.json").read_bytes()
+    assert (ckpt / shard).read_bytes() == (GOLDEN / f"{prefix}{shard}").read_bytes()
 
 
 def test_only_the_time_field_and_the_checksum_depend_on_the_clock(tmp_path):
     with CheckpointEngine(tmp_path, direct_io="off", chunk_bytes=4096 * 4, wall_clock=lambda: WALL + 60) as engine:
         engine.save(golden_state(), step=12, metadata={"note": "golden"}).wait()
     got = Manifest.from_bytes((tmp_path / "step-000000000012" / "manifest.json").read_bytes(), where="new")
-    want = Manifest.from_bytes((GOLDEN / "v2-manifest.json").read_bytes(), where="golden")
+    want = Manifest.from_bytes((GOLDEN / "v3-manifest.json").read_bytes(), where="golden")
     assert got.time == WALL + 60 and want.time == WALL
     assert Manifest(**{**got.__dict__, "time": WALL}).to_bytes() == want.to_bytes()
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", ["1", "2", "3", "3-torch"])
 def test_every_versions_golden_checkpoint_loads(tmp_path, version):
-    _place(tmp_path, version)
+    ckpt = _place(tmp_path, version)
     with CheckpointReader(tmp_path) as reader:
         assert_state_equal(reader.load(), golden_state())
+    if version == "3-torch":  # and torch.load reads it too
+        assert_state_equal(torch.load(ckpt / "rank-00000.ckpt", weights_only=False), golden_state())
 
 
 def test_a_manifest_that_does_not_match_its_checksum_is_corrupt_and_names_it(tmp_path):
