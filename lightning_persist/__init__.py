@@ -7,9 +7,11 @@ every rank write its part.
 
 from lightning_persist.autosave import PersistAutoSave
 from lightning_persist.checkpoint_io import PersistCheckpointIO, StrategyBypassWarning
+from lightning_persist.loading import load_from_checkpoint
 from lightning_persist.strategy import PersistDDPStrategy
 
-__all__ = ["PersistAutoSave", "PersistCheckpointIO", "PersistDDPStrategy", "StrategyBypassWarning"]
+__all__ = ["PersistAutoSave", "PersistCheckpointIO", "PersistDDPStrategy", "StrategyBypassWarning",
+           "load_from_checkpoint"]
 
 
 def _register_with_pytorch_lightning() -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from persist_core import CheckpointInfo, PersistError, RetentionContext
 from persist_core.fileio import fsync_dir
+from persist_core.reader import checkpoint_of
 from persist_core.layout import FULL, KINDS, checkpoint_dirname, kind_subdir, parse_checkpoint_dirname
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,9 @@ class Links:
     until the newer commits — and never goes missing while saves overtake commits.
     """
 
-    def __init__(self, local_dir: Path) -> None:
+    def __init__(self, local_dir: Path, *, file_name: str | None = None) -> None:
         self._local_dir = local_dir
+        self._file_name = file_name  # link to this file of a checkpoint when it has it (a torch-loadable shard)
         self._lock = threading.Lock()
         self._requests: dict[str, dict[Key, int]] = {}  # path -> {(kind, step): request number}, not committed yet
         self._on_disk: dict[str, tuple[Key, int]] = {}  # path -> ((kind, step), request number) its link names
@@ -85,16 +87,45 @@ class Links:
             entries = list(os.scandir(directory))
         except FileNotFoundError:
             return
-        roots = {Path(os.path.realpath(self._local_dir / kind_subdir(kind))): kind for kind in KINDS}
+        roots = self._roots()
         for entry in entries:
             if not entry.is_symlink():
                 continue
-            real = Path(os.path.realpath(entry.path))
+            real = checkpoint_of(Path(os.path.realpath(entry.path)))
             kind = roots.get(real.parent)
             step = parse_checkpoint_dirname(real.name) if kind is not None else None
-            if step is not None and real.is_dir():
+            if step is None:
+                continue
+            if real.is_dir():
                 with self._lock:
                     self._on_disk.setdefault(entry.path, ((kind, step), -1))
+            else:
+                self._unlink_dead(entry.path, step)
+
+    def sweep(self) -> None:
+        """Remove the links that name a checkpoint no longer there (set aside by a branch, removed by
+        ``persist gc``): provably dead, they would load nothing. Links to live checkpoints stay."""
+        with self._lock:
+            known = dict(self._on_disk)
+        roots = self._roots()
+        for path, ((kind, step), _) in known.items():
+            real = checkpoint_of(Path(os.path.realpath(path)))
+            if os.path.islink(path) and roots.get(real.parent) == kind and not real.is_dir():
+                self._unlink_dead(path, step)
+
+    def _roots(self) -> dict[Path, str]:
+        return {Path(os.path.realpath(self._local_dir / kind_subdir(kind))): kind for kind in KINDS}
+
+    def _unlink_dead(self, path: str, step: int) -> None:
+        with self._lock:
+            if self._requests.get(path):  # a save of this run will link it
+                return
+            self._on_disk.pop(path, None)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return
+        log.info("removed %s: the checkpoint of step %d it named is no longer in %s", path, step, self._local_dir)
 
     def intend(self, target: str, step: int, kind: str = FULL) -> None:
         with self._lock:
@@ -112,7 +143,9 @@ class Links:
             if self._on_disk.get(target, (-1, -1))[1] > number:  # a newer request is linked already
                 return
             try:
-                link(target, self._local_dir / kind_subdir(kind) / checkpoint_dirname(step))
+                ckpt = self._local_dir / kind_subdir(kind) / checkpoint_dirname(step)
+                single = None if self._file_name is None else ckpt / self._file_name
+                link(target, single if single is not None and single.is_file() else ckpt)
                 self._on_disk[target] = ((kind, step), number)
             except OSError as e:
                 error = PersistError(f"checkpoint step={step} is committed, but linking {target!r} to it failed: {e}")
@@ -137,7 +170,7 @@ class Links:
 
 
 def link(target: str, ckpt_dir: Path) -> None:
-    """Point ``target`` at ``ckpt_dir`` with one atomic rename of a fresh relative link."""
+    """Point ``target`` at ``ckpt_dir`` (or a file in it) with one atomic rename of a fresh relative link."""
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(target)}.link-{secrets.token_hex(3)}")

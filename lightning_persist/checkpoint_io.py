@@ -36,7 +36,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning_persist._links import KeepLinked, Links
 from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
 from persist_core import RetentionPolicy, SaveStats
-from persist_core.layout import FULL, KINDS, WEIGHTS_ONLY, kind_subdir, parse_checkpoint_dirname
+from persist_core.layout import (FULL, KINDS, MANIFEST_NAME, WEIGHTS_ONLY, kind_subdir, parse_checkpoint_dirname,
+                                 shard_filename)
+from persist_core.reader import checkpoint_of
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistOptions, PersistSession
 
@@ -137,10 +139,10 @@ class PersistCheckpointIO(CheckpointIO):
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending, write_threads=write_threads,
-            preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s)
+            preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, torch_loadable=True)
         self._session = PersistSession(
             options, resume_hint="resume that run with trainer.fit(..., ckpt_path=io.latest_path())")
-        self._links = Links(options.local_dir)
+        self._links = Links(options.local_dir, file_name=shard_filename(0, torch_zip=True))
 
     # ------------------------------------------------------------------ set-up
 
@@ -224,13 +226,13 @@ class PersistCheckpointIO(CheckpointIO):
                 kind, step = key
                 reader = self._get_reader() if kind == FULL else self._get_engine(kind).reader
                 return reader.load(step, map_location=_device(map_location))
-            if os.path.isfile(text):
+            if os.path.isfile(text) and _checkpoint_dir(text) is None:  # a plain torch.save file
                 return torch_load(text, map_location=map_location or "cpu", weights_only=weights_only)
             self._links.adopt(os.path.dirname(text))
             if not os.path.lexists(text):
                 raise CheckpointNotFoundError(f"checkpoint {text!r} does not exist")
         reader = self._get_reader()
-        real = Path(os.path.realpath(text)) if not _is_url(text) else None
+        real = checkpoint_of(Path(os.path.realpath(text))) if not _is_url(text) else None
         if real is not None and real.parent != Path(os.path.realpath(reader.local_dir)):
             with CheckpointReader(real.parent, verify=self._session.options.verify) as other:  # another run's local_dir
                 return other.load(other.step_of(real), map_location=_device(map_location))
@@ -252,7 +254,7 @@ class PersistCheckpointIO(CheckpointIO):
 
     def _ours(self, directory: str) -> bool:
         """``directory`` is a checkpoint directory of this plugin's ``local_dir`` (retention removes those)."""
-        real = Path(os.path.realpath(directory))
+        real = checkpoint_of(Path(os.path.realpath(directory)))
         roots = {Path(os.path.realpath(self.local_dir / kind_subdir(kind))) for kind in KINDS}
         return real.parent in roots and parse_checkpoint_dirname(real.name) is not None
 
@@ -286,6 +288,7 @@ class PersistCheckpointIO(CheckpointIO):
         preempted = bool(getattr(trainer, "received_sigterm", False))
         try:
             self._session.close(preempted=preempted, sink=self._sink(trainer), announce=_rank_zero_info)
+            self._links.sweep()
             self._links.raise_errors()
         finally:
             if preempted and self._exit_after_sigterm:
@@ -386,6 +389,13 @@ def _exit_as_sigterm() -> None:
         raise SystemExit(_SIGTERM_STATUS)
 
 
+def _checkpoint_dir(path: str) -> Path | None:
+    """The committed checkpoint directory whose shard file ``path`` is (through links), or ``None``."""
+    real = Path(os.path.realpath(path))
+    ckpt = checkpoint_of(real)
+    return ckpt if ckpt != real and (ckpt / MANIFEST_NAME).is_file() else None
+
+
 def _kind_of(checkpoint: dict[str, Any]) -> str:
     """``weights-only`` for what Lightning's ``dump_checkpoint(weights_only=True)`` makes, else ``full``."""
     lightning = "pytorch-lightning_version" in checkpoint and "state_dict" in checkpoint
@@ -419,13 +429,13 @@ def _bypass_of(strategy: Any) -> tuple[str, bool] | None:
             return ("ModelParallelStrategy writes its own torch.distributed.checkpoint directories and never calls a "
                     "CheckpointIO to save or load them"), False
         return ("ModelParallelStrategy(save_distributed_checkpoint=False) saves through a CheckpointIO but loads "
-                "without it and refuses a checkpoint path that is a link to a directory"), True
+                "checkpoints without it (unverified, never from remote_url)"), True
     if name == "FSDPStrategy":
         if getattr(strategy, "_state_dict_type", "full") == "sharded":
             return ("FSDPStrategy(state_dict_type='sharded') writes its own torch.distributed.checkpoint directories "
                     "and never calls a CheckpointIO to save or load them"), False
-        return ("FSDPStrategy saves full state through a CheckpointIO but loads without it and refuses a "
-                "checkpoint path that is a link to a directory"), True
+        return ("FSDPStrategy saves full state through a CheckpointIO but loads checkpoints without it "
+                "(unverified, never from remote_url)"), True
     return None
 
 
@@ -446,7 +456,7 @@ def _check_strategy(trainer: Any | None, already: bool, *, refuse: bool = True) 
         return True
     what, breaks = bypass
     if breaks and refuse:
-        raise ConfigError(f"{what}, so it cannot resume from what PersistCheckpointIO saves; {_FIX}")
+        raise ConfigError(f"{what}, so a run could not resume through PersistCheckpointIO; {_FIX}")
     from lightning.pytorch.utilities import rank_zero_warn
 
     rank_zero_warn(f"{what}: PersistCheckpointIO is not used for them (no local_dir, no remote_url, no retention, "

@@ -16,11 +16,17 @@ from lightning.fabric import Fabric
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import persist_core.session as plugin_module
-from lightning_persist import PersistCheckpointIO
+from lightning_persist import PersistCheckpointIO, load_from_checkpoint
 from persist_core import CheckpointEngine, CheckpointReader, CheckpointNotFoundError, ConfigError, WriteError
 from tests.support.lightning_app import Net, make_trainer, weights
 from tests.support.fakes import FailingOps, GatedOps
+from persist_core.reader import checkpoint_of
 from tests.support.states import assert_state_equal
+
+def linked(path) -> str:
+    """The name of the checkpoint directory a Lightning path links to (itself or its shard file)."""
+    return checkpoint_of(Path(os.path.realpath(path))).name
+
 
 APP = Path(__file__).parents[1] / "support" / "lightning_app.py"
 
@@ -58,10 +64,10 @@ def test_top_k_leaves_exactly_the_expected_files_and_each_loads(tmp_path):
     # save_top_k=2 on "step" + save_last: the two newest, and last.ckpt naming the newest
     assert ckpt_files(d) == {"epoch=1-step=8.ckpt", "epoch=1-step=9.ckpt", "last.ckpt"}
     assert step_dirs(d) == {"step-000000000008", "step-000000000009"}
-    assert os.readlink(d / "last.ckpt") == "step-000000000009"
+    assert linked(d / "last.ckpt") == "step-000000000009"
     for name in ckpt_files(d):
         loaded = io.load_checkpoint(d / name)
-        assert loaded["global_step"] == int(os.readlink(d / name)[-3:])
+        assert loaded["global_step"] == int(linked(d / name)[-3:])
         assert loaded["state_dict"]["net.0.weight"].device.type == "cpu"
     assert_state_equal(io.load_checkpoint(d / "last.ckpt")["state_dict"], weights(model))
 
@@ -118,12 +124,12 @@ def test_last_ckpt_always_names_a_committed_checkpoint(tmp_path, engine_ops):
     io.save_checkpoint({"global_step": 2, "w": torch.zeros(10)}, d / "last.ckpt")
     assert ops.entered.wait(30)
     # step 2 is being written: last.ckpt still names step 1, which loads
-    assert os.readlink(d / "last.ckpt") == "step-000000000001"
+    assert linked(d / "last.ckpt") == "step-000000000001"
     reader = PersistCheckpointIO(local_dir=d)
     assert reader.load_checkpoint(d / "last.ckpt")["w"].equal(torch.ones(10))
     ops.gate.set()
     io.teardown()
-    assert os.readlink(d / "last.ckpt") == "step-000000000002"
+    assert linked(d / "last.ckpt") == "step-000000000002"
     assert step_dirs(d) == {"step-000000000002"}
 
 
@@ -257,7 +263,7 @@ def test_sigterm_under_the_trainer_leaves_a_committed_synced_checkpoint(tmp_path
     run = run_app("--local-dir", str(d), "--max-steps", "50", "--term-at", "4", "--remote-url", url,
                   env={"PERSIST_TEST_S3_ENDPOINT": s3_endpoint})
     assert "Received SIGTERM" in run.stderr, run.stderr[-3000:]
-    assert os.readlink(d / "last.ckpt") == "step-000000000004"  # training stopped at the next batch
+    assert linked(d / "last.ckpt") == "step-000000000004"  # training stopped at the next batch
     fresh = PersistCheckpointIO(local_dir=tmp_path / "fresh", remote_url=url, storage_options=s3_options)
     assert fresh.latest_path() == f"{url}/step-000000000004"
     assert fresh.load_checkpoint(fresh.latest_path())["global_step"] == 4
@@ -288,6 +294,10 @@ def test_persist_ddp_strategy_every_rank_writes_its_half(tmp_path):
     one = PersistCheckpointIO(local_dir=d).load_checkpoint(d / "last.ckpt")
     assert one["global_step"] == 6
     assert_state_equal(one["state_dict"], torch.load(tmp_path / "six.pt"))
+    # split shards: Lightning's loader through ours (the plain call cannot read a directory)
+    model = load_from_checkpoint(Net, d / "last.ckpt")
+    assert_state_equal(dict(weights(model.net)), {k.removeprefix("net."): v for k, v in one["state_dict"].items()})
+    assert model.hparams.width == 1024
     # ... and on two, which go on training and write again
     second = run_app(*common, "--max-steps", "9", "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
@@ -319,7 +329,7 @@ def test_the_standalone_pytorch_lightning_trainer_takes_the_plugin_too(tmp_path)
                          enable_model_summary=False, plugins=[io],
                          callbacks=[pl.callbacks.ModelCheckpoint(dirpath=d, every_n_train_steps=1, save_last=True)])
     trainer.fit(model)
-    assert os.readlink(d / "last.ckpt") == "step-000000000003"
+    assert linked(d / "last.ckpt") == "step-000000000003"
     assert_state_equal(io.load_checkpoint(d / "last.ckpt")["state_dict"], weights(model))
 
 
@@ -332,7 +342,7 @@ def test_ddp_ranks_on_a_fresh_machine_both_resume_from_the_remote(tmp_path):
                      "--remote-url", remote, "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"Restored all states from the checkpoint at {remote}/step-000000000006" in second.stderr
-    assert os.readlink(tmp_path / "m2" / "last.ckpt") == "step-000000000009"
+    assert linked(tmp_path / "m2" / "last.ckpt") == "step-000000000009"
     assert not [p for p in (tmp_path / "m2").iterdir() if p.name.startswith(".tmp")]
 
 
@@ -376,7 +386,7 @@ def test_autosave_follows_its_policy_and_retention(tmp_path):
     Trainer(max_steps=10, plugins=[io], accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
             enable_model_summary=False, enable_checkpointing=False, callbacks=[autosave]).fit(Net())
     assert autosave.saved_steps == [3, 6, 9]
-    assert os.readlink(d / "autosave.ckpt") == "step-000000000009"
+    assert linked(d / "autosave.ckpt") == "step-000000000009"
     assert step_dirs(d) == {"step-000000000006", "step-000000000009"}
     assert io.load_checkpoint(d / "autosave.ckpt")["global_step"] == 9
 
@@ -399,7 +409,7 @@ def test_two_ranks_autosave_the_steps_rank_0_decides_even_when_their_policies_di
     assert run.returncode == 0, run.stderr[-3000:]
     saved = {r["rank"]: r["autosaved"] for r in map(json.loads, run.stdout.splitlines()) if "autosaved" in r}
     assert saved == {0: [3, 6, 9, 12], 1: [3, 6, 9, 12]}, saved
-    newest = d / os.readlink(d / "autosave.ckpt")
+    newest = d / linked(d / "autosave.ckpt")
     assert newest.name == f"step-{saved[0][-1]:012d}"
     assert json.loads((newest / "manifest.json").read_text())["world_size"] == 2  # both ranks wrote it
 

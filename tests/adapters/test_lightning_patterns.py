@@ -22,12 +22,18 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import persist_core.session as session_module
-from lightning_persist import PersistCheckpointIO, StrategyBypassWarning
+from lightning_persist import PersistCheckpointIO, StrategyBypassWarning, load_from_checkpoint
 from persist_core import CheckpointEngine, CheckpointReader, ConfigError, WriteError
 from persist_core.cli import main as persist
 from tests.support.fakes import FailingOps, GatedOps
 from tests.support.lightning_app import Net, checkpoint_callback, weights
+from persist_core.reader import checkpoint_of
 from tests.support.states import assert_state_equal
+
+def linked(path) -> str:
+    """The name of the checkpoint directory a Lightning path links to (itself or its shard file)."""
+    return checkpoint_of(Path(os.path.realpath(path))).name
+
 
 APP = Path(__file__).parents[1] / "support" / "lightning_app.py"
 
@@ -143,9 +149,61 @@ def test_last_ckpt_names_the_newest_committed_request_when_each_commit_lands_aft
     handle = io._session.handle(1)
     handle.wait_local()
     # step 1 committed while step 2 was already requested: last.ckpt names step 1 until step 2 commits
-    assert os.readlink(d / "last.ckpt") in ("step-000000000001", "step-000000000002")
+    assert linked(d / "last.ckpt") in ("step-000000000001", "step-000000000002")
     io.wait()
-    assert os.readlink(d / "last.ckpt") == "step-000000000002"
+    assert linked(d / "last.ckpt") == "step-000000000002"
+    io.teardown()
+
+
+# ---------------------------------------------------------------- 4: the paths are files torch.load reads
+
+
+def test_every_path_is_a_file_that_torch_load_and_load_from_checkpoint_read(tmp_path):
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d)
+    model = Net(width=24)
+    trainer(io, 4, [checkpoint_callback(d)]).fit(model)
+    for name, step in (("last.ckpt", 4), ("epoch=0-step=4.ckpt", 4), ("epoch=0-step=3.ckpt", 3)):
+        path = d / name
+        assert path.is_file() and not path.is_dir()
+        for options in ({"weights_only": False}, {"weights_only": False, "mmap": True}):
+            plain = torch.load(path, **options)
+            assert plain["global_step"] == step
+            ours = io.load_checkpoint(path)  # verified: every chunk's crc32c
+            assert_state_equal(plain["state_dict"], ours["state_dict"])
+            assert plain["optimizer_states"][0]["state"].keys() == ours["optimizer_states"][0]["state"].keys()
+    loaded = Net.load_from_checkpoint(d / "last.ckpt")
+    assert loaded.hparams.width == 24
+    assert_state_equal(weights(loaded), weights(model))
+    assert_state_equal(weights(load_from_checkpoint(Net, d / "last.ckpt")), weights(model))
+    # the file is the shard: written once, no second copy
+    shard = d / "step-000000000004" / "rank-00000.ckpt"
+    assert os.path.samefile(d / "last.ckpt", shard)
+    assert sorted(p.name for p in shard.parent.iterdir()) == ["manifest.json", "rank-00000.ckpt"]
+
+
+def test_fabric_saves_of_plain_tensors_load_with_torch_load_weights_only(tmp_path):
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+    model = fabric.setup(torch.nn.Linear(4, 2))
+    fabric.save(d / "w.ckpt", {"model": model.state_dict(), "step": 7, "lr": [0.1, 0.01]})
+    io.wait()
+    plain = torch.load(d / "w.ckpt", weights_only=True, mmap=True)
+    assert plain["step"] == 7 and plain["lr"] == [0.1, 0.01]
+    assert_state_equal(plain["model"], model.state_dict())
+    io.teardown()
+
+
+def test_a_state_torch_cannot_name_falls_back_to_a_directory_link_that_still_loads(tmp_path):
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d)
+    base = torch.arange(8, dtype=torch.float32)
+    io.save_checkpoint({"global_step": 1, "a": base, "b": base.view(torch.int32)}, d / "x.ckpt")  # one storage, 2 dtypes
+    io.wait()
+    assert (d / "x.ckpt").is_dir() and linked(d / "x.ckpt") == "step-000000000001"
+    loaded = io.load_checkpoint(d / "x.ckpt")
+    assert loaded["a"].equal(base) and loaded["b"].equal(base.view(torch.int32))
     io.teardown()
 
 
@@ -180,7 +238,7 @@ def test_fabric_flush_with_io_wait(tmp_path):
     model = fabric.setup(torch.nn.Linear(4, 2))
     fabric.save(d / "fabric.ckpt", {"model": model, "step": 3})
     io.wait()  # Fabric never calls teardown: this is the flush
-    assert os.readlink(d / "fabric.ckpt") == "step-000000000003"
+    assert linked(d / "fabric.ckpt") == "step-000000000003"
     assert CheckpointReader(d).load(3)["step"] == 3
     io.teardown()
 
@@ -265,7 +323,7 @@ def test_after_a_sigterm_stop_the_process_exits_as_sigterm_would(tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert "Received SIGTERM" in run.stderr, run.stderr[-3000:]
     assert run.returncode == 128 + signal.SIGTERM, run.stderr[-3000:]
-    assert os.readlink(d / "last.ckpt") == "step-000000000003"  # flushed before the exit
+    assert linked(d / "last.ckpt") == "step-000000000003"  # flushed before the exit
     assert CheckpointReader(d).load(3)["global_step"] == 3
 
 
@@ -278,3 +336,18 @@ def test_a_replaced_step_is_uploaded_over_the_remote_copy(tmp_path):
         engine.save({"w": torch.zeros(100)}, step=3)
     fresh = CheckpointReader(tmp_path / "fresh", remote_url=url)
     assert fresh.load(3)["w"].equal(torch.zeros(100))
+
+
+# ---------------------------------------------------------------- stray links (issue 18 item 9)
+
+
+def test_links_to_checkpoints_a_branch_set_aside_are_removed_not_left_dangling(tmp_path):
+    d = tmp_path / "ckpt"
+    trainer(PersistCheckpointIO(local_dir=d), 6, [every_step(d)]).fit(Net())
+    io = PersistCheckpointIO(local_dir=d)  # back to step 3 on purpose: 4..6 are set aside
+    trainer(io, 4, [every_step(d)]).fit(Net(), ckpt_path=str(d / "epoch=0-step=3.ckpt"))
+    links = {p.name: p for p in d.iterdir() if p.is_symlink()}
+    # 5 and 6 are gone; the new 4 took "-v1" (Lightning found the old 4's path), and the old 4's path names the new 4
+    assert set(links) == {f"epoch=0-step={s}.ckpt" for s in (1, 2, 3, 4)} | {"epoch=0-step=4-v1.ckpt", "last.ckpt"}
+    assert all(p.exists() for p in links.values())  # every path that exists loads
+    assert [a.step for a in CheckpointReader(d).abandoned()] == [4, 5, 6]
