@@ -93,8 +93,12 @@ def child(mode: str, width: int, steps: int, batch: int, out: Path) -> dict:
     warm = 3
     step_times = [b - a for a, b in zip(timer.starts[warm:], timer.starts[warm + 1 :])]
     files = sorted(p.name for p in ckpt_dir.glob("*.ckpt")) if ckpt_dir.exists() else []
+    parts = {}
+    if mode == "persist":  # where a checkpointing step's time goes, per save after the warm-up
+        stats = [h.stats for h in io._session._saved.values() if h is not None][warm:]
+        parts = {k: statistics.mean(getattr(s, k) for s in stats) for k in ("wait_s", "staging_s", "stall_s", "write_s")}
     return {"mode": mode, "step_s": statistics.mean(step_times), "fit_s": fit_s,
-            "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, "files": files}
+            "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, "files": files, **parts}
 
 
 def main() -> None:
@@ -148,6 +152,13 @@ def main() -> None:
         print(f"| {mode} | {med['step_s'] * 1000:.0f} ms | {(med['step_s'] / base['step_s'] - 1) * 100:+.0f}% | "
               f"{med['step_s'] / floor_s:.2f}x | {med['fit_s']:.1f} s | {med['rss_gb']:.2f} GB | {med['rss_gb'] / base['rss_gb']:.2f}x | "
               f"{'/'.join(map(str, files)) if mode != 'none' else '-'} |")
+    p = {k: statistics.median(r[k] for r in results["persist"]) for k in ("wait_s", "staging_s", "stall_s", "write_s")}
+    rest = statistics.median(r["step_s"] for r in results["persist"]) - base["step_s"] - p["stall_s"]
+    print(f"\npersist, per checkpointing step: {base['step_s'] * 1000:.0f} ms of training + {p['stall_s'] * 1000:.0f} ms "
+          f"stalled in save() ({p['wait_s'] * 1000:.0f} ms waiting for the previous write to free its bytes, "
+          f"{p['staging_s'] * 1000:.0f} ms copying) + {rest * 1000:.0f} ms the step ran slower while the write ran "
+          f"(CPU and memory-bandwidth contention); the write itself took {p['write_s'] * 1000:.0f} ms against the "
+          f"disk's {durable_s * 1000:.0f} ms alone")
 
 
 if __name__ == "__main__":

@@ -96,7 +96,8 @@ class CheckpointEngine:
         torch_loadable: with one process, write each shard so that it is also the zip archive
             ``torch.save`` writes: ``torch.load(step_dir/"rank-00000.ckpt")`` (also ``mmap=True``,
             ``weights_only=True``) reads the state without torch-persist, the bytes written once as
-            always (see :mod:`persist_core.format.torch_zip`). Ignored with several processes.
+            always (see :mod:`persist_core.format.torch_zip`). With several processes rank 0's shard
+            is such an archive whose loading raises an error naming how to load the whole checkpoint.
         clock: the monotonic clock decisions use (a fake one in tests).
         wall_clock: the wall clock manifests record (``time.time``).
         file_ops: the file system calls the writer makes (for fault injection in tests).

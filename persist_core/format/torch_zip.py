@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from persist_core.errors import PersistError
+
 ARCHIVE = "archive"
 PICKLE_PROTOCOL = 2  # what torch.save writes; torch's weights_only unpickler reads it
 _ZIP64_LIMIT = 0xFFFFFFFF  # a module constant, so tests can cross it with small files
@@ -195,6 +197,24 @@ class _Pickler(pickle.Pickler):
                 ref, offset, shape, stride = placed
                 return torch._utils._rebuild_tensor_v2, (ref, offset, shape, stride, False, collections.OrderedDict())
         return NotImplemented
+
+
+def split_shard(world_size: int) -> None:
+    """What ``torch.load`` of rank 0's shard of a split checkpoint runs: an error saying how to load it."""
+    raise PersistError(
+        f"this file is rank 0's part of a checkpoint split across {world_size} ranks, not the whole state; "
+        "load it with torch-persist: lightning_persist.load_from_checkpoint(ModelClass, path) for a "
+        "LightningModule, or persist_core.CheckpointReader(<its local_dir>).load()")
+
+
+class SplitShard:
+    """Pickled as ``split_shard(world_size)``: the ``data.pkl`` of rank 0's shard when the ranks split a state."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return split_shard, (self.world_size,)
 
 
 def pickle_state(state: Any, tensors: dict[int, tuple[StorageRef, int, tuple[int, ...], tuple[int, ...]]]) -> bytes:

@@ -24,8 +24,8 @@ from persist_core.format.shard_file import (
     safetensors_dtype,
 )
 from persist_core.format.manifest import Manifest
-from persist_core.format.torch_zip import (HEADER_RECORD, Record, StorageRef, header_record, local_header, pickle_state,
-                                           record_name, storage_type, zip_tail)
+from persist_core.format.torch_zip import (HEADER_RECORD, Record, SplitShard, StorageRef, header_record, local_header,
+                                           pickle_state, record_name, storage_type, zip_tail)
 from persist_core.format.tree import FlatState, flatten
 from persist_core.layout import shard_filename
 from persist_core.planning.partition import _span, assign_owners, storage_groups, structure_signature
@@ -128,7 +128,12 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
             pos += len(o)
         pending.append((OBJECTS_ENTRY, "U8", [len(blob)], len(blob), blob, torch.uint8, (len(blob),)))
 
-    zipped = None if torch_zip is None or owners is not None else _zip_refs(flat, groups, pending, records)
+    if torch_zip is None or (owners is not None and rank != 0):
+        zipped = None
+    elif owners is not None:  # rank 0 of split writes: an archive whose data.pkl says where the state is
+        zipped = ({}, {})
+    else:
+        zipped = _zip_refs(flat, groups, pending, records)
     header_entries: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)}}
     copies: list[EntryCopy] = []
     pos = 0
@@ -252,7 +257,8 @@ class RankPlan:
 def plan_rank(state: Any, *, rank: int, world_size: int, torch_loadable: bool = False) -> RankPlan:
     """Flatten ``state`` and lay out ``rank``'s shard of it (about ``1/world_size`` of a replicated state).
 
-    ``torch_loadable`` (one writer only): the shard is also the zip archive ``torch.load`` reads.
+    ``torch_loadable``: with one writer the shard is also the zip archive ``torch.load`` reads; with
+    several, rank 0's is an archive whose loading raises an error naming how to load the checkpoint.
 
     Raises:
         UnsupportedStateError: a leaf cannot be saved (its key path is named).
@@ -261,6 +267,6 @@ def plan_rank(state: Any, *, rank: int, world_size: int, torch_loadable: bool = 
     groups = storage_groups(flat)
     owners = assign_owners(flat, groups, world_size) if world_size > 1 else None
     shard = plan_shard(flat, groups=groups, owners=owners, rank=rank,
-                       torch_zip=state if torch_loadable and world_size == 1 else None)
+                       torch_zip=None if not torch_loadable else state if world_size == 1 else SplitShard(world_size))
     return RankPlan(flat=flat, shard=shard, signature=structure_signature(flat, groups) if owners is not None else "",
                     rank=rank)

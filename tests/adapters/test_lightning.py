@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import persist_core.session as plugin_module
 from lightning_persist import PersistCheckpointIO, load_from_checkpoint
-from persist_core import CheckpointEngine, CheckpointReader, CheckpointNotFoundError, ConfigError, WriteError
+from persist_core import CheckpointEngine, CheckpointReader, CheckpointNotFoundError, ConfigError, PersistError, WriteError
 from tests.support.lightning_app import Net, make_trainer, weights
 from tests.support.fakes import FailingOps, GatedOps
 from persist_core.reader import checkpoint_of
@@ -294,7 +294,11 @@ def test_persist_ddp_strategy_every_rank_writes_its_half(tmp_path):
     one = PersistCheckpointIO(local_dir=d).load_checkpoint(d / "last.ckpt")
     assert one["global_step"] == 6
     assert_state_equal(one["state_dict"], torch.load(tmp_path / "six.pt"))
-    # split shards: Lightning's loader through ours (the plain call cannot read a directory)
+    # split shards: Lightning's loader through ours; the plain call says so (the path is rank 0's part)
+    with pytest.raises(PersistError, match="split across 2 ranks.*lightning_persist.load_from_checkpoint"):
+        Net.load_from_checkpoint(d / "last.ckpt", weights_only=False)
+    with pytest.raises(Exception, match="persist_core.format.torch_zip.split_shard"):
+        torch.load(d / "last.ckpt")  # weights_only: torch's own refusal names our loader's module
     model = load_from_checkpoint(Net, d / "last.ckpt")
     assert_state_equal(dict(weights(model.net)), {k.removeprefix("net."): v for k, v in one["state_dict"].items()})
     assert model.hparams.width == 1024
