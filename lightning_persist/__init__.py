@@ -6,7 +6,8 @@ every rank write its part.
 """
 
 from lightning_persist.autosave import PersistAutoSave
-from lightning_persist.checkpoint_io import PersistCheckpointIO, StrategyBypassWarning
+from lightning_persist._strategies import StrategyBypassWarning
+from lightning_persist.checkpoint_io import PersistCheckpointIO
 from lightning_persist.loading import load_from_checkpoint
 from lightning_persist.strategy import PersistDDPStrategy
 

@@ -34,6 +34,7 @@ from lightning.fabric.utilities.cloud_io import _load as torch_load
 from lightning.pytorch.callbacks import Callback
 
 from lightning_persist._links import KeepLinked, Links
+from lightning_persist._strategies import check_strategy
 from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
 from persist_core import RetentionPolicy, SaveStats
 from persist_core.layout import (FULL, KINDS, MANIFEST_NAME, WEIGHTS_ONLY, kind_subdir, parse_checkpoint_dirname,
@@ -184,7 +185,7 @@ class PersistCheckpointIO(CheckpointIO):
         if os.path.isdir(target) and not os.path.islink(target):
             raise ConfigError(f"checkpoint path {target!r} is an existing directory; remove it or choose another dirpath")
         trainer = self._report()
-        self._strategy_seen = _check_strategy(trainer, self._strategy_seen)
+        self._strategy_seen = check_strategy(trainer, self._strategy_seen)
         if trainer is None:
             self._session.install_flush()
         self._links.adopt(str(self.local_dir))
@@ -215,7 +216,7 @@ class PersistCheckpointIO(CheckpointIO):
             CheckpointNotFoundError: nothing there (a ``FileNotFoundError``).
             CorruptCheckpointError: the checkpoint does not verify.
         """
-        self._strategy_seen = _check_strategy(_find_trainer(), self._strategy_seen)
+        self._strategy_seen = check_strategy(_find_trainer(), self._strategy_seen)
         text = os.fspath(path)
         if not _is_url(text):
             text = self._path_key(text)
@@ -245,7 +246,7 @@ class PersistCheckpointIO(CheckpointIO):
         directory at ``path`` that is not one of this plugin's checkpoints (another IO's, a strategy's
         own) is deleted, as the default IO deletes it.
         """
-        self._strategy_seen = _check_strategy(_find_trainer(), self._strategy_seen)
+        self._strategy_seen = check_strategy(_find_trainer(), self._strategy_seen)
         target = self._path_key(path)
         if os.path.isdir(target) and not os.path.islink(target) and not self._ours(target):
             shutil.rmtree(target)
@@ -284,7 +285,7 @@ class PersistCheckpointIO(CheckpointIO):
         SIGTERM would have ended it, instead of Lightning's 0 — so a scheduler sees a preemption.
         """
         trainer = _find_trainer()
-        self._strategy_seen = _check_strategy(trainer, self._strategy_seen, refuse=False)
+        self._strategy_seen = check_strategy(trainer, self._strategy_seen, refuse=False)
         preempted = bool(getattr(trainer, "received_sigterm", False))
         try:
             self._session.close(preempted=preempted, sink=self._sink(trainer), announce=_rank_zero_info)
@@ -408,61 +409,6 @@ def _device(map_location: Any) -> Any:
     if isinstance(map_location, (str, torch.device)):
         return map_location
     raise ConfigError(f"map_location={map_location!r} is not supported; pass None (CPU), a device string or a torch.device")
-
-
-class StrategyBypassWarning(UserWarning):
-    """The Trainer's strategy writes its own checkpoints: this plugin is not used for them."""
-
-
-_FIX = ("use strategy='ddp' or strategy=PersistDDPStrategy() with PersistCheckpointIO, or drop the plugin for this "
-        "strategy (sharded DTensor state through the engine is the README's 'Sharded state' section)")
-
-
-def _bypass_of(strategy: Any) -> tuple[str, bool] | None:
-    """``(what the strategy does, whether it breaks with this plugin)`` for a strategy that goes around
-    CheckpointIO, or ``None`` for one that calls it for every save, load and removal."""
-    name = type(strategy).__name__
-    if name == "DeepSpeedStrategy":
-        return "DeepSpeedStrategy writes and loads its own checkpoints and never calls a CheckpointIO", False
-    if name == "ModelParallelStrategy":
-        if getattr(strategy, "_save_distributed_checkpoint", True):
-            return ("ModelParallelStrategy writes its own torch.distributed.checkpoint directories and never calls a "
-                    "CheckpointIO to save or load them"), False
-        return ("ModelParallelStrategy(save_distributed_checkpoint=False) saves through a CheckpointIO but loads "
-                "checkpoints without it (unverified, never from remote_url)"), True
-    if name == "FSDPStrategy":
-        if getattr(strategy, "_state_dict_type", "full") == "sharded":
-            return ("FSDPStrategy(state_dict_type='sharded') writes its own torch.distributed.checkpoint directories "
-                    "and never calls a CheckpointIO to save or load them"), False
-        return ("FSDPStrategy saves full state through a CheckpointIO but loads checkpoints without it "
-                "(unverified, never from remote_url)"), True
-    return None
-
-
-def _check_strategy(trainer: Any | None, already: bool, *, refuse: bool = True) -> bool:
-    """Say once that the Trainer's strategy goes around this plugin; raise if it cannot work with it.
-
-    A CheckpointIO gets no set-up hook, so this runs at the first call that can see the Trainer.
-    Returns whether the Trainer was seen (no need to look again).
-
-    Raises:
-        ConfigError: a strategy that saves through this plugin but cannot load what it saved
-            (with ``refuse``; else a warning says so).
-    """
-    if already or trainer is None:
-        return already
-    bypass = _bypass_of(getattr(trainer, "strategy", None))
-    if bypass is None:
-        return True
-    what, breaks = bypass
-    if breaks and refuse:
-        raise ConfigError(f"{what}, so a run could not resume through PersistCheckpointIO; {_FIX}")
-    from lightning.pytorch.utilities import rank_zero_warn
-
-    rank_zero_warn(f"{what}: PersistCheckpointIO is not used for them (no local_dir, no remote_url, no retention, "
-                   f"and its directories are removed as the default IO would). To checkpoint with torch-persist, "
-                   f"{_FIX}", category=StrategyBypassWarning)
-    return True
 
 
 def _find_trainer() -> Any | None:
