@@ -12,9 +12,11 @@ where SOURCE is a ``local_dir`` or a remote URL.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,8 @@ def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike
         out_dir: the directory to write (created; must not hold an Accelerate checkpoint already).
         step: which checkpoint; the newest committed one by default.
         storage_options: fsspec options for a remote ``source``.
-        cache_dir: where a remote checkpoint is downloaded (default: ``out_dir/.download``).
+        cache_dir: where a remote checkpoint is downloaded and kept (default: a temporary directory,
+            removed when the export ends).
 
     Returns:
         ``out_dir``.
@@ -48,9 +51,13 @@ def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike
         raise ConfigError(f"out_dir={str(out)!r} is not empty; export into a new directory")
     text = os.fspath(source)
     remote = "://" in text and not text.startswith("file://")
-    local = Path(cache_dir or out / ".download") if remote else Path(text)
-    with CheckpointReader(local, remote_url=text if remote else None, storage_options=storage_options) as reader:
-        state = reader.load(step)
+    with contextlib.ExitStack() as stack:
+        if remote and cache_dir is None:
+            local = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="persist-export-")))
+        else:
+            local = Path(cache_dir) if remote else Path(text.removeprefix("file://"))
+        with CheckpointReader(local, remote_url=text if remote else None, storage_options=storage_options) as reader:
+            state = reader.load(step)
     if not (isinstance(state, dict) and {"models", "optimizers", "per_process"} <= state.keys()):
         raise ConfigError(f"the checkpoint in {text} was not saved by accelerate_persist.PersistHook; nothing to export")
     out.mkdir(parents=True, exist_ok=True)
@@ -82,6 +89,10 @@ def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike
         torch.save(states, out / f"random_states_{i}.pkl")
     for i, custom in enumerate(state["custom"]):
         torch.save(custom, out / f"custom_checkpoint_{i}.pkl")
+    umask = os.umask(0)
+    os.umask(umask)
+    for written in out.iterdir():  # safetensors writes 0600; the files get the modes any new file gets here
+        written.chmod(0o666 & ~umask)
     return out
 
 

@@ -34,7 +34,8 @@ from typing import Any
 from accelerate_persist import _state
 from persist_core import CheckpointNotFoundError, CheckpointReader, ConfigError, KeepLastN, RetentionPolicy, SingleProcess
 from persist_core import TorchCollectives
-from persist_core.layout import checkpoint_dirname
+from persist_core.fileio import link_atomically
+from persist_core.layout import MANIFEST_NAME, checkpoint_dirname
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistOptions, PersistSession
 
@@ -120,6 +121,7 @@ class PersistHook:
         self._originals: dict[str, Any] = {}
         self._wrapped: list[tuple[Any, Any]] = []  # (optimizer, its own step) to put back on close
         self._optimizer_steps = 0
+        self._named: dict[str, int] = {}  # directories the user named in save_state(dir) -> their step (kept)
 
     # ------------------------------------------------------------------ registration
 
@@ -133,6 +135,14 @@ class PersistHook:
         if self._accelerator is not None:
             raise ConfigError("this PersistHook is registered already; close() it before registering it again")
         kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
+        launched = os.environ.get("WORLD_SIZE", "1")
+        if launched.isdigit() and int(launched) > 1 and accelerator.num_processes == 1:
+            raise ConfigError(
+                f"WORLD_SIZE={launched} in the environment but the Accelerator runs 1 process: the launcher started "
+                f"{launched} processes that do not know of each other (`accelerate launch --multi_gpu` on a machine "
+                f"without GPUs does this), and each would write {self._options.local_dir} as if alone. Launch with "
+                "`accelerate launch --cpu` (or Accelerator(cpu=True)) for one process group, or unset WORLD_SIZE"
+            )
         if kind not in _SUPPORTED:
             raise ConfigError(
                 f"PersistHook does not support distributed_type={kind}: it saves through its own machinery; "
@@ -152,7 +162,8 @@ class PersistHook:
                 )
         session = PersistSession(options, resume_hint="resume it with hook.resume() before training")
         session.use_collectives(TorchCollectives.new_group() if accelerator.num_processes > 1 else SingleProcess())
-        session.open(preemption=options.save_policy is not None)
+        named = None if options.retention is None else _KeepNamed(self._named)  # no policy: everything is kept
+        session.open(preemption=options.save_policy is not None, keep_extra=named)
         self._session, self._accelerator = session, accelerator
         self._originals = {name: getattr(accelerator, name) for name in ("save_state", "load_state", "end_training")}
         accelerator.save_state = self._save_state
@@ -194,27 +205,86 @@ class PersistHook:
         return self._session
 
     def _save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **_: Any) -> str:
+        """``save_state()``: the checkpoint goes to ``local_dir/step-N``; a directory the user names
+        (``output_dir``, or ``ProjectConfiguration``'s ``checkpoints/checkpoint_<iteration>``) becomes a
+        link to it once it is committed. Returns that directory, else the ``step-N`` path."""
         session = self._session_or_raise()
         self._report()
         acc = self._accelerator
         step = self._optimizer_steps
         path = str(self._options.local_dir / checkpoint_dirname(step))
+        named, automatic = self._named_dir(output_dir)
         if session.saved(step):
-            log.info("save_state(): step %d is saved already (no optimizer step since); nothing to do", step)
-            return path
-        state = _state.capture(acc, optimizer_steps=step)
-        session.save(state, step, metadata={"saved_by": "accelerate_persist"})
-        acc.project_configuration.iteration += 1
-        if output_dir is not None:
-            log.info("save_state(%r): the checkpoint is %s (PersistHook writes to local_dir)", output_dir, path)
-        return path
+            log.info("save_state(): step %d is saved already (no optimizer step since); nothing more to write", step)
+            handle = session.handle(step)
+        else:
+            state = _state.capture(acc, optimizer_steps=step)
+            handle = session.save(state, step, metadata={"saved_by": "accelerate_persist"})
+            acc.project_configuration.iteration += 1
+        if named is not None and session.leader:
+            if not automatic:
+                self._named[named] = step  # kept by retention while the link is there
+            if handle is None:  # restored from this step, committed: link now
+                self._link(named, step, committed=True, automatic=automatic)
+            else:
+                handle.add_local_callback(lambda ok: self._link(named, step, committed=ok, automatic=automatic))
+        return named or path
 
-    def _load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **_: Any) -> None:
+    def _named_dir(self, output_dir: str | None) -> tuple[str | None, bool]:
+        """``(the directory the user will look in, whether Accelerate's automatic naming chose it)``."""
+        acc = self._accelerator
+        config = acc.project_configuration
+        if config.automatic_checkpoint_naming:
+            target, automatic = os.path.join(acc.project_dir, "checkpoints", f"checkpoint_{config.iteration}"), True
+        elif output_dir is not None:
+            target, automatic = os.path.abspath(os.path.expanduser(os.fspath(output_dir))), False
+        else:
+            return None, False
+        if os.path.lexists(target) and not os.path.islink(target):
+            raise ConfigError(
+                f"save_state: {target} exists and is not a checkpoint PersistHook linked there; the hook writes to "
+                f"{self._options.local_dir} and makes the directory you name a link to it, so name a new directory "
+                "or remove that one"
+            )
+        return target, automatic
+
+    def _link(self, named: str, step: int, *, committed: bool, automatic: bool) -> None:
+        """Writer thread (or now): link ``named`` to the committed step; drop automatic links whose checkpoint
+        retention removed (``total_limit``), as Accelerate deletes its oldest ``checkpoint_<i>``."""
+        if not committed:
+            self._named.pop(named, None)
+            return
+        try:
+            link_atomically(named, self._options.local_dir / checkpoint_dirname(step))
+            if automatic:
+                folder = os.path.dirname(named)
+                for entry in os.scandir(folder):
+                    if entry.is_symlink() and not os.path.exists(entry.path):
+                        os.unlink(entry.path)
+        except OSError as e:
+            log.error("checkpoint step=%d is committed, but linking %s to it failed: %s", step, named, e)
+
+    def _load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """``load_state()``: the newest committed checkpoint, or the one ``input_dir`` names (a directory
+        ``save_state`` named, ``local_dir/step-N``, a URL). A plain Accelerate checkpoint (no manifest: a
+        run switching to the hook) loads through Accelerate's own loader."""
         session = self._session_or_raise()
         engine = session.open()
         engine.wait()
+        acc = self._accelerator
+        plain = None
+        if input_dir is not None:
+            plain = _plain_accelerate_dir(os.fspath(input_dir))
+        elif acc.project_configuration.automatic_checkpoint_naming and not engine.list("all"):
+            plain = _newest_plain(os.path.join(acc.project_dir, "checkpoints"))
+        if plain is not None:
+            self._originals["load_state"](plain, load_kwargs=load_kwargs, **kwargs)
+            self._optimizer_steps = _optimizer_steps_of(acc)
+            log.info("loaded %s with Accelerate's own loader (not a torch-persist checkpoint); %d optimizer steps",
+                     plain, self._optimizer_steps)
+            return
         state = engine.load(None if input_dir is None else engine.reader.step_of(input_dir))
-        self._optimizer_steps = _state.apply(self._accelerator, state)
+        self._optimizer_steps = _state.apply(acc, state)
         session.restored(self._optimizer_steps)  # saving again at this step is a no-op
 
     def resume(self) -> int:
@@ -312,3 +382,50 @@ class PersistHook:
         """Report finished saves through ``accelerator.log`` (when trackers are set) and the log."""
         if self._session is not None:
             self._session.report(self._sink())
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeepNamed:
+    """Keeps the steps a directory the user named in ``save_state(dir)`` links to."""
+
+    named: dict[str, int]
+
+    def should_keep(self, checkpoints: Any, *, context: Any) -> list[bool]:
+        live = {step for path, step in list(self.named.items()) if os.path.lexists(path)}
+        return [c.step in live for c in checkpoints]
+
+    def __repr__(self) -> str:
+        return "KeepNamed()"
+
+
+def _plain_accelerate_dir(path: str) -> str | None:
+    """``path`` when it is a directory of files but not a torch-persist checkpoint (no manifest), else ``None``."""
+    if "://" in path and not path.startswith("file://"):
+        return None
+    real = os.path.realpath(os.path.expanduser(path.removeprefix("file://")))
+    if not os.path.isdir(real) or os.path.exists(os.path.join(real, MANIFEST_NAME)):
+        return None
+    return real if any(e.is_file() for e in os.scandir(real)) else None
+
+
+def _newest_plain(folder: str) -> str | None:
+    """The newest ``checkpoint_<i>`` Accelerate's automatic naming wrote in ``folder`` (plain, no manifest)."""
+    try:
+        names = [e.name for e in os.scandir(folder) if e.name.startswith("checkpoint_")]
+    except FileNotFoundError:
+        return None
+    numbered = sorted((int(n.removeprefix("checkpoint_")), n) for n in names if n.removeprefix("checkpoint_").isdigit())
+    return _plain_accelerate_dir(os.path.join(folder, numbered[-1][1])) if numbered else None
+
+
+def _optimizer_steps_of(accelerator: Any) -> int:
+    """Optimizer steps a plain Accelerate checkpoint had taken: the ``step`` its optimizer state keeps
+    (Adam and friends); 0, with a warning, for an optimizer without one (SGD)."""
+    for optimizer in accelerator._optimizers:
+        for values in optimizer.state_dict().get("state", {}).values():
+            step = values.get("step") if isinstance(values, dict) else None
+            if step is not None:
+                return int(step)
+    log.warning("the loaded Accelerate checkpoint does not say how many optimizer steps it took (its optimizer "
+                "keeps no 'step'); counting from 0: the hook's checkpoints are numbered from here on")
+    return 0

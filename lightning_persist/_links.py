@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from persist_core import CheckpointInfo, PersistError, RetentionContext
-from persist_core.fileio import fsync_dir
+from persist_core.fileio import link_atomically as link
 from persist_core.reader import checkpoint_of
 from persist_core.layout import FULL, KINDS, checkpoint_dirname, kind_subdir, parse_checkpoint_dirname
 
@@ -167,17 +166,3 @@ class Links:
             errors, self._errors = self._errors, []
         if errors:
             raise errors[0]
-
-
-def link(target: str, ckpt_dir: Path) -> None:
-    """Point ``target`` at ``ckpt_dir`` (or a file in it) with one atomic rename of a fresh relative link."""
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(target)}.link-{secrets.token_hex(3)}")
-    os.symlink(os.path.relpath(ckpt_dir, parent), tmp)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    fsync_dir(Path(parent))

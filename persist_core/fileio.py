@@ -20,6 +20,7 @@ import errno
 import functools
 import logging
 import os
+import secrets
 from collections.abc import Callable
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
@@ -213,3 +214,18 @@ def _libc() -> Any:
         return ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
+
+
+def link_atomically(target: str, dest: Path) -> None:
+    """Point the path ``target`` at ``dest`` (a checkpoint directory or a file in it) with one atomic
+    rename of a fresh relative symbolic link, durably; ``target``'s directory is created if missing."""
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(target)}.link-{secrets.token_hex(3)}")
+    os.symlink(os.path.relpath(dest, parent), tmp)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    fsync_dir(Path(parent))

@@ -94,7 +94,11 @@ def test_total_limit_becomes_keep_last_and_a_conflict_is_an_error(tmp_path):
     with PersistHook(local_dir=tmp_path / "ckpt").register(acc):
         train(acc, *parts, start=0, stop=12, save_every=3)
     assert step_dirs(tmp_path / "ckpt") == ["step-000000000009", "step-000000000012"]
-    assert not (tmp_path / "proj" / "checkpoints").exists()  # Accelerate wrote nothing of its own
+    # Accelerate wrote nothing of its own: its automatic names are links to the two checkpoints kept
+    links = {p.name: os.path.realpath(p) for p in (tmp_path / "proj" / "checkpoints").iterdir()}
+    assert all((tmp_path / "proj" / "checkpoints" / n).is_symlink() for n in links)
+    assert links == {"checkpoint_2": str(tmp_path / "ckpt" / "step-000000000009"),
+                     "checkpoint_3": str(tmp_path / "ckpt" / "step-000000000012")}
 
     acc = fresh_accelerator(project_config=config)
     build(acc)
@@ -118,7 +122,22 @@ def test_export_loads_with_plain_accelerate(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "accelerate_persist.export", str(tmp_path / "ckpt"),
                           str(tmp_path / "cli-out"), "--step", "6"], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
+    assert "RuntimeWarning" not in cli.stderr, cli.stderr  # runpy's: the package imported the module first
     assert (tmp_path / "cli-out" / "model.safetensors").exists()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o666 & ~umask)}  # normal modes
+
+
+def test_export_from_a_remote_leaves_only_the_checkpoint_files(tmp_path, bucket, s3_options):
+    url = f"s3://{bucket}/run"
+    acc = fresh_accelerator()
+    parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt", remote_url=url, storage_options=s3_options).register(acc):
+        train(acc, *parts, start=0, stop=3, save_every=3)
+    out = export_accelerate(url, tmp_path / "exported", storage_options=s3_options)
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no download directory left behind
+    assert (out / "model.safetensors").exists()
 
 
 def test_unregistered_and_unsupported_uses_are_clear_errors(tmp_path):

@@ -1,0 +1,81 @@
+"""Accelerate habits with the hook, with the real ``Accelerator``: ``save_state(dir)`` /
+``load_state(dir)``, ``ProjectConfiguration``'s automatic naming, switching a running project to
+the hook, and a launcher that started processes that do not know of each other."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+from accelerate.utils import ProjectConfiguration
+
+from accelerate_persist import PersistHook
+from persist_core import ConfigError
+from tests.support.accelerate_app import build, fresh_accelerator, train, weights
+from tests.support.states import assert_state_equal
+
+
+def test_save_state_into_a_named_directory_loads_with_load_state_of_it(tmp_path):
+    acc = fresh_accelerator()
+    model, optimizer, *_ = parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt").register(acc) as hook:
+        train(acc, *parts, start=0, stop=4)
+        saved = weights(model), copy.deepcopy(optimizer.state_dict())
+        mine = tmp_path / "my_ckpt"
+        assert acc.save_state(str(mine)) == str(mine)
+        hook.wait()
+        assert mine.is_dir()  # a link to the committed checkpoint, made once it is committed
+        train(acc, *parts, start=4, stop=7)
+        acc.load_state(str(mine))
+        assert hook.step == 4
+        assert_state_equal(weights(model), saved[0])
+        assert_state_equal(optimizer.state_dict(), saved[1])
+    assert (tmp_path / "my_ckpt").is_dir()  # a directory the user named stays
+
+
+def test_automatic_checkpoint_naming_and_total_limit_keep_working(tmp_path):
+    config = ProjectConfiguration(project_dir=str(tmp_path / "proj"), automatic_checkpoint_naming=True, total_limit=2)
+    acc = fresh_accelerator(project_config=config)
+    model, *_ = parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt").register(acc) as hook:
+        for stop in (2, 4, 6):
+            train(acc, *parts, start=stop - 2, stop=stop)
+            acc.save_state()
+        hook.wait()
+        names = sorted(p.name for p in (tmp_path / "proj" / "checkpoints").iterdir())
+        assert names == ["checkpoint_1", "checkpoint_2"]  # the newest two, as Accelerate names and limits them
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")) == [
+            "step-000000000004", "step-000000000006"]
+        at_six = weights(model)
+        train(acc, *parts, start=6, stop=8)
+        acc.load_state()  # the newest
+        assert hook.step == 6
+        assert_state_equal(weights(model), at_six)
+
+
+def test_a_plain_accelerate_checkpoint_from_before_the_hook_loads_and_the_run_goes_on(tmp_path):
+    acc = fresh_accelerator()
+    model, *_ = parts = build(acc)
+    train(acc, *parts, start=0, stop=5)
+    acc.save_state(str(tmp_path / "plain"))  # Accelerate's own, before switching
+    at_five = weights(model)
+
+    acc = fresh_accelerator()
+    model, *_ = parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt").register(acc) as hook:
+        acc.load_state(str(tmp_path / "plain"))  # through Accelerate's own loader
+        assert_state_equal(weights(model), at_five)
+        assert hook.step == 5  # optimizer steps, read from the restored optimizer
+        train(acc, *parts, start=5, stop=7)
+        acc.save_state()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")) == ["step-000000000007"]
+
+
+def test_processes_a_launcher_started_without_a_process_group_are_refused(tmp_path, monkeypatch):
+    acc = fresh_accelerator()
+    build(acc)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what `accelerate launch --num_processes 2` without cpu=True leaves
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2.*1 process"):
+        PersistHook(local_dir=tmp_path / "ckpt").register(acc)
+    assert not os.path.exists(tmp_path / "ckpt" / ".lock-rank-00000")
