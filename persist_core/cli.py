@@ -112,6 +112,19 @@ class _Location:
                 self.remote.fs.rm_file(f)
 
 
+def _newest_verified(loc: _Location, steps: list[int]) -> int | None:
+    """The newest of ``steps`` whose files verify (every byte against its checksums); says which do not."""
+    for step in sorted(steps, reverse=True):
+        try:
+            problems = loc.tier.verify(step)
+        except PersistError as e:
+            problems = [str(e)]
+        if not problems:
+            return step
+        click.echo(f"step {step} does not verify: {problems[0]}")
+    return None
+
+
 def _mtime(info: dict[str, Any]) -> float:
     value = info.get("LastModified") or info.get("mtime") or info.get("created") or 0
     return value.timestamp() if hasattr(value, "timestamp") else float(value)
@@ -339,10 +352,18 @@ def push(ctx: click.Context, local_dir: str, url: str, quiet: bool) -> None:
               help="remove directories/prefixes without a manifest only when older than this (seconds): "
                    "a running job may be writing them")
 @click.option("--dry-run", is_flag=True, help="only say what would be removed")
+@click.option("--no-verify", is_flag=True,
+              help="do not read checkpoints to find the newest that verifies (then only the newest committed one "
+                   "is kept whatever the policy)")
 @click.pass_context
 def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_steps: int | None,
-       keep_every_n_seconds: float | None, incomplete_older_than: float, dry_run: bool) -> None:
-    """Prune with the engine's retention policies; never the newest committed checkpoint."""
+       keep_every_n_seconds: float | None, incomplete_older_than: float, dry_run: bool, no_verify: bool) -> None:
+    """Prune with the engine's retention policies (e.g. `persist gc /nvme/ckpt --keep-last 3`).
+
+    Never removed: the newest committed checkpoint; the newest checkpoint that verifies (gc reads the
+    newest ones, every byte against its checksums, until one verifies, so corrupt newer ones never
+    cost the last good one); a live job's un-synced checkpoints and temporaries.
+    """
     if incomplete_older_than < 0:
         raise click.UsageError(f"--incomplete-older-than={incomplete_older_than:g} must be >= 0 (seconds): a "
                                "running job may be writing a directory without a manifest right now")
@@ -359,13 +380,22 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
         for step in committed if unsynced is None else sorted(unsynced & set(committed)):
             keep[step] = f"not yet uploaded to {remote}" if unsynced is not None else \
                 "the record of what is uploaded is unreadable"
+    if not no_verify:
+        good = _newest_verified(loc, [c.step for c in listed])
+        if good is not None:
+            keep.setdefault(good, "the newest checkpoint that verifies")
     doomed = [c for c in to_delete(listed, policy, context=context) if c.step not in keep]
     verb = "would remove" if dry_run else "removed"
     for info in doomed:
         if not dry_run:
             loc.tier.remove(info.step)
         click.echo(f"{verb} step {info.step} ({_size(info.nbytes)})")
+    doomed_steps = {c.step for c in to_delete(listed, policy, context=context)}
     for step, why in keep.items():
+        if why == "the newest checkpoint that verifies":
+            if step in doomed_steps:
+                click.echo(f"kept step {step}: {why} (the policy would remove it)")
+            continue
         click.echo(f"kept step {step}: {why} (the job uploads it when the remote is back; `persist push` does too)")
     stale = []
     for path, age, owner in loc.incomplete():

@@ -154,3 +154,30 @@ def test_the_console_script(local):
     result = subprocess.run([str(exe), "ls", str(local), "--json"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert [r["step"] for r in json.loads(result.stdout)] == [10, 20, 30, 40]
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_gc_never_removes_the_newest_checkpoint_that_verifies(where, local, remote, s3_options):
+    """The two newest are corrupt: --keep-last 2 must not delete the only good one (issue 19 item 6)."""
+    location, options = (str(local), None) if where == "local" else (remote, s3_options)
+    for step in (30, 40):  # flip a byte in the shard of each: sizes still check, checksums do not
+        if where == "local":
+            shard = local / f"step-{step:012d}" / "rank-00000.safetensors"
+            raw = bytearray(shard.read_bytes())
+            raw[-100] ^= 0xFF
+            shard.write_bytes(raw)
+        else:
+            from persist_core.tiers.remote import RemoteTier
+
+            tier = RemoteTier(remote, s3_options)
+            path = tier.path_of(f"step-{step:012d}/rank-00000.safetensors")
+            raw = bytearray(tier.fs.cat_file(path))
+            raw[-100] ^= 0xFF
+            tier.fs.pipe_file(path, bytes(raw))
+    result = run("gc", location, "--keep-last", "2", options=options)
+    assert result.exit_code == 0, result.output
+    assert "kept step 20: the newest checkpoint that verifies" in result.output
+    assert "removed step 10" in result.output and "removed step 20" not in result.output
+    listing = json.loads(run("ls", location, "--json", options=options).output)
+    assert [r["step"] for r in listing] == [20, 30, 40]
+    assert "--keep-last" in run("gc", "--help").output and "verifies" in run("gc", "--help").output
