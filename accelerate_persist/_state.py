@@ -99,10 +99,13 @@ def _gather(accelerator: Any, value: Any) -> list[Any]:
 
 
 def _dataloader_state(dataloader: Any) -> dict[str, Any]:
-    """What Accelerate saves for a dataloader: a seedable sampler, and a stateful loader's state."""
+    """What Accelerate saves for a dataloader (a seedable sampler, a stateful loader's state), and what it
+    does not: the loader's own generators (``shuffle=True, generator=g``) and its epoch count (what a
+    seedable sampler seeds each epoch from), so a resumed run does not replay epoch 1's order."""
     from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
 
-    state: dict[str, Any] = {"sampler": None, "state_dict": None}
+    state: dict[str, Any] = {"sampler": None, "state_dict": None, "iteration": getattr(dataloader, "iteration", None),
+                             "generators": [g.get_state() for g in _generators(dataloader)]}
     if isinstance(dataloader.dataset, IterableDatasetShard):
         sampler = dataloader.get_sampler()
         if isinstance(sampler, SeedableRandomSampler):
@@ -117,6 +120,38 @@ def _restore_dataloader(dataloader: Any, state: dict[str, Any]) -> None:
         dataloader.set_sampler(state["sampler"])
     if state["state_dict"] is not None and getattr(dataloader, "use_stateful_dataloader", False):
         dataloader.load_state_dict(state["state_dict"])
+    if state.get("iteration") is not None and hasattr(dataloader, "iteration"):  # checkpoints before it: none
+        dataloader.iteration = state["iteration"]
+    generators = _generators(dataloader)
+    saved = state.get("generators") or []
+    if saved and len(saved) != len(generators):
+        log.warning("the checkpoint holds %d dataloader generators but this loader has %d; its order is not restored",
+                    len(saved), len(generators))
+        return
+    for generator, generator_state in zip(generators, saved):
+        generator.set_state(generator_state)
+
+
+def _generators(dataloader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a (prepared) dataloader draws its order from, in a fixed order:
+    its own, its sampler's and batch sampler's, through Accelerate's wrappers."""
+    found: list[torch.Generator] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if obj is None or depth > 4:
+            return
+        for name in ("generator", "sampler", "batch_sampler", "base_dataloader"):
+            value = getattr(obj, name, None)
+            if isinstance(value, torch.Generator):
+                if id(value) not in seen:
+                    seen.add(id(value))
+                    found.append(value)
+            elif value is not None and value is not obj and not isinstance(value, (int, str)):
+                visit(value, depth + 1)
+
+    visit(dataloader, 0)
+    return found
 
 
 def _match_wrapping(weights: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import copy
 import os
 
 import pytest
+import torch
 from accelerate.utils import ProjectConfiguration
 
 from accelerate_persist import PersistHook
@@ -79,3 +80,49 @@ def test_processes_a_launcher_started_without_a_process_group_are_refused(tmp_pa
     with pytest.raises(ConfigError, match="WORLD_SIZE=2.*1 process"):
         PersistHook(local_dir=tmp_path / "ckpt").register(acc)
     assert not os.path.exists(tmp_path / "ckpt" / ".lock-rank-00000")
+
+
+def shuffled(acc, *, seedable: bool = False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.arange(48 * 4, dtype=torch.float32).reshape(48, 4) / 100
+    data = torch.utils.data.TensorDataset(x, torch.arange(48))
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3))
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    return model, optimizer, loader
+
+
+def epoch(acc, model, optimizer, loader) -> list[int]:
+    order = []
+    for x, idx in loader:
+        loss = model(x).pow(2).mean()
+        acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        order += idx.tolist()
+    return order
+
+
+@pytest.mark.parametrize("seedable", [False, True])
+def test_a_run_resumed_at_an_epoch_boundary_replays_neither_the_data_order_nor_the_dropout(tmp_path, seedable):
+    from accelerate import DataLoaderConfiguration
+
+    config = {"dataloader_config": DataLoaderConfiguration(use_seedable_sampler=True)} if seedable else {}
+    acc = fresh_accelerator(**config)
+    parts = shuffled(acc)
+    straight = [epoch(acc, *parts) for _ in range(3)]
+    reference = weights(parts[0])
+
+    acc = fresh_accelerator(**config)
+    parts = shuffled(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt").register(acc):
+        first = epoch(acc, *parts)
+        acc.save_state()
+    acc = fresh_accelerator(**config)  # a new process: a new loader, its generator seeded as in the script
+    parts = shuffled(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt").register(acc) as hook:
+        hook.resume()
+        rest = [epoch(acc, *parts) for _ in range(2)]
+    assert [first, *rest] == straight  # epoch 2 is not epoch 1's permutation again
+    assert_state_equal(weights(parts[0]), reference)
