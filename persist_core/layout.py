@@ -12,6 +12,7 @@ A local tier looks like::
         .lock-rank-00000                    the writer lock of rank 0 (who holds it: host, pid, start)
         .unsynced.json                      steps committed here and not yet uploaded (for ``persist gc``)
         .run-id                             the run id a restart on this directory keeps (remote lease)
+        .trainer/checkpoint-100/            a checkpoint written out as the HF Trainer resumes from it
         weights-only/                       checkpoints of the other kind: weights only (Lightning's
             step-000000000100/                  save_weights_only), a tier of its own laid out as above
 
@@ -53,6 +54,14 @@ def kind_subdir(kind: str) -> str:
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is not one of {KINDS}")
     return "" if kind == FULL else WEIGHTS_ONLY
+
+
+TRAINER_DIRNAME = ".trainer"  # in local_dir: checkpoints written out in the Hugging Face Trainer's own layout
+
+
+def trainer_checkpoint_dirname(step: int) -> str:
+    """The Trainer's name for its checkpoint of ``step`` (``checkpoint-500``), under ``TRAINER_DIRNAME``."""
+    return f"checkpoint-{step}"
 
 
 def checkpoint_dirname(step: int) -> str:

@@ -1,0 +1,195 @@
+"""``PersistTrainerCallback``: the Hugging Face ``transformers.Trainer``'s saves through the torch-persist engine.
+
+The Trainer runs on Accelerate but never calls ``save_state``: at each ``save_steps`` (or epoch) it
+writes ``output_dir/checkpoint-N/`` synchronously. This callback takes those saves over: when the
+Trainer decides to save (``control.should_save``, set by its own flow callback at ``on_step_end`` /
+``on_epoch_end``), the callback clears the flag — the Trainer then writes nothing — and saves the
+same state (model, optimizer, scheduler, RNG states, ``trainer_state.json``) through the engine:
+asynchronous, verified, synced to ``remote_url``, retained.
+
+Resume: ``trainer.train(resume_from_checkpoint=callback.resume_path())``. The Trainer resumes only
+from a local directory in its own layout (and silently skips a missing optimizer or RNG file),
+so :meth:`PersistTrainerCallback.resume_path` writes the newest committed checkpoint (downloaded
+first on a fresh machine, verified) as exactly the files the Trainer reads, under
+``local_dir/.trainer/checkpoint-N``.
+
+Importing this module imports ``transformers``; ``accelerate_persist`` imports it only on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import TrainerCallback
+
+from persist_core import ConfigError, RetentionPolicy
+from persist_core.layout import TRAINER_DIRNAME, trainer_checkpoint_dirname
+from persist_core.session import PersistOptions, PersistSession
+
+log = logging.getLogger(__name__)
+
+# the Trainer's own file names (transformers.trainer)
+_WEIGHTS, _CONFIG, _OPTIMIZER, _SCHEDULER = "model.safetensors", "config.json", "optimizer.pt", "scheduler.pt"
+_RNG, _STATE = "rng_state.pth", "trainer_state.json"
+
+
+class PersistTrainerCallback(TrainerCallback):
+    """Asynchronous, verified, synced checkpoints for ``transformers.Trainer`` in one line.
+
+    Example::
+
+        callback = PersistTrainerCallback(local_dir="/nvme/ckpt", remote_url="s3://bucket/run-7", keep_last=3)
+        trainer = Trainer(model=model, args=TrainingArguments(..., save_steps=500), callbacks=[callback], ...)
+        trainer.train(resume_from_checkpoint=callback.resume_path())   # None on a first run
+
+    Saves happen where the Trainer's ``save_strategy``/``save_steps`` put them; each is the step
+    ``state.global_step``. Options that need the Trainer's own ``checkpoint-N`` directories are
+    refused when the Trainer is built (``load_best_model_at_end``, ``save_total_limit`` — use
+    ``keep_last`` —, ``save_strategy="best"``), as are several processes, DeepSpeed and FSDP (not
+    supported by this callback yet).
+
+    Args:
+        local_dir / remote_url / storage_options / keep_last / keep_every_n_steps /
+        keep_every_n_seconds / retention / verify / max_pending / preemption_grace_s /
+        remote_timeout_s: as for :class:`~accelerate_persist.PersistHook`.
+    """
+
+    def __init__(self, local_dir: str | os.PathLike[str], *, remote_url: str | None = None,
+                 storage_options: dict[str, Any] | None = None, keep_last: int | None = None,
+                 keep_every_n_steps: int | None = None, keep_every_n_seconds: float | None = None,
+                 retention: RetentionPolicy | None = None, verify: bool = True, max_pending: int = 1,
+                 preemption_grace_s: float = 120.0, remote_timeout_s: float = 300.0) -> None:
+        options = PersistOptions.from_keywords(
+            local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
+            keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
+            storage_options=storage_options, verify=verify, max_pending=max_pending,
+            preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s)
+        self._session = PersistSession(
+            options, resume_hint="resume with trainer.train(resume_from_checkpoint=callback.resume_path())")
+        self.saved_steps: list[int] = []
+
+    # ------------------------------------------------------------------ Trainer events
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Refuse what needs the Trainer's own checkpoint directories (the Trainer is being built)."""
+        refused = [(args.load_best_model_at_end, "load_best_model_at_end=True",
+                    "load the best step with callback.resume_path() / CheckpointReader yourself"),
+                   (args.save_total_limit is not None, f"save_total_limit={args.save_total_limit}",
+                    f"PersistTrainerCallback(keep_last={args.save_total_limit})"),
+                   (str(getattr(args.save_strategy, "value", args.save_strategy)) == "best", "save_strategy='best'",
+                    "save_strategy='steps' with save_steps=N"),
+                   (args.world_size > 1, f"{args.world_size} processes", "one process (several: not supported yet)"),
+                   (bool(args.deepspeed) or bool(args.fsdp), "DeepSpeed/FSDP", "plain data parallel or one device")]
+        for bad, what, fix in refused:
+            if bad:
+                raise ConfigError(f"PersistTrainerCallback does not work with {what}: the Trainer's own checkpoint-N "
+                                  f"directories are not written; use {fix}")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        return self._take_over(state, control, kwargs)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        return self._take_over(state, control, kwargs)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Wait for pending saves and uploads, log the summary; raises a background failure once."""
+        self._session.close()
+
+    # ------------------------------------------------------------------ saving
+
+    def _take_over(self, state: Any, control: Any, kwargs: dict[str, Any]) -> Any:
+        if not control.should_save:
+            return control
+        control.should_save = False  # the Trainer writes nothing itself
+        step = int(state.global_step)
+        if self._session.saved(step):
+            return control
+        model = kwargs["model"]
+        stateful = dict(state.stateful_callbacks or {})
+        stateful["TrainerControl"] = control.state()  # as the Trainer records it in its own save
+        trainer_state = json.dumps({**dataclasses.asdict(state), "stateful_callbacks": stateful}, indent=2,
+                                   sort_keys=True)
+        checkpoint = {
+            "model": model.state_dict(),
+            "config": model.config.to_json_string() if hasattr(model, "config") else None,
+            "optimizer": kwargs["optimizer"].state_dict(),
+            "scheduler": kwargs["lr_scheduler"].state_dict() if kwargs.get("lr_scheduler") is not None else None,
+            "rng": _rng_state(),
+            "trainer_state": trainer_state,
+        }
+        self._session.save(checkpoint, step, metadata={"saved_by": "accelerate_persist.PersistTrainerCallback"})
+        self._session.report()
+        self.saved_steps.append(step)
+        return control
+
+    def wait(self) -> None:
+        """Block until every pending save is committed and uploaded; raises a background failure once."""
+        self._session.wait()
+
+    # ------------------------------------------------------------------ resume
+
+    def resume_path(self) -> str | None:
+        """The newest committed checkpoint as a directory the Trainer resumes from, or ``None``.
+
+        Downloads it first when ``local_dir`` has none (a fresh machine), verifies every chunk, and
+        writes ``local_dir/.trainer/checkpoint-N`` with exactly the files the Trainer reads: the
+        weights, ``config.json``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` and
+        ``trainer_state.json``. Pass it to ``trainer.train(resume_from_checkpoint=...)``.
+        """
+        reader = self._session.reader
+        info = reader.latest()
+        if info is None:
+            return None
+        out = self._session.options.local_dir / TRAINER_DIRNAME / trainer_checkpoint_dirname(info.step)
+        if (out / _STATE).is_file():
+            return str(out)
+        checkpoint = reader.load(info.step)
+        if not (isinstance(checkpoint, dict) and "trainer_state" in checkpoint):
+            raise ConfigError(f"checkpoint step {info.step} in {self._session.options.local_dir} was not saved by "
+                              "PersistTrainerCallback; the Trainer cannot resume from it")
+        _materialize(checkpoint, out)
+        return str(out)
+
+
+def _rng_state() -> dict[str, Any]:
+    """What the Trainer's ``_save_rng_state`` keeps (one process)."""
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state_all()
+    return state
+
+
+def _materialize(checkpoint: dict[str, Any], out: Path) -> None:
+    """Write the Trainer's checkpoint files into ``out`` (a temporary name, then one rename)."""
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, tensor in checkpoint["model"].items():  # safetensors refuses shared storage (tied weights)
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset()) if tensor.numel() else (id(tensor), 0)
+        if key not in seen:
+            weights[name] = tensor.contiguous()
+        seen.add(key)
+    save_file(weights, str(tmp / _WEIGHTS), metadata={"format": "pt"})
+    if checkpoint.get("config") is not None:
+        (tmp / _CONFIG).write_text(checkpoint["config"])
+    torch.save(checkpoint["optimizer"], tmp / _OPTIMIZER)
+    if checkpoint.get("scheduler") is not None:
+        torch.save(checkpoint["scheduler"], tmp / _SCHEDULER)
+    torch.save(checkpoint["rng"], tmp / _RNG)
+    (tmp / _STATE).write_text(checkpoint["trainer_state"])
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)

@@ -1,0 +1,95 @@
+"""``PersistTrainerCallback`` with the real Hugging Face ``Trainer`` (a tiny model built from a config)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from accelerate_persist import PersistTrainerCallback  # noqa: E402
+from persist_core import ConfigError  # noqa: E402
+from tests.support.states import assert_state_equal  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+
+
+def model() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16, num_labels=2)
+    return BertForSequenceClassification(config)
+
+
+def data() -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 40, (24, 8), generator=g)
+    return [{"input_ids": ids[i], "labels": int(ids[i].sum()) % 2} for i in range(24)]
+
+
+class StopAt(TrainerCallback):
+    """Ends training after ``step`` (a kill after it, as far as the checkpoints know)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+def run(out, callbacks, resume=None, **overrides) -> BertForSequenceClassification:
+    options = dict(output_dir=str(out), max_steps=8, save_steps=2, per_device_train_batch_size=4, learning_rate=5e-3,
+                   report_to=[], use_cpu=True, seed=0, logging_strategy="no", disable_tqdm=True)
+    options.update(overrides)
+    m = model()
+    trainer = Trainer(model=m, args=TrainingArguments(**options), train_dataset=data(), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=resume)
+    return m
+
+
+def test_the_callback_takes_over_the_trainers_saves_and_resumes_exactly_as_the_trainer_would(tmp_path):
+    straight = run(tmp_path / "straight", [])
+    # the Trainer's own saves, killed after step 5 and resumed from its checkpoint-4
+    run(tmp_path / "native", [StopAt(5)])
+    native = run(tmp_path / "native", [], resume=str(tmp_path / "native" / "checkpoint-4"))
+    # the same through the callback, synced to a remote, resumed on a fresh machine
+    url = (tmp_path / "remote").as_uri()
+    callback = PersistTrainerCallback(local_dir=tmp_path / "ckpt", remote_url=url, keep_last=2)
+    run(tmp_path / "ours", [callback, StopAt(5)])
+    assert callback.saved_steps == [2, 4]
+    assert not list((tmp_path / "ours").glob("checkpoint-*"))  # the Trainer wrote nothing of its own
+    fresh = PersistTrainerCallback(local_dir=tmp_path / "fresh", remote_url=url, keep_last=2)
+    resume = fresh.resume_path()
+    assert resume is not None and resume.endswith("checkpoint-4")
+    assert sorted(p.name for p in (tmp_path / "fresh" / ".trainer" / "checkpoint-4").iterdir()) == [
+        "config.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt", "trainer_state.json"]
+    ours = run(tmp_path / "ours2", [fresh], resume=resume)
+    assert_state_equal(ours.state_dict(), native.state_dict())  # every file the Trainer reads was right
+    assert_state_equal(ours.state_dict(), straight.state_dict())  # and that is the uninterrupted run
+    assert PersistTrainerCallback(local_dir=tmp_path / "empty").resume_path() is None  # a first run
+
+
+@pytest.mark.parametrize("option, value", [("save_total_limit", 2), ("load_best_model_at_end", True)])
+def test_options_that_need_the_trainers_own_directories_are_refused_when_the_trainer_is_built(tmp_path, option, value):
+    extra = {"eval_strategy": "steps", "eval_steps": 2} if option == "load_best_model_at_end" else {}
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), max_steps=2, save_steps=2, report_to=[], use_cpu=True,
+                             **{option: value}, **extra)
+    with pytest.raises(ConfigError, match=option):
+        Trainer(model=model(), args=args, train_dataset=data(), eval_dataset=data(),
+                callbacks=[PersistTrainerCallback(local_dir=tmp_path / "ckpt")])
+
+
+def test_each_file_resume_path_writes_is_one_the_trainer_uses(tmp_path):
+    straight = run(tmp_path / "straight", [])
+    run(tmp_path / "ours", [PersistTrainerCallback(local_dir=tmp_path / "ckpt"), StopAt(5)])
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        callback = PersistTrainerCallback(local_dir=tmp_path / "ckpt")
+        resume = callback.resume_path()
+        (tmp_path / "ckpt" / ".trainer" / "checkpoint-4" / name).rename(tmp_path / name)  # the Trainer skips it
+        other = run(tmp_path / f"without-{name}", [PersistTrainerCallback(local_dir=tmp_path / f"c-{name}")],
+                    resume=resume)
+        (tmp_path / name).rename(tmp_path / "ckpt" / ".trainer" / "checkpoint-4" / name)
+        assert any(not torch.equal(a, b) for a, b in zip(other.state_dict().values(), straight.state_dict().values())), name
