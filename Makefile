@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 	$(PY) examples/lightning_train.py
 	$(PY) examples/accelerate_train.py
+	$(PY) examples/hf_trainer_train.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
