@@ -112,6 +112,39 @@ class _Location:
                 self.remote.fs.rm_file(f)
 
 
+def _runs_below(ctx: click.Context, location: str, depth: int = 2, limit: int = 200) -> list[tuple[str, list[Any]]]:
+    """``(relative name, its checkpoints)`` of every run (a directory or prefix holding checkpoints) up to
+    ``depth`` levels below ``location``, at most ``limit`` names looked at."""
+    found: list[tuple[str, list[Any]]] = []
+    pending = [("", depth)]
+    looked = 0
+    while pending and looked < limit:
+        rel, left = pending.pop(0)
+        where = f"{location.rstrip('/')}/{rel}" if rel else location
+        try:
+            if _is_url(where):
+                tier = RemoteTier(where, ctx.obj)
+                names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in tier.fs.ls(tier.root, detail=False))
+            else:
+                names = sorted(e.name for e in os.scandir(where.removeprefix("file://")) if e.is_dir())
+        except (OSError, PersistError):
+            continue
+        for name in names:
+            if name.startswith(".") or parse_checkpoint_dirname(name) is not None:
+                continue
+            looked += 1
+            sub = f"{rel}/{name}" if rel else name
+            try:
+                infos = _open(ctx, f"{location.rstrip('/')}/{sub}").list()
+            except (OSError, PersistError, click.UsageError):
+                infos = []
+            if infos:
+                found.append((sub, infos))
+            elif left > 1:
+                pending.append((sub, left - 1))
+    return found
+
+
 def _newest_verified(loc: _Location, steps: list[int]) -> int | None:
     """The newest of ``steps`` whose files verify (every byte against its checksums); says which do not."""
     for step in sorted(steps, reverse=True):
@@ -207,6 +240,13 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None)
             rows.append({"step": info.step, "kind": kind, "time": info.time, "bytes": info.nbytes, "files": None,
                          "ranks": None, "path": info.path, "milestone": False, "abandoned": True})
     rows.sort(key=lambda r: (r["abandoned"], r["step"], KINDS.index(r["kind"])))
+    if not rows and not as_json:  # a parent directory, a bucket root, a typo: say so, and what is below
+        runs = _runs_below(ctx, location)
+        click.echo(f"no checkpoints under {location}")
+        for name, infos in runs:
+            click.echo(f"  {name}: newest step {infos[-1].step}, {len(infos)} checkpoint{'s' * (len(infos) != 1)}, "
+                       f"{_size(sum(i.nbytes for i in infos))}")
+        ctx.exit(0 if runs else 1)
     if as_json:
         click.echo(json.dumps(rows))
         return
@@ -277,8 +317,9 @@ def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool) 
 @click.argument("location")
 @click.option("--step", type=int, default=None, help="default: every committed checkpoint")
 @click.option("--quiet", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON report: each checkpoint, bytes, seconds")
 @click.pass_context
-def verify(ctx: click.Context, location: str, step: int | None, quiet: bool) -> None:
+def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_json: bool) -> None:
     """Read every byte and check every checksum of every directory that holds a manifest; exit 1 naming what is bad."""
     loc = _open(ctx, location)
     claimed = loc.tier.committed_steps()  # not list(): that skips the very checkpoints verify must name
@@ -287,20 +328,33 @@ def verify(ctx: click.Context, location: str, step: int | None, quiet: bool) -> 
     steps = [step] if step is not None else claimed
     if not steps:
         raise _Error(f"no committed checkpoint in {location}")
-    bad = []
+    bad: list[str] = []
+    report = []
+    nbytes, t0 = 0, time.perf_counter()
     for s in steps:
         try:
             total = loc.manifest(s).nbytes
         except PersistError as e:  # an unreadable manifest, a missing or short file
-            problems = [str(e)]
+            total, problems = 0, [str(e)]
         else:
-            with _progress(total, f"verify step {s}", quiet) as advance:
+            with _progress(total, f"verify step {s}", quiet or as_json) as advance:
                 problems = loc.tier.verify(s, advance)
+        nbytes += total
         bad.extend(problems)
-        if not quiet:
+        report.append({"step": s, "ok": not problems, "bytes": total, "problems": problems})
+        if not quiet and not as_json:
             click.echo(f"step {s}: {'OK' if not problems else 'BAD'}")
-    for p in bad:
-        click.echo(f"bad: {p}", err=True)
+    elapsed = time.perf_counter() - t0
+    failed = sum(1 for r in report if not r["ok"])
+    if as_json:
+        click.echo(json.dumps({"location": location, "checkpoints": report, "bad": failed, "bytes": nbytes,
+                               "seconds": round(elapsed, 3)}))
+    else:
+        for p in bad:
+            click.echo(f"bad: {p}", err=True)
+        good = len(report) - failed
+        click.echo(f"{good} checkpoint{'s' * (good != 1)} verified, {failed} bad: {_size(nbytes)} in {elapsed:.1f} s "
+                   f"({nbytes / max(elapsed, 1e-9) / 1e6:.0f} MB/s)")
     ctx.exit(1 if bad else 0)
 
 

@@ -181,3 +181,31 @@ def test_gc_never_removes_the_newest_checkpoint_that_verifies(where, local, remo
     listing = json.loads(run("ls", location, "--json", options=options).output)
     assert [r["step"] for r in listing] == [20, 30, 40]
     assert "--keep-last" in run("gc", "--help").output and "verifies" in run("gc", "--help").output
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_ls_where_there_is_no_checkpoint_says_so_and_names_the_runs_below(where, local, remote, s3_options, tmp_path):
+    """A bucket root or a parent directory holds runs, not checkpoints (issue 19 item 1)."""
+    if where == "local":
+        parent, options = str(local.parent), None
+        typo = str(tmp_path / "nope")
+        (tmp_path / "nope").mkdir()
+    else:
+        parent, options = remote.rsplit("/", 1)[0], s3_options
+        typo = remote + "-typo"
+    listing = run("ls", parent, options=options)
+    assert listing.exit_code == 0, listing.output
+    assert f"no checkpoints under {parent}" in listing.output
+    assert "ckpt" in listing.output if where == "local" else "run" in listing.output
+    assert "40" in listing.output and "4 checkpoints" in listing.output  # the run's newest step and count
+    empty = run("ls", typo, options=options)
+    assert empty.exit_code == 1 and f"no checkpoints under {typo}" in empty.output
+
+
+def test_verify_closes_with_a_total_and_speaks_json(local):
+    text = run("verify", str(local))
+    assert text.exit_code == 0
+    assert "4 checkpoints verified" in text.output and "MB/s" in text.output
+    report = json.loads(run("verify", str(local), "--json").output)
+    assert [r["step"] for r in report["checkpoints"]] == [10, 20, 30, 40]
+    assert all(r["ok"] for r in report["checkpoints"]) and report["bad"] == 0 and report["bytes"] > 0
