@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -171,18 +171,38 @@ def _size(n: float) -> str:
     return f"{n} B"
 
 
-@contextmanager
-def _progress(total: int, label: str, quiet: bool) -> Iterator[Callable[[int], None]]:
-    """A rich progress bar (bytes, rate) on a terminal; nothing with --quiet or when piped."""
-    if quiet or not sys.stderr.isatty():
-        yield lambda n: None
-        return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+class _Bar:
+    """What a command holds while it transfers: ``bar(n)`` advances; ``bar.echo(text)`` prints a line
+    above the bar (through its console), or plainly when there is no bar."""
 
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  transient=True) as bar:
-        task = bar.add_task(label, total=total)
-        yield lambda n: bar.advance(task, n)
+    def __init__(self, progress: Any = None, task: Any = None) -> None:
+        self._progress, self._task = progress, task
+
+    def __call__(self, n: int) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, n)
+
+    def echo(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text, highlight=False, markup=False)
+        else:
+            click.echo(text)
+
+
+@contextmanager
+def _progress(total: int, label: str, quiet: bool) -> Iterator[_Bar]:
+    """A rich progress bar (percent, bytes, rate, time left) on a terminal; none with --quiet, when
+    piped, or when there is nothing to transfer."""
+    if quiet or total <= 0 or not sys.stderr.isatty():
+        yield _Bar()
+        return
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    with Progress("[progress.description]{task.description}", BarColumn(), TaskProgressColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), transient=True, console=Console(stderr=True)) as bar:
+        yield _Bar(bar, bar.add_task(label, total=total))
 
 
 class _Group(click.Group):
@@ -368,11 +388,14 @@ def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: 
     """Download a checkpoint into LOCAL_DIR (parallel ranged reads, every chunk verified)."""
     loc = _open(ctx, url)
     s = loc.step_or_latest(step)
+    nbytes, t0 = loc.manifest(s).nbytes, time.perf_counter()
     with CheckpointReader(local_dir, remote_url=url, storage_options=ctx.obj) as reader:
-        with _progress(loc.manifest(s).nbytes, f"pull step {s}", quiet) as advance:
+        with _progress(nbytes, f"pull step {s}", quiet) as advance:
             path = reader.fetch(s, advance)
+    elapsed = time.perf_counter() - t0
     if not quiet:
-        click.echo(f"step {s} -> {path}")
+        click.echo(f"step {s} -> {path}: {_size(nbytes)} in {elapsed:.1f} s "
+                   f"({nbytes / max(elapsed, 1e-9) / 1e6:.0f} MB/s)")
 
 
 @main.command()
@@ -387,12 +410,12 @@ def push(ctx: click.Context, local_dir: str, url: str, quiet: bool) -> None:
         raise click.UsageError("push takes a local directory, then a remote URL")
     have = set(remote.remote.committed_steps())
     todo = [(info, m) for info, m in discover(local.root) if info.step not in have]
-    with _progress(sum(m.nbytes for _, m in todo), f"push {len(todo)} checkpoint(s)", quiet) as advance:
+    with _progress(sum(m.nbytes for _, m in todo), f"push {len(todo)} checkpoint(s)", quiet) as bar:
         for info, m in todo:
             remote.remote.upload(Path(info.path), m)
-            advance(m.nbytes)
+            bar(m.nbytes)
             if not quiet:
-                click.echo(f"step {info.step} -> {url}/{checkpoint_dirname(info.step)}")
+                bar.echo(f"step {info.step} -> {url}/{checkpoint_dirname(info.step)}")  # above the bar, not in it
     if not todo and not quiet:
         click.echo(f"{url} has every committed checkpoint of {local_dir}")
 

@@ -209,3 +209,27 @@ def test_verify_closes_with_a_total_and_speaks_json(local):
     report = json.loads(run("verify", str(local), "--json").output)
     assert [r["step"] for r in report["checkpoints"]] == [10, 20, 30, 40]
     assert all(r["ok"] for r in report["checkpoints"]) and report["bad"] == 0 and report["bytes"] > 0
+
+
+def test_pull_closes_with_size_time_and_rate_and_push_draws_no_bar_for_no_work(local, remote, s3_options, tmp_path,
+                                                                                monkeypatch):
+    pulled = run("pull", remote, str(tmp_path / "pulled"), "--step", "20", options=s3_options)
+    assert pulled.exit_code == 0, pulled.output
+    assert "step 20 -> " in pulled.output and " in " in pulled.output and "MB/s)" in pulled.output
+    nothing = run("push", str(local), remote, options=s3_options)  # the remote has everything already
+    assert nothing.exit_code == 0 and "has every committed checkpoint" in nothing.output
+    import io
+
+    import persist_core.cli as cli
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(cli.sys, "stderr", Terminal())
+    with cli._progress(0, "push 0 checkpoint(s)", quiet=False) as bar:
+        assert bar._progress is None  # no 0/0 bar for no work
+    with cli._progress(10, "push 1 checkpoint(s)", quiet=False) as bar:
+        assert bar._progress is not None
+        bar.echo("step 1 -> somewhere")  # printed through the bar's console, above it
+        bar(10)
