@@ -51,6 +51,7 @@ def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike
         raise ConfigError(f"out_dir={str(out)!r} is not empty; export into a new directory")
     text = os.fspath(source)
     remote = "://" in text and not text.startswith("file://")
+    _check_saved_by_hook(text, remote, step, storage_options)  # before downloading anything
     with contextlib.ExitStack() as stack:
         if remote and cache_dir is None:
             local = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="persist-export-")))
@@ -58,7 +59,7 @@ def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike
             local = Path(cache_dir) if remote else Path(text.removeprefix("file://"))
         with CheckpointReader(local, remote_url=text if remote else None, storage_options=storage_options) as reader:
             state = reader.load(step)
-    if not (isinstance(state, dict) and {"models", "optimizers", "per_process"} <= state.keys()):
+    if not (isinstance(state, dict) and _HOOK_KEYS <= state.keys()):
         raise ConfigError(f"the checkpoint in {text} was not saved by accelerate_persist.PersistHook; nothing to export")
     out.mkdir(parents=True, exist_ok=True)
     for i, weights in enumerate(state["models"]):
@@ -94,6 +95,38 @@ def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike
     for written in out.iterdir():  # safetensors writes 0600; the files get the modes any new file gets here
         written.chmod(0o666 & ~umask)
     return out
+
+
+_HOOK_KEYS = {"models", "optimizers", "per_process"}
+
+
+def _check_saved_by_hook(text: str, remote: bool, step: int | None, storage_options: dict[str, Any] | None) -> None:
+    """Read only the manifest of the checkpoint to export and refuse one PersistHook did not save.
+
+    Raises:
+        ConfigError: it holds another kind of state (a Lightning or engine checkpoint).
+        CheckpointNotFoundError: nothing committed (for ``step``).
+    """
+    from persist_core import CheckpointNotFoundError
+    from persist_core.tiers.local import LocalTier
+    from persist_core.tiers.remote import RemoteTier
+
+    tier: Any = RemoteTier(text, storage_options) if remote else LocalTier(Path(text.removeprefix("file://")))
+    try:
+        steps = tier.committed_steps()
+        if step is None and not steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {text}")
+        chosen = steps[-1] if step is None else step
+        if chosen not in steps:
+            raise CheckpointNotFoundError(f"no committed checkpoint for step {chosen} in {text}; steps: {steps}")
+        tree = tier.read_manifest(chosen).tree
+    finally:
+        if remote:
+            tier.close()
+    keys = {k.get("value") for k, _ in tree.get("dict", [])} if isinstance(tree, dict) else set()
+    if not _HOOK_KEYS <= keys:
+        raise ConfigError(f"the checkpoint of step {chosen} in {text} was not saved by accelerate_persist.PersistHook "
+                          f"(its state holds {sorted(str(k) for k in keys)[:6]}); nothing to export, nothing downloaded")
 
 
 def main(argv: list[str] | None = None) -> int:

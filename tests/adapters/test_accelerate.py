@@ -306,3 +306,18 @@ def test_a_preemption_signal_with_a_save_policy_saves_that_step_syncs_it_and_sto
         assert hook.resume() == 10  # the step the notice arrived at (not a multiple of 4)
     assert_state_equal(weights(parts[0]), torch.load(f"{tmp_path / 'w'}.step10"))
     assert torch.load(tmp_path / "w")["weights"] is not None
+
+
+def test_export_of_another_kind_of_checkpoint_is_refused_before_anything_is_downloaded(tmp_path, bucket, s3_options,
+                                                                                       monkeypatch):
+    from persist_core import CheckpointEngine
+    from persist_core.tiers.remote import RemoteTier
+
+    url = f"s3://{bucket}/lightning-run"
+    with CheckpointEngine(tmp_path / "ckpt", remote_url=url, storage_options=s3_options) as engine:
+        engine.save({"state_dict": {"w": torch.ones(4)}, "global_step": 3}, step=3)
+    fetched = []
+    monkeypatch.setattr(RemoteTier, "download", lambda self, *a, **k: fetched.append(a))
+    with pytest.raises(ConfigError, match="not saved by accelerate_persist.PersistHook.*nothing downloaded"):
+        export_accelerate(url, tmp_path / "out", storage_options=s3_options)
+    assert fetched == [] and not (tmp_path / "out").exists()
