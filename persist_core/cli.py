@@ -21,6 +21,7 @@ from typing import Any
 import click
 
 from persist_core.errors import PersistError
+from persist_core.format.shard_file import dtype_from_name
 from persist_core.layout import (FULL, KINDS, MANIFEST_NAME, checkpoint_dirname, kind_subdir, parse_checkpoint_dirname,
                                  parse_tmp_dirname)
 from persist_core.ownership import describe, owner_of, read_unsynced, remove_dead
@@ -294,21 +295,35 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None)
 @click.argument("location")
 @click.option("--step", type=int, default=None, help="default: the newest")
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--depth", type=int, default=None, help="show N levels of keys; deeper entries are summed into them")
+@click.option("--filter", "pattern", default=None, help="only entries whose name matches (a glob, or a substring)")
 @click.pass_context
-def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool) -> None:
-    """The state's tree: names, dtypes, shapes, bytes, and which rank's file holds each tensor."""
+def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool, depth: int | None,
+            pattern: str | None) -> None:
+    """The state's tree: names, dtypes, shapes, bytes, values of scalars, and which rank's file holds each tensor.
+
+    Example: `persist inspect /nvme/ckpt --depth 2` (subtrees summed), `--filter 'optim/*'`.
+    """
+    import fnmatch
+
+    import torch
+
+    if depth is not None and depth < 1:
+        raise click.UsageError(f"--depth={depth} must be >= 1 (1: the top-level keys, each subtree summed)")
     loc = _open(ctx, location)
     m = loc.manifest(loc.step_or_latest(step))
-    rows = []
+    rows: list[dict[str, Any]] = []
 
     def walk(node: dict[str, Any], path: str) -> None:
+        name = path or "<root>"
         if "tensor" in node:
             rec = m.tensors[node["tensor"]]
             n = 1
             for d in rec["shape"]:
                 n *= d
-            rows.append({"name": path or "<root>", "dtype": rec["dtype"], "shape": rec["shape"],
-                         "file": rec["file"], "elements": n})
+            size = n * torch.empty(0, dtype=dtype_from_name(rec["dtype"])).element_size()
+            rows.append({"name": name, "dtype": rec["dtype"], "shape": rec["shape"], "file": rec["file"],
+                         "elements": n, "bytes": size, "value": None})
         elif "dict" in node:
             for k, v in node["dict"]:
                 walk(v, f"{path}/{k.get('value', '?')}" if path else str(k.get("value", "?")))
@@ -316,9 +331,20 @@ def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool) 
             for i, v in enumerate(node.get("list", node.get("tuple", []))):
                 walk(v, f"{path}/{i}" if path else str(i))
         elif "object" in node:
-            rows.append({"name": path, "dtype": "pickled", "shape": None, "file": None, "elements": None})
+            _, _, length = m.objects[node["object"]]
+            rows.append({"name": name, "dtype": "pickled", "shape": None, "file": None, "elements": None,
+                         "bytes": length, "value": None})
+        elif "value" in node:
+            value = node["value"]
+            rows.append({"name": name, "dtype": type(value).__name__, "shape": None, "file": None, "elements": None,
+                         "bytes": 0, "value": value})
 
     walk(m.tree, "")
+    if pattern is not None:
+        rows = [r for r in rows if fnmatch.fnmatchcase(r["name"], pattern) or pattern in r["name"]
+                and not any(c in pattern for c in "*?[")]
+    if depth is not None:
+        rows = _summed_below(rows, depth)
     if as_json:
         click.echo(json.dumps({"step": m.step, "world_size": m.world_size, "bytes": m.nbytes, "entries": rows}))
         return
@@ -326,11 +352,37 @@ def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool) 
     from rich.table import Table
 
     table = Table(title=f"{location} step {m.step}: {_size(m.nbytes)} in {len(m.files)} file(s), {m.world_size} rank(s)")
-    for col in ("name", "dtype", "shape", "file"):
-        table.add_column(col)
+    for col in ("name", "dtype", "shape", "bytes", "value", "file"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
     for r in rows:
-        table.add_row(r["name"], r["dtype"], "" if r["shape"] is None else str(tuple(r["shape"])), r["file"] or "")
+        table.add_row(r["name"], r["dtype"], "" if r["shape"] is None else str(tuple(r["shape"])),
+                      _size(r["bytes"]) if r["bytes"] else "", "" if r["value"] is None else repr(r["value"]),
+                      r["file"] or "")
     Console().print(table)
+
+
+def _summed_below(rows: list[dict[str, Any]], depth: int) -> list[dict[str, Any]]:
+    """Rows deeper than ``depth`` path components, summed into their ancestor at ``depth`` (in first-seen order)."""
+    out: list[dict[str, Any]] = []
+    groups: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        parts = r["name"].split("/")
+        if len(parts) <= depth:
+            out.append(r)
+            continue
+        head = "/".join(parts[:depth])
+        group = groups.get(head)
+        if group is None:
+            group = groups[head] = {"name": head, "dtype": "", "shape": None, "file": None, "elements": 0, "bytes": 0,
+                                    "value": None, "count": 0}
+            out.append(group)
+        group["count"] += 1
+        group["bytes"] += r["bytes"] or 0
+        group["elements"] += r["elements"] or 0
+        group["dtype"] = f"subtree ({group['count']} entries)"
+    for group in groups.values():
+        del group["count"]
+    return out
 
 
 @main.command()

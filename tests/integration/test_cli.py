@@ -233,3 +233,20 @@ def test_pull_closes_with_size_time_and_rate_and_push_draws_no_bar_for_no_work(l
         assert bar._progress is not None
         bar.echo("step 1 -> somewhere")  # printed through the bar's console, above it
         bar(10)
+
+
+def test_inspect_shows_scalars_bytes_subtree_totals_depth_and_filter(tmp_path):
+    d = tmp_path / "ckpt"
+    with CheckpointEngine(d) as engine:
+        engine.save({"model": {"w": torch.zeros(10, 10), "b": torch.zeros(10, dtype=torch.float64)},
+                     "optim": {"lr": 0.001, "betas": (0.9, 0.99)}, "step": 600, "note": {1, 2}}, step=600)
+    rows = {e["name"]: e for e in json.loads(run("inspect", str(d), "--json").output)["entries"]}
+    assert rows["step"]["value"] == 600 and rows["optim/lr"]["value"] == 0.001 and rows["optim/betas/1"]["value"] == 0.99
+    assert rows["model/w"]["bytes"] == 400 and rows["model/b"]["bytes"] == 80 and rows["note"]["dtype"] == "pickled"
+    shallow = {e["name"]: e for e in json.loads(run("inspect", str(d), "--json", "--depth", "1").output)["entries"]}
+    assert shallow["model"]["bytes"] == 480 and shallow["model"]["dtype"] == "subtree (2 entries)"
+    assert "model/w" not in shallow and shallow["step"]["value"] == 600
+    only = json.loads(run("inspect", str(d), "--json", "--filter", "model/*").output)["entries"]
+    assert [e["name"] for e in only] == ["model/w", "model/b"]
+    table = run("inspect", str(d)).output
+    assert "600" in table and "bytes" in table and "400 B" in table
