@@ -68,6 +68,14 @@ def remote_retries() -> int:
     return _env_int("PERSIST_REMOTE_RETRIES", 5, minimum=1, what=" (attempts, the first included)")
 
 
+def remote_io_timeout_s() -> int:
+    """Seconds one request to an object store may wait on the network before it fails and is retried:
+    ``PERSIST_REMOTE_IO_TIMEOUT_S`` (>= 1, default 20; connecting: half of it, at least 1). A connection a
+    proxy or NAT left half-open then costs seconds, not the client's minutes (``storage_options``'
+    ``config_kwargs`` ``read_timeout``/``connect_timeout`` win when given)."""
+    return _env_int("PERSIST_REMOTE_IO_TIMEOUT_S", 20, minimum=1, what=" (seconds)")
+
+
 def remote_backoff_s() -> float:
     """First retry delay in seconds, doubled each attempt: ``PERSIST_REMOTE_BACKOFF_MS`` (>= 0, default 200)."""
     return _env_int("PERSIST_REMOTE_BACKOFF_MS", 200, minimum=0) / 1000

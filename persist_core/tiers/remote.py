@@ -59,7 +59,7 @@ class RemoteTier:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
         try:
-            self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+            self.fs, root = fsspec.core.url_to_fs(self.url, **_with_timeouts(self.url, storage_options))
         except ImportError as e:
             raise ConfigError(
                 f"remote_url={url!r} needs an fsspec backend that is not installed ({e}); "
@@ -73,6 +73,8 @@ class RemoteTier:
         self.root = root.rstrip("/")
         self._protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self._is_s3 = "s3" in self._protocols
+        if self._is_s3 and isinstance(getattr(self.fs, "retries", None), int):
+            self.fs.retries = 1  # s3fs's own loop would retry a timed-out request 5 times; ours (RemoteTier.retry) does
         self.part_bytes = _knobs.remote_part_bytes()
         self.concurrency = _knobs.remote_concurrency()
         self.retries = _knobs.remote_retries()
@@ -329,3 +331,18 @@ class RemoteTier:
             done += os.pwrite(fd, view[done:], start + done)
         if progress is not None:
             progress(len(view))
+
+
+def _with_timeouts(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` with bounded network waits for S3 (``PERSIST_REMOTE_IO_TIMEOUT_S``), unless given:
+    botocore's own (60 s, five attempts) let one half-open connection hold an upload for minutes."""
+    options = dict(storage_options or {})
+    if url.split("://", 1)[0] not in ("s3", "s3a"):
+        return options
+    timeout = _knobs.remote_io_timeout_s()
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("read_timeout", timeout)
+    config.setdefault("connect_timeout", max(1, timeout // 2))
+    config.setdefault("retries", {"max_attempts": 2})  # RemoteTier.retry retries (with backoff, throttling included)
+    options["config_kwargs"] = config
+    return options

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import time
+
 import pytest
 import torch
 
@@ -157,3 +159,20 @@ def test_sigkill_during_upload_leaves_no_partial_checkpoint_and_a_new_engine_fin
         assert [i.step for i in engine.list(tier="remote")] == [1]
     with CheckpointEngine(tmp_path / "fresh", remote_url=url, storage_options=direct) as fresh:
         assert_state_equal(fresh.load(), state_for(1, n=1536))
+
+
+def test_a_remote_that_stops_answering_mid_request_costs_bounded_time(tmp_path, bucket, proxy, monkeypatch):
+    """A half-open connection (the proxy holds every byte): each request fails after PERSIST_REMOTE_IO_TIMEOUT_S
+    instead of botocore's minutes, so wait() and close() end within remote_timeout_s plus one request."""
+    monkeypatch.setenv("PERSIST_REMOTE_IO_TIMEOUT_S", "2")
+    monkeypatch.setenv("PERSIST_REMOTE_RETRIES", "1")
+    url = f"s3://{bucket}/stalled"
+    options = {"client_kwargs": {"endpoint_url": proxy.url}}
+    engine = CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=options, remote_timeout_s=3)
+    proxy.stall_after(0)  # from now on nothing reaches the server, and nothing is refused either
+    engine.save(state_for(1), step=1)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError, match=r"un-synced steps \[1\]"):
+        engine.close()
+    assert time.monotonic() - t0 < 30  # without the bound: 5 attempts x 60 s of botocore's read timeout
+    assert [c.step for c in CheckpointReader(tmp_path / "a").list()] == [1]  # committed locally, kept
