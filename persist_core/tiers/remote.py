@@ -74,7 +74,7 @@ class RemoteTier:
         self._protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self._is_s3 = "s3" in self._protocols
         if self._is_s3 and isinstance(getattr(self.fs, "retries", None), int):
-            self.fs.retries = 1  # s3fs's own loop would retry a timed-out request 5 times; ours (RemoteTier.retry) does
+            self.fs.retries = min(self.fs.retries, 2)  # s3fs's loop: one retry (a stale pooled connection); ours does the rest
         self.part_bytes = _knobs.remote_part_bytes()
         self.concurrency = _knobs.remote_concurrency()
         self.retries = _knobs.remote_retries()
@@ -343,6 +343,6 @@ def _with_timeouts(url: str, storage_options: dict[str, Any] | None) -> dict[str
     config = dict(options.get("config_kwargs") or {})
     config.setdefault("read_timeout", timeout)
     config.setdefault("connect_timeout", max(1, timeout // 2))
-    config.setdefault("retries", {"max_attempts": 2})  # RemoteTier.retry retries (with backoff, throttling included)
+    config.setdefault("retries", {"max_attempts": 3})  # at once: stale connections; RemoteTier.retry does the rest
     options["config_kwargs"] = config
     return options

@@ -174,5 +174,5 @@ def test_a_remote_that_stops_answering_mid_request_costs_bounded_time(tmp_path, 
     t0 = time.monotonic()
     with pytest.raises(RemoteError, match=r"un-synced steps \[1\]"):
         engine.close()
-    assert time.monotonic() - t0 < 30  # without the bound: 5 attempts x 60 s of botocore's read timeout
+    assert time.monotonic() - t0 < 45  # without the bound: minutes (s3fs x botocore attempts x 60 s reads)
     assert [c.step for c in CheckpointReader(tmp_path / "a").list()] == [1]  # committed locally, kept
