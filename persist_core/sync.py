@@ -133,7 +133,8 @@ class RemoteSync:
         self._stopping = False
         self._gave_up = False  # close() after remote_timeout_s: nothing more is started
         self._branch_at: int | None = None  # set the remote's steps after this aside before the next upload
-        self._thread = threading.Thread(target=self._run, name="persist-sync", daemon=False)
+        # a daemon: close() waits for it, except for a request the remote never answers after giving up
+        self._thread = threading.Thread(target=self._run, name="persist-sync", daemon=True)
         self._thread.start()
         # At interpreter exit (an engine never closed), finish the queued uploads, then stop,
         # like concurrent.futures' workers do; otherwise the process would never exit.
@@ -266,12 +267,13 @@ class RemoteSync:
         if self._listed and (self._lease is None or self._lease.held):
             self._retainer.apply()
 
-    def close(self, *, give_up: bool = False) -> None:
+    def close(self, *, give_up: bool = False, give_up_after_s: float = 30.0) -> None:
         """Finish every queued upload, then stop the thread.
 
         With ``give_up`` (a drain already waited ``remote_timeout_s`` in vain) only the upload under
-        way finishes; the queued ones stay committed locally and recorded as un-synced, for the next
-        engine, and their handles fail with a ``RemoteError`` saying so.
+        way goes on, for at most ``give_up_after_s``: a remote that stopped answering mid-request must
+        not hold ``close()``. The queued ones stay committed locally and recorded as un-synced, for
+        the next engine, and their handles fail with a ``RemoteError`` saying so.
         """
         dropped: list[SyncJob] = []
         if give_up:
@@ -286,7 +288,12 @@ class RemoteSync:
                     "remote did not answer within remote_timeout_s); it stays committed locally and the next engine "
                     "on this directory uploads it"), remote=True)
         self._stop()
-        self._thread.join()
+        self._thread.join(give_up_after_s if give_up else None)
+        if self._thread.is_alive():  # stuck in a request the remote never answers: leave it (a daemon thread)
+            log.error("an upload to %s is still in flight %.0f s after giving up; closing without it (its checkpoint "
+                      "stays committed locally and un-synced; the next engine uploads it)", self._tier.url,
+                      give_up_after_s)
+            return
         if self._lease is not None:
             self._lease.release()
 

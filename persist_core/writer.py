@@ -367,4 +367,4 @@ class Pipeline:
     def close(self) -> None:
         self.writer.close()
         if self.sync is not None:  # after giving up on the remote, do not upload the queue at close
-            self.sync.close(give_up=self._gave_up)
+            self.sync.close(give_up=self._gave_up, give_up_after_s=max(5.0, self._remote_timeout_s))

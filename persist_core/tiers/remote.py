@@ -73,8 +73,6 @@ class RemoteTier:
         self.root = root.rstrip("/")
         self._protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self._is_s3 = "s3" in self._protocols
-        if self._is_s3 and isinstance(getattr(self.fs, "retries", None), int):
-            self.fs.retries = min(self.fs.retries, 2)  # s3fs's loop: one retry (a stale pooled connection); ours does the rest
         self.part_bytes = _knobs.remote_part_bytes()
         self.concurrency = _knobs.remote_concurrency()
         self.retries = _knobs.remote_retries()
@@ -335,7 +333,8 @@ class RemoteTier:
 
 def _with_timeouts(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
     """``storage_options`` with bounded network waits for S3 (``PERSIST_REMOTE_IO_TIMEOUT_S``), unless given:
-    botocore's own (60 s, five attempts) let one half-open connection hold an upload for minutes."""
+    botocore's own 60 s per read, retried by botocore and s3fs, let one half-open connection hold an upload
+    for many minutes. (Their retry counts stay: they absorb stale pooled connections after an outage.)"""
     options = dict(storage_options or {})
     if url.split("://", 1)[0] not in ("s3", "s3a"):
         return options
@@ -343,6 +342,5 @@ def _with_timeouts(url: str, storage_options: dict[str, Any] | None) -> dict[str
     config = dict(options.get("config_kwargs") or {})
     config.setdefault("read_timeout", timeout)
     config.setdefault("connect_timeout", max(1, timeout // 2))
-    config.setdefault("retries", {"max_attempts": 3})  # at once: stale connections; RemoteTier.retry does the rest
     options["config_kwargs"] = config
     return options
