@@ -94,7 +94,7 @@ def test_a_backlog_over_its_cap_refuses_the_save_with_a_write_error_and_deletes_
     proxy.outage(True)
     one = 128 * 128 * 4 + 8192
     engine = CheckpointEngine(tmp_path / "a", remote_url=url, storage_options=_options(proxy), keep_local=KeepLastN(1),
-                              remote_timeout_s=1, max_unsynced_bytes=2 * one + 4096)
+                              remote_timeout_s=3, max_unsynced_bytes=2 * one + 4096)  # 3 s: room to recover below
     engine.save(state_for(1), step=1)
     engine.save(state_for(2), step=2)
     with pytest.raises(RemoteError):
