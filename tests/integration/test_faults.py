@@ -21,6 +21,7 @@ def test_sigkill_at_a_random_moment_loses_nothing_on_either_tier(tmp_path, bucke
 def test_outages_and_resets_at_random_steps_lose_nothing(tmp_path, bucket, proxy, monkeypatch, seed):
     monkeypatch.setenv("PERSIST_REMOTE_RETRIES", "2")
     monkeypatch.setenv("PERSIST_REMOTE_BACKOFF_MS", "10")
+    monkeypatch.setenv("PERSIST_REMOTE_IO_TIMEOUT_S", "3")  # a connection the proxy left half-open costs 3 s, not 20
     tally = outage_trial(tmp_path, f"s3://{bucket}/run", proxy, seed)
     assert tally.faults > 0 and (tally.lost, tally.wrong) == (0, 0), tally.notes
 

@@ -18,6 +18,7 @@ def state_for(step: int) -> dict:
 def fast(monkeypatch):
     monkeypatch.setenv("PERSIST_REMOTE_RETRIES", "1")
     monkeypatch.setenv("PERSIST_REMOTE_BACKOFF_MS", "10")
+    monkeypatch.setenv("PERSIST_REMOTE_IO_TIMEOUT_S", "3")  # a connection the proxy left half-open costs 3 s
 
 
 @pytest.fixture
