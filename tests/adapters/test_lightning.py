@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -15,18 +14,11 @@ import torch
 from lightning.fabric import Fabric
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-import persist_core.session as plugin_module
 from lightning_persist import PersistCheckpointIO, load_from_checkpoint
-from persist_core import CheckpointEngine, CheckpointReader, CheckpointNotFoundError, ConfigError, PersistError, WriteError
-from tests.support.lightning_app import Net, make_trainer, weights
+from persist_core import CheckpointReader, CheckpointNotFoundError, ConfigError, PersistError, WriteError
+from tests.support.lightning_app import Net, linked, make_trainer, weights
 from tests.support.fakes import FailingOps, GatedOps
-from persist_core.reader import checkpoint_of
 from tests.support.states import assert_state_equal
-
-def linked(path) -> str:
-    """The name of the checkpoint directory a Lightning path links to (itself or its shard file)."""
-    return checkpoint_of(Path(os.path.realpath(path))).name
-
 
 APP = Path(__file__).parents[1] / "support" / "lightning_app.py"
 
@@ -46,15 +38,6 @@ def fit(io, dirpath, max_steps, ckpt_path=None, **kwargs) -> Net:
     make_trainer(io, dirpath, max_steps, **kwargs).fit(model, ckpt_path=ckpt_path)
     return model
 
-
-@pytest.fixture
-def engine_ops(monkeypatch):
-    """Make the plugin's engine use the given FileOps."""
-
-    def use(ops):
-        monkeypatch.setattr(plugin_module, "CheckpointEngine", functools.partial(CheckpointEngine, file_ops=ops))
-
-    return use
 
 
 def test_top_k_leaves_exactly_the_expected_files_and_each_loads(tmp_path):

@@ -4,7 +4,6 @@ and the exit status after SIGTERM."""
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -21,19 +20,12 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-import persist_core.session as session_module
 from lightning_persist import PersistCheckpointIO, StrategyBypassWarning, load_from_checkpoint
 from persist_core import CheckpointEngine, CheckpointReader, ConfigError, WriteError
 from persist_core.cli import main as persist
 from tests.support.fakes import FailingOps, GatedOps
-from tests.support.lightning_app import Net, checkpoint_callback, weights
-from persist_core.reader import checkpoint_of
+from tests.support.lightning_app import Net, checkpoint_callback, linked, weights
 from tests.support.states import assert_state_equal
-
-def linked(path) -> str:
-    """The name of the checkpoint directory a Lightning path links to (itself or its shard file)."""
-    return checkpoint_of(Path(os.path.realpath(path))).name
-
 
 APP = Path(__file__).parents[1] / "support" / "lightning_app.py"
 
@@ -49,13 +41,6 @@ def trainer(io, max_steps: int, callbacks, **kwargs) -> Trainer:
 def every_step(d: Path, **kwargs) -> ModelCheckpoint:
     return ModelCheckpoint(dirpath=str(d), every_n_train_steps=1, save_top_k=-1, save_last=True, **kwargs)
 
-
-@pytest.fixture
-def engine_ops(monkeypatch):
-    def use(ops):
-        monkeypatch.setattr(session_module, "CheckpointEngine", functools.partial(CheckpointEngine, file_ops=ops))
-
-    return use
 
 
 # ---------------------------------------------------------------- 1: gradient accumulation

@@ -61,6 +61,13 @@ def make_trainer(io: PersistCheckpointIO | None, dirpath, max_steps: int, callba
                    callbacks=[checkpoint_callback(dirpath), *callbacks], **options)
 
 
+def linked(path) -> str:
+    """The name of the checkpoint directory a Lightning path links to (itself or its shard file)."""
+    from persist_core.reader import checkpoint_of
+
+    return checkpoint_of(Path(os.path.realpath(path))).name
+
+
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A detached copy of the state dict, of the same (ordered) dict type."""
     return type(model.state_dict())((k, v.detach().clone()) for k, v in model.state_dict().items())
