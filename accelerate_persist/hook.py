@@ -36,6 +36,7 @@ from persist_core import CheckpointNotFoundError, CheckpointReader, ConfigError,
 from persist_core import TorchCollectives
 from persist_core.fileio import link_atomically
 from persist_core.layout import MANIFEST_NAME, checkpoint_dirname
+from persist_core.policies.retention import KeepStepsOf
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistOptions, PersistSession
 
@@ -162,7 +163,7 @@ class PersistHook:
                 )
         session = PersistSession(options, resume_hint="resume it with hook.resume() before training")
         session.use_collectives(TorchCollectives.new_group() if accelerator.num_processes > 1 else SingleProcess())
-        named = None if options.retention is None else _KeepNamed(self._named)  # no policy: everything is kept
+        named = None if options.retention is None else KeepStepsOf(self._named_steps, "KeepNamed")  # no policy: all kept
         session.open(preemption=options.save_policy is not None, keep_extra=named)
         self._session, self._accelerator = session, accelerator
         self._originals = {name: getattr(accelerator, name) for name in ("save_state", "load_state", "end_training")}
@@ -229,6 +230,10 @@ class PersistHook:
             else:
                 handle.add_local_callback(lambda ok: self._link(named, step, committed=ok, automatic=automatic))
         return named or path
+
+    def _named_steps(self) -> set[int]:
+        """The steps a directory the user named in ``save_state(dir)`` still links to (retention keeps them)."""
+        return {step for path, step in list(self._named.items()) if os.path.lexists(path)}
 
     def _named_dir(self, output_dir: str | None) -> tuple[str | None, bool]:
         """``(the directory the user will look in, whether Accelerate's automatic naming chose it)``."""
@@ -382,20 +387,6 @@ class PersistHook:
         """Report finished saves through ``accelerator.log`` (when trackers are set) and the log."""
         if self._session is not None:
             self._session.report(self._sink())
-
-
-@dataclasses.dataclass(frozen=True)
-class _KeepNamed:
-    """Keeps the steps a directory the user named in ``save_state(dir)`` links to."""
-
-    named: dict[str, int]
-
-    def should_keep(self, checkpoints: Any, *, context: Any) -> list[bool]:
-        live = {step for path, step in list(self.named.items()) if os.path.lexists(path)}
-        return [c.step in live for c in checkpoints]
-
-    def __repr__(self) -> str:
-        return "KeepNamed()"
 
 
 def _plain_accelerate_dir(path: str) -> str | None:

@@ -4,42 +4,33 @@
 relative symbolic link to the committed ``local_dir/step-N`` directory, created (or atomically
 replaced with one ``rename``) once the checkpoint is committed. :class:`Links` records, per path,
 the step it was last saved at (maybe still pending) and the step its link names now; retention
-keeps both (:class:`KeepLinked`). Who calls what: the plugin's ``save_checkpoint`` calls
+keeps both (:func:`keep_linked`). Who calls what: the plugin's ``save_checkpoint`` calls
 :meth:`Links.intend`, the writer thread :meth:`Links.on_committed`, ``remove_checkpoint``
 :meth:`Links.remove`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from persist_core import CheckpointInfo, PersistError, RetentionContext
+from persist_core import PersistError
 from persist_core.fileio import link_atomically as link
-from persist_core.reader import checkpoint_of
 from persist_core.layout import FULL, KINDS, checkpoint_dirname, kind_subdir, parse_checkpoint_dirname
+from persist_core.policies.retention import KeepStepsOf
+from persist_core.reader import checkpoint_of
 
 log = logging.getLogger(__name__)
 
 Key = tuple[str, int]  # (kind, step): one checkpoint
 
 
-@dataclass(frozen=True)
-class KeepLinked:
-    """Keeps the steps that a live Lightning path names (``linked()`` is read at each decision)."""
-
-    linked: Callable[[], set[int]]  # the steps of one kind of checkpoint
-
-    def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
-        live = self.linked()
-        return [c.step in live for c in checkpoints]
-
-    def __repr__(self) -> str:
-        return "KeepLinked()"
+def keep_linked(links: Links, kind: str) -> KeepStepsOf:
+    """The retention that keeps the steps of ``kind`` a live Lightning path names (read at each decision)."""
+    return KeepStepsOf(functools.partial(links.steps, kind), "KeepLinked")
 
 
 class Links:
@@ -86,34 +77,36 @@ class Links:
             entries = list(os.scandir(directory))
         except FileNotFoundError:
             return
-        roots = self._roots()
         for entry in entries:
-            if not entry.is_symlink():
+            named = self.checkpoint_named(entry.path) if entry.is_symlink() else None
+            if named is None:
                 continue
-            real = checkpoint_of(Path(os.path.realpath(entry.path)))
-            kind = roots.get(real.parent)
-            step = parse_checkpoint_dirname(real.name) if kind is not None else None
-            if step is None:
-                continue
+            key, real = named
             if real.is_dir():
                 with self._lock:
-                    self._on_disk.setdefault(entry.path, ((kind, step), -1))
+                    self._on_disk.setdefault(entry.path, (key, -1))
             else:
-                self._unlink_dead(entry.path, step)
+                self._unlink_dead(entry.path, key[1])
 
     def sweep(self) -> None:
         """Remove the links that name a checkpoint no longer there (set aside by a branch, removed by
         ``persist gc``): provably dead, they would load nothing. Links to live checkpoints stay."""
         with self._lock:
             known = dict(self._on_disk)
-        roots = self._roots()
-        for path, ((kind, step), _) in known.items():
-            real = checkpoint_of(Path(os.path.realpath(path)))
-            if os.path.islink(path) and roots.get(real.parent) == kind and not real.is_dir():
-                self._unlink_dead(path, step)
+        for path, (key, _) in known.items():
+            named = self.checkpoint_named(path) if os.path.islink(path) else None
+            if named is not None and named[0] == key and not named[1].is_dir():
+                self._unlink_dead(path, key[1])
 
-    def _roots(self) -> dict[Path, str]:
-        return {Path(os.path.realpath(self._local_dir / kind_subdir(kind))): kind for kind in KINDS}
+    def checkpoint_named(self, path: str) -> tuple[Key, Path] | None:
+        """``((kind, step), its directory)`` when ``path`` (through links) names a checkpoint directory of
+        ``local_dir`` or its shard file, whether that directory still exists or not; else ``None``."""
+        real = checkpoint_of(Path(os.path.realpath(path)))
+        for kind in KINDS:
+            if real.parent == Path(os.path.realpath(self._local_dir / kind_subdir(kind))):
+                step = parse_checkpoint_dirname(real.name)
+                return None if step is None else ((kind, step), real)
+        return None
 
     def _unlink_dead(self, path: str, step: int) -> None:
         with self._lock:

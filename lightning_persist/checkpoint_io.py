@@ -19,7 +19,6 @@ from, saved again (gradient accumulation does), replaces the committed one atomi
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shutil
@@ -33,12 +32,11 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import _load as torch_load
 from lightning.pytorch.callbacks import Callback
 
-from lightning_persist._links import KeepLinked, Links
+from lightning_persist._links import Links, keep_linked
 from lightning_persist._strategies import check_strategy
 from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
 from persist_core import RetentionPolicy, SaveStats
-from persist_core.layout import (FULL, KINDS, MANIFEST_NAME, WEIGHTS_ONLY, kind_subdir, parse_checkpoint_dirname,
-                                 shard_filename)
+from persist_core.layout import FULL, MANIFEST_NAME, WEIGHTS_ONLY, shard_filename
 from persist_core.reader import checkpoint_of
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistOptions, PersistSession
@@ -152,7 +150,11 @@ class PersistCheckpointIO(CheckpointIO):
         return self._session.options.local_dir
 
     def _get_engine(self, kind: str = FULL) -> CheckpointEngine:
-        return self._session.open_kind(kind, keep_extra=KeepLinked(functools.partial(self._links.steps, kind)))
+        """The engine of ``kind``; the full one is opened first (with what its paths keep), as every kind needs it."""
+        full = self._session.open(keep_extra=keep_linked(self._links, FULL))
+        if kind == FULL:
+            return full
+        return self._session.open_kind(kind, keep_extra=keep_linked(self._links, kind))
 
     def _use_collectives(self, collectives: Collectives) -> None:
         """Called by :class:`PersistDDPStrategy` on every rank: all ranks write from now on."""
@@ -192,7 +194,6 @@ class PersistCheckpointIO(CheckpointIO):
         self._links.adopt(os.path.dirname(target))
         step = self._step_of(checkpoint)
         kind = _kind_of(checkpoint)
-        self._get_engine()
         self._get_engine(kind)
         handle = self._session.save(checkpoint, step, kind=kind,
                                     metadata={"lightning_path": os.path.basename(target), "kind": kind})
@@ -248,16 +249,10 @@ class PersistCheckpointIO(CheckpointIO):
         """
         self._strategy_seen = check_strategy(_find_trainer(), self._strategy_seen)
         target = self._path_key(path)
-        if os.path.isdir(target) and not os.path.islink(target) and not self._ours(target):
+        if os.path.isdir(target) and not os.path.islink(target) and self._links.checkpoint_named(target) is None:
             shutil.rmtree(target)
         self._links.remove(target)
         log.debug("removed %s", target)
-
-    def _ours(self, directory: str) -> bool:
-        """``directory`` is a checkpoint directory of this plugin's ``local_dir`` (retention removes those)."""
-        real = checkpoint_of(Path(os.path.realpath(directory)))
-        roots = {Path(os.path.realpath(self.local_dir / kind_subdir(kind))) for kind in KINDS}
-        return real.parent in roots and parse_checkpoint_dirname(real.name) is not None
 
     def wait(self, timeout: float | None = None) -> None:
         """Flush: block until every pending save is written, committed, linked and uploaded.

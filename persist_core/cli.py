@@ -164,6 +164,11 @@ def _mtime(info: dict[str, Any]) -> float:
     return value.timestamp() if hasattr(value, "timestamp") else float(value)
 
 
+def _took(nbytes: int, seconds: float) -> str:
+    """``"67.1 MB in 0.1 s (653 MB/s)"``: what a transfer or a verification moved, and how fast."""
+    return f"{_size(nbytes)} in {seconds:.1f} s ({nbytes / max(seconds, 1e-9) / 1e6:.0f} MB/s)"
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
@@ -425,8 +430,7 @@ def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_
         for p in bad:
             click.echo(f"bad: {p}", err=True)
         good = len(report) - failed
-        click.echo(f"{good} checkpoint{'s' * (good != 1)} verified, {failed} bad: {_size(nbytes)} in {elapsed:.1f} s "
-                   f"({nbytes / max(elapsed, 1e-9) / 1e6:.0f} MB/s)")
+        click.echo(f"{good} checkpoint{'s' * (good != 1)} verified, {failed} bad: {_took(nbytes, elapsed)}")
     ctx.exit(1 if bad else 0)
 
 
@@ -446,8 +450,7 @@ def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: 
             path = reader.fetch(s, advance)
     elapsed = time.perf_counter() - t0
     if not quiet:
-        click.echo(f"step {s} -> {path}: {_size(nbytes)} in {elapsed:.1f} s "
-                   f"({nbytes / max(elapsed, 1e-9) / 1e6:.0f} MB/s)")
+        click.echo(f"step {s} -> {path}: {_took(nbytes, elapsed)}")
 
 
 @main.command()
@@ -513,13 +516,14 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
         good = _newest_verified(loc, [c.step for c in listed])
         if good is not None:
             keep.setdefault(good, "the newest checkpoint that verifies")
-    doomed = [c for c in to_delete(listed, policy, context=context) if c.step not in keep]
+    by_policy = to_delete(listed, policy, context=context)
+    doomed = [c for c in by_policy if c.step not in keep]
     verb = "would remove" if dry_run else "removed"
     for info in doomed:
         if not dry_run:
             loc.tier.remove(info.step)
         click.echo(f"{verb} step {info.step} ({_size(info.nbytes)})")
-    doomed_steps = {c.step for c in to_delete(listed, policy, context=context)}
+    doomed_steps = {c.step for c in by_policy}
     for step, why in keep.items():
         if why == "the newest checkpoint that verifies":
             if step in doomed_steps:

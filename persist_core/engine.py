@@ -202,7 +202,7 @@ class CheckpointEngine:
         self._ledger.raise_first()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int (the training step)")
-        resumed_at = self._resumed_at()
+        resumed_at = self.resumed_step
         self._pipeline.timeline.check(step, resumed_at)
         replace = step == resumed_at  # the step resumed from, saved again (Lightning does, with accumulation)
         self._writer.reserve(step, replace=replace)
@@ -390,9 +390,6 @@ class CheckpointEngine:
     @property
     def resumed_step(self) -> int | None:
         """The committed step this run continues from (:meth:`load` or :meth:`resume_from`), or ``None``."""
-        return self._resumed_at()
-
-    def _resumed_at(self) -> int | None:
         return self._resumed if self._resumed is not None else self._reader.loaded_step
 
     def abandoned(self, tier: str = "local") -> list[CheckpointInfo]:

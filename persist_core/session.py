@@ -151,18 +151,9 @@ class PersistSession:
         if self._engine is not None:
             return self._engine
         o = self.options
-        user = o.retention
-        local = keep_extra if user is None else user if keep_extra is None else AnyOf(user, keep_extra)
-        remote = None if user is None or o.remote_url is None else local
         if preemption and self.notice is None:
             self.notice = PreemptionNotice(o.preemption_signals)
-        self._engine = CheckpointEngine(
-            o.local_dir, remote_url=o.remote_url, storage_options=o.storage_options, keep_local=local,
-            keep_remote=remote, verify=o.verify, max_pending=o.max_pending, write_threads=o.write_threads,
-            collectives=self._collectives, save_policy=o.save_policy, preemption=self.notice,
-            preemption_grace_s=o.preemption_grace_s, remote_timeout_s=o.remote_timeout_s,
-            torch_loadable=o.torch_loadable,
-        )
+        self._engine = self._new_engine(FULL, keep_extra, save_policy=o.save_policy, preemption=self.notice)
         if self._reader is not None and self._reader.loaded_step is not None:  # resumed before the engine opened
             self._engine.resume_from(self._reader.loaded_step, from_remote=self._reader.loaded_from_remote)
         return self._engine
@@ -177,22 +168,27 @@ class PersistSession:
         if kind in self._others:
             return self._others[kind]
         main = self.open()
-        o = self.options
-        user = o.retention
-        local = keep_extra if user is None else user if keep_extra is None else AnyOf(user, keep_extra)
-        sub = kind_subdir(kind)
-        url = None if o.remote_url is None else f"{o.remote_url.rstrip('/')}/{sub}"
-        engine = CheckpointEngine(
-            o.local_dir / sub, remote_url=url, storage_options=o.storage_options, keep_local=local,
-            keep_remote=None if user is None or url is None else local, verify=o.verify, max_pending=o.max_pending,
-            write_threads=o.write_threads, collectives=self._collectives, preemption_grace_s=o.preemption_grace_s,
-            remote_timeout_s=o.remote_timeout_s, torch_loadable=o.torch_loadable,
-        )
+        engine = self._new_engine(kind, keep_extra)
         resumed = main.resumed_step
         if resumed is not None:  # the run goes on from there on every kind
             engine.resume_from(resumed, from_remote=main.reader.loaded_from_remote)
         self._others[kind] = engine
         return engine
+
+    def _new_engine(self, kind: str, keep_extra: RetentionPolicy | None, **extra: Any) -> CheckpointEngine:
+        """An engine on ``kind``'s tier (``local_dir``/``remote_url`` plus its sub-directory) with the user's
+        options, and the user's retention together with ``keep_extra`` (the remote's only when the user gave one)."""
+        o = self.options
+        user = o.retention
+        local = keep_extra if user is None else user if keep_extra is None else AnyOf(user, keep_extra)
+        sub = kind_subdir(kind)
+        url = o.remote_url if o.remote_url is None or not sub else f"{o.remote_url.rstrip('/')}/{sub}"
+        return CheckpointEngine(
+            o.local_dir / sub if sub else o.local_dir, remote_url=url, storage_options=o.storage_options,
+            keep_local=local, keep_remote=None if user is None or url is None else local, verify=o.verify,
+            max_pending=o.max_pending, write_threads=o.write_threads, collectives=self._collectives,
+            preemption_grace_s=o.preemption_grace_s, remote_timeout_s=o.remote_timeout_s,
+            torch_loadable=o.torch_loadable, **extra)
 
     def engines(self) -> list[CheckpointEngine]:
         """Every engine open now (the full one first)."""

@@ -29,6 +29,7 @@ import torch
 
 from persist_core._knobs import PAGE_BYTES
 from persist_core.errors import CorruptCheckpointError
+from persist_core.format.torch_zip import image_offset
 
 FORMAT_NAME = "torch-persist"
 
@@ -100,8 +101,6 @@ def parse_header(prefix: bytes, *, file_size: int) -> tuple[int, list[tuple[str,
     Raises:
         CorruptCheckpointError: the bytes are not such a safetensors header.
     """
-    from persist_core.format.torch_zip import image_offset
-
     skip = image_offset(prefix)
     if skip:
         data_start, spans = parse_header(prefix[skip:], file_size=file_size - skip)

@@ -12,7 +12,7 @@ written or uploaded) are never deleted.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -123,6 +123,22 @@ class KeepSteps:
 
     def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
         return [c.step in self.steps for c in checkpoints]
+
+
+@dataclass(frozen=True, repr=False)
+class KeepStepsOf:
+    """Keep the steps ``steps()`` names at each decision: what an adapter's own paths point to (Lightning's
+    links, the directories ``save_state(dir)`` named). ``label`` is its name in logs."""
+
+    steps: Callable[[], Iterable[int]]
+    label: str = "KeepStepsOf"
+
+    def should_keep(self, checkpoints: Sequence[CheckpointInfo], *, context: RetentionContext) -> Sequence[bool]:
+        live = set(self.steps())
+        return [c.step in live for c in checkpoints]
+
+    def __repr__(self) -> str:
+        return f"{self.label}()"
 
 
 def check_policy(policy: object, *, name: str) -> RetentionPolicy:
