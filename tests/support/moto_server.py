@@ -152,8 +152,20 @@ class FaultyProxy:
 
 
 def _reset(sock: socket.socket) -> None:
+    """Abort ``sock`` (RST); ``shutdown`` first wakes a thread blocked in ``recv`` on it.
+
+    A bare ``close()`` from another thread leaves that ``recv`` holding the socket open, so the
+    client would see a half-open connection (a hang until its read timeout), not a reset.
+    """
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
         sock.close()
     except OSError:
         pass
