@@ -32,6 +32,7 @@ from persist_core.errors import (
     UnsupportedStateError,
     WriteError,
 )
+from persist_core.format.tree import PerRank
 from persist_core.handle import SaveHandle, SaveStats
 from persist_core.fileio import FileOps
 from persist_core.reader import CheckpointReader
@@ -59,6 +60,7 @@ __all__ = [
     "KeepEveryNSteps",
     "KeepLastN",
     "KeepSteps",
+    "PerRank",
     "PersistError",
     "RemoteError",
     "RetentionContext",

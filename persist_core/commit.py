@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from persist_core.distributed import Collectives
 from persist_core.errors import CorruptCheckpointError, PersistError
 from persist_core.layout import checkpoint_dirname
 from persist_core.fileio import FileOps, commit_dir
 from persist_core.format.manifest import FileEntry, Manifest
+from persist_core.format.tree import tensor_paths
 from persist_core.ownership import claim_tmp
 from persist_core.tiers.local import check_files
 
@@ -41,6 +44,7 @@ def commit_checkpoint(
     base: Manifest,
     signature: str,
     *,
+    digests: list[int | None] | None = None,
     coll: Collectives,
     write_shard: Callable[[Path], FileEntry],
     release: Callable[[], None],
@@ -54,6 +58,8 @@ def commit_checkpoint(
         base: this rank's manifest without files; its ``tensors`` hold records for the tensors
             this rank writes and ``None`` for the others.
         signature: a digest of the state's structure; ranks must agree on it.
+        digests: per tensor, a digest of a tensor every rank takes to hold alike (``None``: sharded);
+            ranks must agree on each (a mismatch names the tensor and the ranks).
         coll: the job's collectives.
         write_shard: writes and fsyncs this rank's shard into the given directory.
         release: frees the staging buffer; called once, as soon as the shard is written.
@@ -75,11 +81,11 @@ def commit_checkpoint(
                 tmp = owned.enter_context(claim_tmp(root, base.step))
             except OSError as e:  # still make every collective call below, so no rank waits forever
                 error = e
-        return _commit(root, base, signature, coll=coll, write_shard=write_shard, release=release, ops=ops,
-                       tmp=tmp, error=error, replace=replace)
+        return _commit(root, base, signature, digests or [], coll=coll, write_shard=write_shard, release=release,
+                       ops=ops, tmp=tmp, error=error, replace=replace)
 
 
-def _commit(root: Path, base: Manifest, signature: str, *, coll: Collectives, write_shard: Callable[[Path], FileEntry],
+def _commit(root: Path, base: Manifest, signature: str, digests: list[int | None], *, coll: Collectives, write_shard: Callable[[Path], FileEntry],
             release: Callable[[], None], ops: FileOps, tmp: Path | None, error: BaseException | None,
             replace: bool) -> Manifest:
     step = base.step
@@ -99,23 +105,32 @@ def _commit(root: Path, base: Manifest, signature: str, *, coll: Collectives, wr
                 error = e
     finally:
         release()
-    reports = coll.all_gather((entry, base.tensors if coll.world_size > 1 else None, signature,
-                               None if error is None else f"{type(error).__name__}: {error}", step))
+    try:
+        reports = [Report(*r) for r in coll.all_gather((
+            entry, base.tensors if coll.world_size > 1 else None, signature,
+            None if error is None else f"{type(error).__name__}: {error}", step, base.per_rank, digests))]
+    except Exception as e:  # the process group broke (a rank died mid-write): whatever the backend raises
+        raise PersistError(
+            f"checkpoint step={step} was not committed: the ranks could not gather their reports ({type(e).__name__}: "
+            f"{e}); another rank died or left the process group while writing. Nothing was committed; the previous "
+            "checkpoint is intact") from e
     manifest = base
     outcome: str | None = None
     if leader:
-        problems = [f"rank {r}: {msg}" for r, (_, _, _, msg, _) in enumerate(reports) if msg]
-        steps = [s for *_, s in reports]
+        problems = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error]
+        steps = [rep.step for rep in reports]
         if not problems and any(s != step for s in steps):
             problems.append(
                 f"the ranks saved different steps ({steps}, by rank): every rank must call save for the same steps "
                 "in the same order (maybe_save agrees on them across ranks)"
             )
-        if not problems and any(sig != signature for _, _, sig, _, _ in reports):
+        if not problems and any(rep.signature != signature for rep in reports):
             problems.append(
                 "the ranks hold states of different structure (tensor names, dtypes or shapes), so the state "
                 "cannot be split between them; save on rank 0 only, or make the state the same on every rank"
             )
+        if not problems:
+            problems += _replica_mismatches(base, reports)
         if not problems:
             try:
                 manifest = _merge(base, reports)
@@ -144,15 +159,62 @@ def _commit(root: Path, base: Manifest, signature: str, *, coll: Collectives, wr
     return manifest
 
 
-def _merge(base: Manifest, reports: list[tuple[FileEntry, tuple | None, str, str | None, int]]) -> Manifest:
-    """Rank 0's manifest with every rank's file and the records of the tensors each wrote."""
-    tensors = list(base.tensors)
-    for _, records, _, _, _ in reports[1:]:
-        for i, record in enumerate(records or ()):
-            if record is not None:
+class Report(NamedTuple):
+    """What each rank tells rank 0 after writing its shard."""
+
+    entry: FileEntry | None
+    records: tuple | None  # its manifest records (None for what others wrote); None with one rank
+    signature: str
+    error: str | None
+    step: int
+    per_rank: tuple
+    digests: list[int | None]
+
+
+def _replica_mismatches(base: Manifest, reports: list[Report]) -> list[str]:
+    """A problem per tensor taken to be replicated whose digests differ between ranks."""
+    if len(reports) < 2 or not reports[0].digests:
+        return []
+    paths = tensor_paths(base.tree)
+    problems = []
+    for i, mine in enumerate(reports[0].digests):
+        if mine is None:
+            continue
+        differ = [r for r, rep in enumerate(reports) if rep.digests[i] != mine]
+        if differ:
+            problems.append(
+                f"state[{paths[i]!r}] is a plain tensor, so it is taken to be replicated, but ranks {differ} hold "
+                f"other values than rank 0: saving it would mix the ranks' data. If it is sharded, save the "
+                "DTensor itself (not .to_local()); if it differs per rank on purpose, wrap it in "
+                "persist_core.PerRank(...)")
+            if len(problems) == 3:
+                break
+    return problems
+
+
+def _merge(base: Manifest, reports: list[Report]) -> Manifest:
+    """Rank 0's manifest with every rank's file, the records of the tensors each wrote (the chunks of
+    sharded ones from every rank) and each rank's PerRank values."""
+    tensors = [dict(t, chunks=list(t["chunks"])) if t is not None and "chunks" in t else t for t in base.tensors]
+    for rep in reports[1:]:
+        for i, record in enumerate(rep.records or ()):
+            if record is None:
+                continue
+            if "chunks" in record:
+                tensors[i]["chunks"] += record["chunks"]
+            else:
                 tensors[i] = record
     missing = [i for i, t in enumerate(tensors) if t is None]
     if missing:
         raise PersistError(f"no rank wrote tensors {missing[:5]} of the state")
+    for i, t in enumerate(tensors):
+        if "chunks" in t and sum(math.prod(c["sizes"]) for c in t["chunks"]) != math.prod(t["shape"]):
+            held = sum(math.prod(c["sizes"]) for c in t["chunks"])
+            raise PersistError(
+                f"state[{tensor_paths(base.tree)[i]!r}] is sharded {t['placements']} over a mesh of {t['mesh']} but "
+                f"the ranks' parts hold {held} of its {math.prod(t['shape'])} elements: every rank of its mesh must "
+                "save with one engine whose collectives span them (collectives=TorchCollectives.new_group())")
     return dataclasses.replace(base, world_size=len(reports), tensors=tuple(tensors),
-                               files=tuple(entry for entry, *_ in reports))
+                               files=tuple(rep.entry for rep in reports),
+                               per_rank=tuple(rep.per_rank[0] if rep.per_rank else () for rep in reports)
+                               if base.per_rank else ())

@@ -34,6 +34,7 @@ from persist_core.fileio import FileOps, OsFileOps
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import SaveHistory
 from persist_core.planning.save import plan_rank
+from persist_core.planning.sharding import check_replica_mode
 from persist_core.policies.retention import RetentionPolicy, check_policy
 from persist_core.policies.save import Clock, DecisionContext, SavePolicy, check_save_policy
 from persist_core.preemption import PreemptionNotice, check_grace
@@ -82,6 +83,10 @@ class CheckpointEngine:
             (:class:`TorchCollectives`): every rank then calls ``save`` for the same steps in the
             same order and writes about ``1/world_size`` of a state they all hold alike; rank 0
             commits, applies retention and uploads. ``local_dir`` must be shared by the ranks.
+            ``DTensor`` leaves (FSDP2, tensor parallel) are saved sharded: each rank writes the part
+            it holds (one replica of each ``Replicate`` dimension), and :meth:`load` with ``into=``
+            reshards them to any mesh. Plain tensors are taken to be replicated and checked
+            (``replica_check``); values that differ per rank on purpose go in :class:`PerRank`.
         save_policy: when :meth:`maybe_save` saves (``Continuous(min_interval_s=30)``, ...).
         preemption: a :class:`PreemptionNotice`; once set, the next ``maybe_save`` saves, waits
             up to ``preemption_grace_s`` for the commit and upload, and :attr:`preempted` is True.
@@ -98,6 +103,10 @@ class CheckpointEngine:
             ``weights_only=True``) reads the state without torch-persist, the bytes written once as
             always (see :mod:`persist_core.format.torch_zip`). With several processes rank 0's shard
             is such an archive whose loading raises an error naming how to load the whole checkpoint.
+        replica_check: how ranks check that the plain tensors they save as replicated are alike
+            before committing: ``"sampled"`` (default: the first, last and 16 elements at offsets
+            drawn anew each save, a few microseconds per tensor), ``"full"`` (every byte; costly),
+            ``"off"``. A mismatch fails the save, naming the tensor and the ranks.
         clock: the monotonic clock decisions use (a fake one in tests).
         wall_clock: the wall clock manifests record (``time.time``).
         file_ops: the file system calls the writer makes (for fault injection in tests).
@@ -129,6 +138,7 @@ class CheckpointEngine:
         max_unsynced_bytes: int | None = None,
         run_id: str | None = None,
         torch_loadable: bool = False,
+        replica_check: str = "sampled",
         clock: Clock = time.monotonic,
         wall_clock: Clock = time.time,
         file_ops: FileOps | None = None,
@@ -145,6 +155,7 @@ class CheckpointEngine:
             raise ConfigError(f"run_id={run_id!r} must be a non-empty string (the id of this training run)")
         self._root = Path(local_dir).expanduser().absolute()
         self._torch_loadable = bool(torch_loadable)
+        self._replica_check = check_replica_mode(replica_check)
         self._coll = collectives or SingleProcess()
         self._wall_clock = wall_clock
         self._closed = False
@@ -208,7 +219,7 @@ class CheckpointEngine:
         self._writer.reserve(step, replace=replace)
         try:
             plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size,
-                             torch_loadable=self._torch_loadable)
+                             torch_loadable=self._torch_loadable, replica_check=self._replica_check, seed=step)
             self._pipeline.check_backlog(step, plan.shard.file_bytes)
             staged = stage_into(self._pool, plan.shard, self._streams)
         except BaseException:
@@ -220,7 +231,7 @@ class CheckpointEngine:
         self._latest_step = max(self._latest_step, step)
         self._history.add(decided_at, step, handle)
         job = WriteJob(handle=handle, buf=staged.buf, base=base, staged_at=staged.done_at, signature=plan.signature,
-                       replace=replace, filename=plan.filename)
+                       replace=replace, filename=plan.filename, digests=tuple(plan.digests))
         del plan  # the writer needs only the staged bytes, not the caller's tensors
         handle._update(stall_s=time.perf_counter() - t0)
         self._writer.submit(job)
@@ -396,19 +407,24 @@ class CheckpointEngine:
         """Checkpoints set aside by a branch (see :meth:`resume_from`), oldest first."""
         return self._reader.abandoned(tier)
 
-    def load(self, step: int | None = None, *, map_location: Any = "cpu", verify: bool | None = None) -> Any:
+    def load(self, step: int | None = None, *, into: Any = None, map_location: Any = "cpu",
+             verify: bool | None = None) -> Any:
         """Load the newest committed checkpoint that verifies, or the one for ``step``.
 
         The local copy is used when it is there and verifies; otherwise the remote copy is
         downloaded into ``local_dir`` (verified) and loaded, so a fresh machine with an empty
-        ``local_dir`` resumes with ``engine.load()`` alone. Same as :meth:`CheckpointReader.load`.
+        ``local_dir`` resumes with ``engine.load()`` alone. With ``into`` (targets on this run's
+        mesh, e.g. ``{"model": msd, "optim": osd}`` from ``get_state_dict``) each rank fills its
+        tensors and ``DTensor`` s in place, reading only the byte ranges they need (resharding to
+        any number of ranks). ``PerRank`` values come back to the rank that saved them. Same as
+        :meth:`CheckpointReader.load`.
 
         Raises:
             CheckpointNotFoundError: nothing committed (for ``step``) on any tier.
             CorruptCheckpointError: no copy of ``step`` verifies (names the file).
         """
         self._check_open()
-        state = self._reader.load(step, map_location=map_location, verify=verify)
+        state = self._reader.load(step, into=into, map_location=map_location, verify=verify, rank=self._coll.rank)
         if self._reader.loaded_from_remote:  # a fresh machine: this run continues the one that wrote it
             self._pipeline.adopt_remote_run()
         return state

@@ -19,6 +19,7 @@ import ctypes
 import errno
 import functools
 import logging
+import math
 import os
 import secrets
 from collections.abc import Callable
@@ -64,7 +65,8 @@ class OsFileOps:
 
 @dataclass(frozen=True)
 class WrittenFile:
-    """What :func:`write_file` wrote: size, per-chunk crc32c, and whether ``O_DIRECT`` was used."""
+    """What :func:`write_file` wrote: size, a crc32c per ``chunk_bytes`` block (:func:`checksum_block`, not the
+    size of a write), and whether ``O_DIRECT`` was used."""
 
     name: str
     size: int
@@ -76,8 +78,17 @@ class WrittenFile:
 OnChunk = Callable[[int, int], None]
 
 
-def _write_chunk(ops: FileOps, fd: int, data: memoryview, offset: int, on_chunk: OnChunk | None) -> int:
-    crc = crc32c.crc32c(data)
+CHECKSUM_BLOCK_BYTES = 1 << 20  # the checksum granularity: a resharding read verifies whole blocks, so keep them small
+
+
+def checksum_block(chunk_bytes: int) -> int:
+    """Bytes per checksum for writes of ``chunk_bytes``: 1 MiB, or less where it must divide ``chunk_bytes``."""
+    return math.gcd(chunk_bytes, CHECKSUM_BLOCK_BYTES)
+
+
+def _write_chunk(ops: FileOps, fd: int, data: memoryview, offset: int, on_chunk: OnChunk | None,
+                 block: int) -> tuple[int, ...]:
+    crc = tuple(crc32c.crc32c(data[o : o + block]) for o in range(0, len(data), block))
     done = 0
     while done < len(data):
         n = ops.pwrite(fd, data[done:], offset + done)
@@ -93,10 +104,11 @@ def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk
                on_chunk: OnChunk | None) -> tuple[int, ...]:
     fd = ops.open(path, flags, 0o644)
     try:
-        futures = [pool.submit(_write_chunk, ops, fd, data[o : o + chunk_bytes], o, on_chunk)
+        block = checksum_block(chunk_bytes)
+        futures = [pool.submit(_write_chunk, ops, fd, data[o : o + chunk_bytes], o, on_chunk, block)
                    for o in range(0, len(data), chunk_bytes)]
         wait(futures)  # every chunk finishes before the fd closes, failed or not
-        crcs = tuple(f.result() for f in futures)
+        crcs = tuple(c for f in futures for c in f.result())
         ops.fsync(fd)
         return crcs
     finally:
@@ -111,7 +123,7 @@ def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int
         path: the file to create (it must not exist).
         data: the whole file image; page-aligned with a 4 KiB-multiple length for ``O_DIRECT``.
         pool: threads that write chunks.
-        chunk_bytes: bytes per ``pwrite`` and per checksum (a multiple of 4 KiB).
+        chunk_bytes: bytes per ``pwrite`` (a multiple of 4 KiB); each has a crc32c per :func:`checksum_block`.
         direct_io: ``"auto"`` tries ``O_DIRECT`` and falls back to buffered writes when the file
             system refuses it; ``"on"`` insists; ``"off"`` never tries.
         ops: the file system calls.
@@ -130,7 +142,7 @@ def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int
         try:
             crcs = _write_all(str(path), data, flags | os.O_DIRECT, pool=pool, chunk_bytes=chunk_bytes, ops=ops,
                               on_chunk=on_chunk)
-            return WrittenFile(path.name, len(data), chunk_bytes, crcs, True)
+            return WrittenFile(path.name, len(data), checksum_block(chunk_bytes), crcs, True)
         except OSError as e:
             if direct_io == "on" or e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise
@@ -139,7 +151,7 @@ def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int
     elif direct_io == "on":
         raise OSError(errno.EINVAL, f"O_DIRECT needs a page-aligned buffer and os.O_DIRECT; cannot write {path}")
     crcs = _write_all(str(path), data, flags, pool=pool, chunk_bytes=chunk_bytes, ops=ops, on_chunk=on_chunk)
-    return WrittenFile(path.name, len(data), chunk_bytes, crcs, False)
+    return WrittenFile(path.name, len(data), checksum_block(chunk_bytes), crcs, False)
 
 
 def ctypes_address(view: memoryview) -> int:

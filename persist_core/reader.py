@@ -19,10 +19,11 @@ from typing import Any, TypeVar
 
 from persist_core import _knobs
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RemoteError
-from persist_core.layout import parse_checkpoint_dirname, parse_shard_filename
+from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname, parse_shard_filename
 from persist_core.ownership import claim_tmp, discard
 from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
+from persist_core.planning.load import LoadStats, load_into
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.local import (
     LocalTier,
@@ -30,6 +31,7 @@ from persist_core.tiers.local import (
     committed_steps,
     discover,
     load_checkpoint,
+    read_blocks,
     read_manifest,
 )
 from persist_core.tiers.tier import CheckpointInfo
@@ -80,6 +82,7 @@ class CheckpointReader:
         self._downloads = 0
         self.loaded_step: int | None = None  # the step the last successful load() returned (a resume point)
         self.loaded_from_remote = False  # ... and it was downloaded (a fresh machine resuming the remote's run)
+        self.last_load = LoadStats()  # what the last load(into=...) needed and read
 
     @property
     def local_dir(self) -> Path:
@@ -162,62 +165,121 @@ class CheckpointReader:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self, step: int | None = None, *, map_location: Any = "cpu", verify: bool | None = None) -> Any:
+    def load(self, step: int | None = None, *, into: Any = None, map_location: Any = "cpu",
+             verify: bool | None = None, rank: int = 0) -> Any:
         """Load the newest committed checkpoint that verifies, or the one for ``step``.
 
-        The local copy is used when it is there and verifies; otherwise the remote copy is
-        downloaded into ``local_dir`` (parallel ranged reads, checksums verified) and loaded.
+        Without ``into``, the whole state: the local copy when it is there and verifies; otherwise
+        the remote copy is downloaded into ``local_dir`` (parallel ranged reads, checksums verified)
+        and loaded. Sharded tensors come back whole (consolidated).
+
+        With ``into`` (a state shaped like the saved one, e.g. ``{"model": msd, "optim": osd}`` from
+        ``get_state_dict`` on the new mesh), its tensors and ``DTensor`` s are filled in place: each
+        rank reads only the byte ranges the part it holds overlaps, in parallel, every checksum
+        block it touches verified — from the local files when they are there and verify, else by
+        ranged reads from the remote (nothing downloaded whole). Any number of ranks, any mesh.
 
         Args:
             step: which checkpoint; ``None`` takes the newest one that verifies, logging a
                 warning for each newer one it skips.
-            map_location: device for the tensors (``"cpu"`` default, ``"cuda:0"``, a ``torch.device``).
+            into: targets to fill in place (see above); saved tensors without one are read whole.
+            map_location: device for the tensors read whole (``"cpu"`` default, ``"cuda:0"``, ...).
             verify: check checksums (default: the reader's ``verify``).
+            rank: whose ``PerRank`` values to return (the engine passes its own rank).
 
         Returns:
-            An object equal to the saved state.
+            An object equal to the saved state (its tensors being ``into``'s where it had them).
 
         Raises:
             CheckpointNotFoundError: nothing committed (for ``step``) on any tier.
             CorruptCheckpointError: no copy of ``step`` verifies (names the file).
+            ConfigError: a target of another shape than saved, or one the checkpoint lacks.
         """
         verify = self._verify if verify is None else verify
-        local = set(committed_steps(self._root))
-        remote = set(self._remote_or_nothing(self._tier.committed_steps, [])) if self._tier is not None else set()
-        remote -= self._set_aside_here(remote - local)
+        if into is not None:
+            return self._load_into(step, into, verify, map_location, rank)
+        order, local, remote = self._candidates(step)
         if step is not None:
-            if step not in local | remote:
-                where = f"{self._root}" + (f" or {self._tier.url}" if self._tier else "")
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint for step={step} in {where}; committed steps: {sorted(local | remote)}"
-                )
-            return self._load_step(step, step in local, step in remote, verify, map_location)
-        for candidate in sorted(local | remote, reverse=True):
+            return self._load_step(step, step in local, step in remote, verify, map_location, rank)
+        for candidate in order:
             try:
-                return self._load_step(candidate, candidate in local, candidate in remote, verify, map_location)
+                return self._load_step(candidate, candidate in local, candidate in remote, verify, map_location, rank)
             except CorruptCheckpointError as e:
                 log.warning("[step=%d] skipping: %s", candidate, e)
         where = f"{self._root}" + (f" nor {self._tier.url}" if self._tier else "")
         raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {where}")
 
-    def _load_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any) -> Any:
+    def _candidates(self, step: int | None) -> tuple[list[int], set[int], set[int]]:
+        """The steps to try, newest first (``[step]`` when given), and which are local and remote."""
+        local = set(committed_steps(self._root))
+        remote = set(self._remote_or_nothing(self._tier.committed_steps, [])) if self._tier is not None else set()
+        remote -= self._set_aside_here(remote - local)
+        if step is not None and step not in local | remote:
+            where = f"{self._root}" + (f" or {self._tier.url}" if self._tier else "")
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint for step={step} in {where}; committed steps: {sorted(local | remote)}")
+        return ([step] if step is not None else sorted(local | remote, reverse=True)), local, remote
+
+    def _load_into(self, step: int | None, into: Any, verify: bool, map_location: Any, rank: int) -> Any:
+        order, local, remote = self._candidates(step)
+        for candidate in order:
+            try:
+                state, from_remote = self._read_into(candidate, candidate in local, candidate in remote, into,
+                                                     verify, map_location, rank)
+            except CorruptCheckpointError as e:
+                if step is not None:
+                    raise
+                log.warning("[step=%d] skipping: %s", candidate, e)
+                continue
+            self.loaded_step, self.loaded_from_remote = candidate, from_remote
+            return state
+        where = f"{self._root}" + (f" nor {self._tier.url}" if self._tier else "")
+        raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {where}")
+
+    def _read_into(self, step: int, in_local: bool, in_remote: bool, into: Any, verify: bool, map_location: Any,
+                   rank: int) -> tuple[Any, bool]:
+        """``(the state, whether it was read from the remote)``."""
+        self.last_load = LoadStats()
+        if in_local:
+            ckpt = checkpoint_dir(self._root, step)
+            try:
+                manifest = read_manifest(ckpt)
+                return load_into(manifest, into, pool=self._pool, rank=rank, map_location=map_location,
+                                 where=str(ckpt), stats=self.last_load,
+                                 read_blocks=lambda f, a, b: read_blocks(ckpt / f.name, f, a, b, verify=verify)), False
+            except CorruptCheckpointError as e:
+                if not in_remote:
+                    raise
+                log.warning("[step=%d] local copy does not verify (%s); reading from %s", step, e, self._tier.url)
+                self.last_load = LoadStats()
+        assert self._tier is not None
+        tier = self._tier
+        manifest = tier.read_manifest(step)
+        return load_into(manifest, into, pool=self._pool, rank=rank, map_location=map_location,
+                         where=f"{tier.url}/{checkpoint_dirname(step)}", stats=self.last_load,
+                         read_blocks=lambda f, a, b: tier.read_blocks(step, f, a, b, verify=verify)), True
+
+    def _load_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any,
+                   rank: int) -> Any:
         downloads = self._downloads
-        state = self._read_step(step, in_local, in_remote, verify, map_location)
+        state = self._read_step(step, in_local, in_remote, verify, map_location, rank)
         self.loaded_step, self.loaded_from_remote = step, self._downloads > downloads
         return state
 
-    def _read_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any) -> Any:
+    def _read_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any,
+                   rank: int) -> Any:
         ckpt = checkpoint_dir(self._root, step)
         if in_local:
             try:
-                return load_checkpoint(ckpt, read_manifest(ckpt), pool=self._pool, verify=verify, map_location=map_location)
+                return load_checkpoint(ckpt, read_manifest(ckpt), pool=self._pool, verify=verify,
+                                       map_location=map_location, rank=rank)
             except CorruptCheckpointError as e:
                 if not in_remote:
                     raise
                 log.warning("[step=%d] local copy does not verify (%s); downloading from %s", step, e, self._tier.url)
                 self._set_aside(ckpt)
         manifest = self._download(step)
-        return load_checkpoint(ckpt, manifest, pool=self._pool, verify=verify, map_location=map_location)
+        return load_checkpoint(ckpt, manifest, pool=self._pool, verify=verify, map_location=map_location, rank=rank)
 
     def fetch(self, step: int, progress: Callable[[int], None] | None = None) -> Path:
         """Make ``local_dir`` hold checkpoint ``step``, downloading it (verified) if it is not there.

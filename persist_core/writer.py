@@ -54,6 +54,7 @@ class WriteJob:
     signature: str  # the state's structure, compared across ranks
     replace: bool = False  # a re-save of the committed step a run resumed from: exchanged atomically
     filename: str = ""  # the shard file's name (layout.shard_filename); default: this rank's .safetensors
+    digests: tuple[int | None, ...] = ()  # of the tensors taken to be replicated, compared across ranks
 
 
 #: ``after_commit(handle, manifest)``: writer thread, after the commit; may raise
@@ -190,7 +191,8 @@ class Writer:
             return FileEntry(name=written.name, rank=self._coll.rank, size=written.size, checksum=CHECKSUM_ALGORITHM,
                              chunk_bytes=written.chunk_bytes, chunks=written.chunks)
 
-        manifest = commit_checkpoint(self._root, job.base, job.signature, coll=self._coll, write_shard=write_shard,
+        manifest = commit_checkpoint(self._root, job.base, job.signature, digests=list(job.digests), coll=self._coll,
+                                     write_shard=write_shard,
                                      release=lambda: self._pool.release(buf), ops=self._ops, replace=job.replace)
         write_s = timing["write_s"]
         handle._update(write_s=write_s, write_gbps=handle.stats.nbytes / write_s / 1e9 if write_s > 0 else None,

@@ -40,6 +40,38 @@ class FileEntry:
     chunk_bytes: int
     chunks: tuple[int, ...]
 
+    def blocks(self, start: int, end: int) -> tuple[int, int]:
+        """The checksum blocks ``[first, stop)`` that hold bytes ``[start, end)`` of the file."""
+        return start // self.chunk_bytes, -(-end // self.chunk_bytes)
+
+    def spans(self, span_bytes: int) -> list[tuple[int, int]]:
+        """The whole file as runs of checksum blocks ``[first, stop)`` of about ``span_bytes`` each
+        (one ranged read each: a download with small blocks still makes large requests)."""
+        per = max(1, span_bytes // self.chunk_bytes)
+        n = len(self.chunks)
+        return [(i, min(i + per, n)) for i in range(0, n, per)]
+
+    def check(self, data: bytes | memoryview, first: int, *, where: str) -> None:
+        """Check ``data``, the bytes of blocks ``first, first + 1, ...``, against their checksums.
+
+        Raises:
+            CorruptCheckpointError: a block does not match (or ``data`` ends early).
+        """
+        view = memoryview(data)
+        start = first * self.chunk_bytes
+        stop = -(-(start + len(view)) // self.chunk_bytes)
+        if stop > len(self.chunks) or (stop == len(self.chunks) and start + len(view) != self.size) \
+                or (stop < len(self.chunks) and len(view) % self.chunk_bytes):
+            raise CorruptCheckpointError(f"{where}: {len(view)} bytes from byte {start} do not make whole checksum "
+                                         f"blocks of a {self.size}-byte file; it is short or corrupt")
+        for i in range(first, stop):
+            lo = (i - first) * self.chunk_bytes
+            if crc32c.crc32c(view[lo : lo + self.chunk_bytes]) != self.chunks[i]:
+                raise CorruptCheckpointError(
+                    f"{where}: chunk {i} (bytes {i * self.chunk_bytes}..{min((i + 1) * self.chunk_bytes, self.size)}) "
+                    "does not match its checksum; the copy is corrupt: load another step, or restore this one from "
+                    "the other tier")
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -51,10 +83,15 @@ class Manifest:
         world_size: how many ranks wrote files.
         tree: the JSON encoding of the state's structure.
         tensors: per tensor of the tree: ``file``, ``entry``, ``dtype``, ``shape``, ``stride``,
-            ``offset`` and ``replicated`` (whether every rank held the same value).
+            ``offset`` and ``replicated`` (whether every rank held the same value); for a sharded
+            tensor (version 4) ``dtype``, its global ``shape``, ``placements``, ``mesh`` and ``chunks``:
+            ``{file, entry, offsets, sizes}`` per box some rank wrote (C-contiguous in its entry),
+            which tile the tensor.
         objects: per pickled leaf of the tree: ``[file, begin, length]`` in its ``__objects__`` entry.
         files: the shard files.
         metadata: the user's JSON-able metadata.
+        per_rank: per rank that wrote, ``[file, begin, length]`` of each ``PerRank`` leaf (in tree
+            order) in that file's ``__per_rank__`` entry (version 4).
     """
 
     step: int
@@ -65,6 +102,7 @@ class Manifest:
     objects: tuple[tuple[str, int, int], ...]
     files: tuple[FileEntry, ...]
     metadata: dict[str, Any] = field(default_factory=dict)
+    per_rank: tuple[tuple[tuple[str, int, int], ...], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -117,6 +155,7 @@ class Manifest:
                 objects=tuple((str(f), int(b), int(n)) for f, b, n in body["objects"]),
                 files=tuple(FileEntry(**{**f, "chunks": tuple(f["chunks"])}) for f in body["files"]),
                 metadata=dict(body.get("metadata") or {}),
+                per_rank=tuple(tuple((str(f), int(b), int(n)) for f, b, n in r) for r in body.get("per_rank", ())),
             )
         except CorruptCheckpointError:
             raise

@@ -34,13 +34,15 @@ from persist_core.format.torch_zip import image_offset
 FORMAT_NAME = "torch-persist"
 
 
-FORMAT_VERSION = 3  # 2: the manifest's own crc32c; 3: torch-loadable shards. Readers take every older one.
+FORMAT_VERSION = 4  # 2: the manifest's own crc32c; 3: torch-loadable shards; 4: sharded tensors, PerRank values.
+# Readers take every older one.
 
 
 OBJECTS_ENTRY = "__objects__"
+PER_RANK_ENTRY = "__per_rank__"  # this rank's PerRank values, pickled (each rank's shard has its own)
 
 
-_RESERVED_PREFIXES = ("__pad__", "__shared__", OBJECTS_ENTRY, "__metadata__")
+_RESERVED_PREFIXES = ("__pad__", "__shared__", OBJECTS_ENTRY, PER_RANK_ENTRY, "__metadata__")
 
 
 _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pickle
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,19 +18,46 @@ from persist_core.errors import CorruptCheckpointError, UnsupportedStateError
 
 
 @dataclass(frozen=True)
+class PerRank:
+    """A value that differs from rank to rank on purpose (an RNG state, a per-rank data loader position).
+
+    ``engine.save({"rng": PerRank(torch.get_rng_state()), ...})``: every rank saves its own value
+    (pickled, tensors and all) and a load returns to each rank the value that rank saved — the
+    value itself, not the wrapper. A rank the checkpoint had no such rank for (a job resumed on
+    more ranks than saved it) gets ``None`` and a warning; a load in one process gets rank 0's.
+    Without the wrapper a plain tensor on several ranks is taken to be replicated, and checked.
+    """
+
+    value: Any
+
+
+@dataclass(frozen=True)
 class FlatState:
-    """A state taken apart: a JSON-able tree, its tensors (in tree order) and pickled leaves."""
+    """A state taken apart: a JSON-able tree, its tensors (in tree order) and pickled leaves.
+
+    ``tensors`` may hold ``DTensor`` leaves (sharded: :mod:`persist_core.planning.sharding` takes
+    them apart); ``per_rank`` holds the pickled values of :class:`PerRank` leaves, this rank's.
+    """
 
     tree: Any
     tensors: list[tuple[str, torch.Tensor]]
     objects: list[bytes]
+    per_rank: list[bytes] = field(default_factory=list)
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing torch.distributed)."""
+    kind = type(t)
+    return kind.__name__ == "DTensor" and kind.__module__.startswith("torch.distributed")
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> None:
+    if is_dtensor(t):
+        return
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise UnsupportedStateError(
             f"state[{path!r}] is a {type(t).__name__}, a tensor subclass torch-persist cannot snapshot; "
-            "save a plain tensor (e.g. DTensor.full_tensor() or .to_local())"
+            "save a plain tensor (or a DTensor, which is saved sharded)"
         )
     if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:
         raise UnsupportedStateError(
@@ -51,9 +78,13 @@ def flatten(state: Any) -> FlatState:
     """
     tensors: list[tuple[str, torch.Tensor]] = []
     objects: list[bytes] = []
+    per_rank: list[bytes] = []
 
     def enc(obj: Any, path: str) -> Any:
         kind = type(obj)
+        if kind is PerRank:
+            per_rank.append(_pickle(obj.value, path))
+            return {"per_rank": len(per_rank) - 1}
         if isinstance(obj, torch.Tensor):
             _check_tensor(obj, path)
             tensors.append((path, obj))
@@ -67,24 +98,59 @@ def flatten(state: Any) -> FlatState:
             return {"list": [enc(v, _join(path, i)) for i, v in enumerate(obj)]}
         if kind is tuple:
             return {"tuple": [enc(v, _join(path, i)) for i, v in enumerate(obj)]}
-        try:
-            objects.append(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-        except Exception as e:  # pickle raises many types: PicklingError, TypeError, AttributeError
-            raise UnsupportedStateError(
-                f"state[{path!r}] ({kind.__module__}.{kind.__qualname__}) cannot be saved: {e}. "
-                "Keep tensors, dicts, lists, tuples and picklable values in the state, "
-                "or convert this value before saving"
-            ) from e
+        objects.append(_pickle(obj, path))
         return {"object": len(objects) - 1}
 
     tree = enc(state, "")
-    return FlatState(tree=tree, tensors=tensors, objects=objects)
+    return FlatState(tree=tree, tensors=tensors, objects=objects, per_rank=per_rank)
 
 
-def unflatten(tree: Any, tensors: list[torch.Tensor], objects: list[Any]) -> Any:
-    """Rebuild the state from :func:`flatten`'s tree, loaded tensors and unpickled objects."""
+def _pickle(obj: Any, path: str) -> bytes:
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # pickle raises many types: PicklingError, TypeError, AttributeError
+        kind = type(obj)
+        raise UnsupportedStateError(
+            f"state[{path!r}] ({kind.__module__}.{kind.__qualname__}) cannot be saved: {e}. "
+            "Keep tensors, dicts, lists, tuples and picklable values in the state, "
+            "or convert this value before saving"
+        ) from e
+
+
+def tensor_paths(tree: Any, objects: list[Any] | None = None) -> list[str]:
+    """The key path of each tensor of a manifest's ``tree``, in tensor order (the paths :func:`flatten`
+    named them by: ``model/layer.weight``). A key that was pickled is named by its value when
+    ``objects`` (the unpickled leaves) are given, else ``<key>``."""
+    paths: list[str] = []
+
+    def key(node: Any) -> Any:
+        if "value" in node:
+            return node["value"]
+        if "object" in node and objects is not None:
+            return objects[node["object"]]
+        return "<key>"
+
+    def walk(node: Any, path: str) -> None:
+        if "tensor" in node:
+            paths.append(path)
+        elif "dict" in node:
+            for k, v in node["dict"]:
+                walk(v, _join(path, key(k)))
+        elif "list" in node or "tuple" in node:
+            for i, v in enumerate(node.get("list", node.get("tuple"))):
+                walk(v, _join(path, i))
+
+    walk(tree, "")
+    return paths
+
+
+def unflatten(tree: Any, tensors: list[torch.Tensor], objects: list[Any], per_rank: list[Any] | None = None) -> Any:
+    """Rebuild the state from :func:`flatten`'s tree, loaded tensors, unpickled objects and this rank's
+    :class:`PerRank` values (``None`` where this rank has none)."""
 
     def dec(node: Any) -> Any:
+        if "per_rank" in node:
+            return None if per_rank is None else per_rank[node["per_rank"]]
         if "tensor" in node:
             return tensors[node["tensor"]]
         if "value" in node:

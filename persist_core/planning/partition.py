@@ -6,6 +6,7 @@ Pure functions of a flattened state; every rank computes the same answer.
 from __future__ import annotations
 
 import json
+from collections.abc import Container, Mapping
 from typing import Any
 
 import crc32c
@@ -23,10 +24,22 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return begin, begin + (last + 1) * es
 
 
-def storage_groups(flat: FlatState) -> list[list[int]]:
-    """Indices of ``flat.tensors`` grouped by the storage they share, in first-seen order."""
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a C-contiguous tensor of ``shape``."""
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def storage_groups(flat: FlatState, skip: Container[int] = ()) -> list[list[int]]:
+    """Indices of ``flat.tensors`` (but those in ``skip``: sharded) grouped by the storage they share,
+    in first-seen order."""
     groups: dict[Any, list[int]] = {}
     for i, (_, t) in enumerate(flat.tensors):
+        if i in skip:
+            continue
         key = ("empty", i) if t.numel() == 0 else (t.device, t.untyped_storage().data_ptr())
         groups.setdefault(key, []).append(i)
     return list(groups.values())
@@ -57,7 +70,10 @@ def assign_owners(flat: FlatState, groups: list[list[int]], world_size: int) -> 
 
 
 
-def structure_signature(flat: FlatState, groups: list[list[int]]) -> str:
-    """A digest of the state's structure (paths, dtypes, shapes, shared storages) that ranks compare."""
-    described = [[p, dtype_name(t.dtype), list(t.shape)] for p, t in flat.tensors]
+def structure_signature(flat: FlatState, groups: list[list[int]], shardings: Mapping[int, Any] | None = None) -> str:
+    """A digest of the state's structure (paths, dtypes, shapes — global ones for sharded tensors —,
+    shared storages) that ranks compare."""
+    shardings = shardings or {}
+    described = [[p, dtype_name(t.dtype), list(shardings[i].shape) if i in shardings else list(t.shape)]
+                 for i, (p, t) in enumerate(flat.tensors)]
     return f"{crc32c.crc32c(json.dumps([described, groups]).encode()):08x}"

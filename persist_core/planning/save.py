@@ -8,7 +8,7 @@ the manifest records. The staging copy (:mod:`persist_core.staging`) executes it
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from persist_core.format.shard_file import (
     FORMAT_NAME,
     FORMAT_VERSION,
     OBJECTS_ENTRY,
+    PER_RANK_ENTRY,
     _RESERVED_PREFIXES,
     dtype_name,
     encode_header,
@@ -28,7 +29,8 @@ from persist_core.format.torch_zip import (HEADER_RECORD, Record, SplitShard, St
                                            pickle_state, record_name, storage_type, zip_tail)
 from persist_core.format.tree import FlatState, flatten
 from persist_core.layout import shard_filename
-from persist_core.planning.partition import _span, assign_owners, storage_groups, structure_signature
+from persist_core.planning.partition import _span, assign_owners, contiguous_strides, storage_groups, structure_signature
+from persist_core.planning.sharding import Sharding, localize, replica_digests
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class ShardPlan:
 
 
 def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners: list[int] | None = None,
-               rank: int = 0, torch_zip: Any = None) -> ShardPlan:
+               rank: int = 0, torch_zip: Any = None, shardings: dict[int, Sharding] | None = None) -> ShardPlan:
     """Lay out one shard file for ``flat`` (see the module docstring).
 
     With ``owners`` (one rank per storage group, see :func:`assign_owners`), only the groups
@@ -78,8 +80,11 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
     other tensors are ``None``. With ``torch_zip`` (the state ``flat`` was made from; one writer
     only) the file is also the zip archive ``torch.load`` reads, where the state allows it
     (:mod:`persist_core.format.torch_zip`; otherwise the plan says ``torch_zip=False``).
+    ``shardings``: the local parts of sharded tensors (:func:`~persist_core.planning.sharding.localize`),
+    each an entry of its own on the rank that writes it, whatever the owners; not in ``groups``.
     """
-    groups = storage_groups(flat) if groups is None else groups
+    shardings = shardings or {}
+    groups = storage_groups(flat, skip=shardings) if groups is None else groups
 
     names: set[str] = set()
 
@@ -119,6 +124,19 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
             t = flat.tensors[i][1]
             records[i] = {"entry": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "stride": list(t.stride()), "offset": b - lo}
 
+    for i, sharding in shardings.items():
+        path, t = flat.tensors[i]
+        if not sharding.writes:
+            continue
+        name = unique(path)
+        nbytes = t.numel() * t.element_size()
+        st = safetensors_dtype(t.dtype)
+        pending.append((name, st or "U8", list(t.shape) if st else [nbytes], nbytes, t, t.dtype, tuple(t.shape)))
+        records[i] = {"entry": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "stride": None, "offset": 0}
+    if flat.per_rank:
+        blob = b"".join(flat.per_rank)
+        pending.append((PER_RANK_ENTRY, "U8", [len(blob)], len(blob), blob, torch.uint8, (len(blob),)))
+
     objects: list[tuple[int, int]] = []
     if flat.objects and rank == 0:
         blob = b"".join(flat.objects)
@@ -128,7 +146,7 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
             pos += len(o)
         pending.append((OBJECTS_ENTRY, "U8", [len(blob)], len(blob), blob, torch.uint8, (len(blob),)))
 
-    if torch_zip is None or (owners is not None and rank != 0):
+    if torch_zip is None or (owners is not None and rank != 0) or shardings or flat.per_rank:
         zipped = None
     elif owners is not None:  # rank 0 of split writes: an archive whose data.pkl says where the state is
         zipped = ({}, {})
@@ -215,30 +233,25 @@ def _zip_refs(flat: FlatState, groups: list[list[int]], pending: list[tuple[Any,
         for i in idxs:
             t, rec = flat.tensors[i][1], records[i]
             assert rec is not None
-            stride = tuple(rec["stride"]) if rec["stride"] is not None else _contiguous(tuple(t.shape))
+            stride = tuple(rec["stride"]) if rec["stride"] is not None else contiguous_strides(tuple(t.shape))
             if rec["offset"] % size:
                 return None
             refs[id(t)] = (ref, rec["offset"] // size, tuple(t.shape), stride)
     return keys, refs
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(stride))
-
-
 
 @dataclass(frozen=True)
 class RankPlan:
-    """What one rank writes of a state: the flattened state, its shard plan, and the structure digest."""
+    """What one rank writes of a state: the flattened state, its shard plan, the structure digest, the
+    sharded tensors' layouts and the digests of the tensors taken to be replicated."""
 
     flat: FlatState
     shard: ShardPlan
     signature: str  # "" with one rank; ranks compare it before committing
     rank: int
+    shardings: dict[int, Sharding] = field(default_factory=dict)
+    digests: list[int | None] = field(default_factory=list)  # ranks compare them before committing
 
     @property
     def filename(self) -> str:
@@ -248,25 +261,46 @@ class RankPlan:
     def manifest(self, *, step: int, time: float, metadata: dict[str, Any] | None) -> Manifest:
         """This rank's manifest so far: records for the tensors it writes, no files yet (the commit adds them)."""
         shard = self.filename
-        records = tuple(None if r is None else {"file": shard, **r, "replicated": True} for r in self.shard.records)
-        return Manifest(step=step, time=time, world_size=1, tree=self.flat.tree, tensors=records,
+        records = [None if r is None else {"file": shard, **r, "replicated": True} for r in self.shard.records]
+        for i, sh in self.shardings.items():  # a sharded tensor: its global shape and the chunks ranks add
+            r = self.shard.records[i]
+            chunk = [] if r is None else [{"file": shard, "entry": r["entry"], "offsets": list(sh.offsets),
+                                           "sizes": list(sh.sizes)}]
+            records[i] = {"dtype": dtype_name(self.flat.tensors[i][1].dtype), "shape": list(sh.shape),
+                          "placements": sh.placements, "mesh": list(sh.mesh), "chunks": chunk}
+        per_rank = ((tuple((shard, b, n) for b, n in _spans(self.flat.per_rank)),) if self.flat.per_rank else ())
+        return Manifest(step=step, time=time, world_size=1, tree=self.flat.tree, tensors=tuple(records),
                         objects=tuple((shard, b, n) for b, n in self.shard.objects), files=(),
-                        metadata=dict(metadata or {}))
+                        metadata=dict(metadata or {}), per_rank=per_rank)
 
 
-def plan_rank(state: Any, *, rank: int, world_size: int, torch_loadable: bool = False) -> RankPlan:
-    """Flatten ``state`` and lay out ``rank``'s shard of it (about ``1/world_size`` of a replicated state).
+def plan_rank(state: Any, *, rank: int, world_size: int, torch_loadable: bool = False,
+              replica_check: str = "sampled", seed: int = 0) -> RankPlan:
+    """Flatten ``state`` and lay out ``rank``'s shard of it: about ``1/world_size`` of its replicated
+    tensors, the local parts of its ``DTensor`` leaves that this rank is the first replica of, and its
+    :class:`~persist_core.format.tree.PerRank` values.
 
     ``torch_loadable``: with one writer the shard is also the zip archive ``torch.load`` reads; with
     several, rank 0's is an archive whose loading raises an error naming how to load the checkpoint.
+    ``replica_check``/``seed``: how the tensors taken to be replicated are digested for the ranks to
+    compare (:func:`~persist_core.planning.sharding.replica_digests`).
 
     Raises:
         UnsupportedStateError: a leaf cannot be saved (its key path is named).
     """
-    flat = flatten(state)
-    groups = storage_groups(flat)
+    flat, shardings = localize(flatten(state))
+    groups = storage_groups(flat, skip=shardings)
     owners = assign_owners(flat, groups, world_size) if world_size > 1 else None
-    shard = plan_shard(flat, groups=groups, owners=owners, rank=rank,
-                       torch_zip=None if not torch_loadable else state if world_size == 1 else SplitShard(world_size))
-    return RankPlan(flat=flat, shard=shard, signature=structure_signature(flat, groups) if owners is not None else "",
-                    rank=rank)
+    zipped = None if not torch_loadable else state if world_size == 1 else SplitShard(world_size)
+    shard = plan_shard(flat, groups=groups, owners=owners, rank=rank, torch_zip=zipped, shardings=shardings)
+    digests = replica_digests(flat, shardings, mode=replica_check, seed=seed) if owners is not None else []
+    signature = structure_signature(flat, groups, shardings) if owners is not None else ""
+    return RankPlan(flat=flat, shard=shard, signature=signature, rank=rank, shardings=shardings, digests=digests)
+
+
+def _spans(blobs: list[bytes]) -> list[tuple[int, int]]:
+    spans, pos = [], 0
+    for b in blobs:
+        spans.append((pos, len(b)))
+        pos += len(b)
+    return spans

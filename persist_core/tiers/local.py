@@ -21,8 +21,9 @@ from typing import Any
 import crc32c
 import torch
 
+from persist_core import _knobs
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
-from persist_core.format.shard_file import OBJECTS_ENTRY, dtype_from_name, parse_header
+from persist_core.format.shard_file import OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, parse_header
 from persist_core.format.torch_zip import image_offset
 from persist_core.format.tree import unflatten
 from persist_core.fileio import fsync_dir
@@ -35,6 +36,7 @@ from persist_core.layout import (
 )
 from persist_core.ownership import DirLock, discard, remove_dead, take
 from persist_core.format.manifest import FileEntry, Manifest
+from persist_core.planning.load import assemble, per_rank_values
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -138,6 +140,11 @@ def _read_chunk(fd: int, path: Path, views: list[memoryview], offset: int, expec
         )
 
 
+def _read_chunks(fd: int, path: Path, blocks: list[tuple[list[memoryview], int, int | None, int]]) -> None:
+    for views, offset, expected, index in blocks:
+        _read_chunk(fd, path, views, offset, expected, index)
+
+
 def _read_shard(path: Path, fe: FileEntry, *, pool: Executor, verify: bool) -> dict[str, torch.Tensor]:
     """Read one shard file into one CPU byte tensor per entry, verifying chunk checksums."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -168,7 +175,7 @@ def _read_shard(path: Path, fe: FileEntry, *, pool: Executor, verify: bool) -> d
         n_chunks = -(-fe.size // chunk)
         if verify and len(fe.chunks) != n_chunks:
             raise CorruptCheckpointError(f"{path}: manifest lists {len(fe.chunks)} checksums for {n_chunks} chunks")
-        jobs = []
+        blocks = []
         r = 0
         for i in range(n_chunks):
             lo, hi = i * chunk, min((i + 1) * chunk, fe.size)
@@ -181,7 +188,9 @@ def _read_shard(path: Path, fe: FileEntry, *, pool: Executor, verify: bool) -> d
                     r += 1
                 else:
                     break
-            jobs.append(pool.submit(_read_chunk, fd, path, views, lo, fe.chunks[i] if verify else None, i))
+            blocks.append((views, lo, fe.chunks[i] if verify else None, i))
+        per = max(1, _knobs.chunk_bytes() // chunk)  # one job reads about one write's worth of small blocks
+        jobs = [pool.submit(_read_chunks, fd, path, blocks[b : b + per]) for b in range(0, len(blocks), per)]
         errors = [j.exception() for j in jobs]
         first = next((e for e in errors if e is not None), None)
         if first is not None:
@@ -193,8 +202,30 @@ def _read_shard(path: Path, fe: FileEntry, *, pool: Executor, verify: bool) -> d
         os.close(fd)
 
 
-def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, verify: bool, map_location: Any) -> Any:
-    """Load and rebuild the state of the checkpoint directory ``ckpt``.
+def read_blocks(path: Path, fe: FileEntry, first: int, stop: int, *, verify: bool) -> bytearray:
+    """Checksum blocks ``[first, stop)`` of the local shard file ``path`` (verified unless ``verify`` is off).
+
+    Raises:
+        CorruptCheckpointError: the file is short or a block does not match its checksum.
+    """
+    start, end = first * fe.chunk_bytes, min(stop * fe.chunk_bytes, fe.size)
+    data = bytearray(end - start)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing") from None
+    try:
+        _read_exact(fd, [memoryview(data)], start, path)
+    finally:
+        os.close(fd)
+    if verify:
+        fe.check(data, first, where=str(path))
+    return data
+
+
+def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, verify: bool, map_location: Any,
+                    rank: int = 0) -> Any:
+    """Load and rebuild the state of the checkpoint directory ``ckpt``: sharded tensors whole.
 
     Args:
         ckpt: the committed checkpoint directory.
@@ -202,6 +233,7 @@ def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, verify: b
         pool: threads for parallel chunk reads.
         verify: check every chunk's crc32c.
         map_location: ``None``/``"cpu"`` or a device (``"cuda:0"``, ``torch.device``) for the tensors.
+        rank: whose ``PerRank`` values to return.
 
     Raises:
         CorruptCheckpointError: a file or checksum does not verify (the message names the file).
@@ -214,11 +246,17 @@ def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, verify: b
             objects.append(pickle.loads(_view(entries[fname][OBJECTS_ENTRY])[begin : begin + length]))
         except Exception as e:  # a manifest that names the wrong bytes: any unpickling error, not only one kind
             raise CorruptCheckpointError(f"{ckpt}: a pickled leaf does not load ({type(e).__name__}: {e})") from e
+    per_rank = per_rank_values(manifest, rank, lambda f, b, n: _view(entries[f][PER_RANK_ENTRY])[b : b + n],
+                               where=str(ckpt))
     if device.type != "cpu":
-        entries = {f: {n: t.to(device) for n, t in es.items() if n != OBJECTS_ENTRY} for f, es in entries.items()}
+        entries = {f: {n: t.to(device) for n, t in es.items() if n not in (OBJECTS_ENTRY, PER_RANK_ENTRY)}
+                   for f, es in entries.items()}
     tensors = []
     for rec in manifest.tensors:
         try:
+            if "chunks" in rec:  # sharded: the whole tensor from every rank's part
+                tensors.append(assemble(rec, lambda c: entries[c["file"]][c["entry"]], device))
+                continue
             entry = entries[rec["file"]][rec["entry"]]
             dtype = dtype_from_name(rec["dtype"])
             shape = tuple(rec["shape"])
@@ -235,7 +273,7 @@ def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, verify: b
             raise CorruptCheckpointError(f"{ckpt}: tensor record {rec} does not match its shard: {e}") from e
         tensors.append(t)
     try:
-        return unflatten(manifest.tree, tensors, objects)
+        return unflatten(manifest.tree, tensors, objects, per_rank)
     except CorruptCheckpointError:
         raise
     except Exception as e:  # a tree that does not fit the records, however it fails

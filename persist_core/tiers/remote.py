@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, TypeVar
 
-import crc32c
 import fsspec
 
 from persist_core import _knobs
@@ -35,7 +34,7 @@ from persist_core.layout import (
     parse_checkpoint_dirname,
 )
 from persist_core.fileio import fsync_dir
-from persist_core.format.manifest import Manifest
+from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -268,18 +267,19 @@ class RemoteTier:
         prefix = self._path(checkpoint_dirname(step))
         problems: list[str] = []
 
-        def check(source: str, index: int, chunk_bytes: int, size: int, expected: int) -> None:
-            start, end = index * chunk_bytes, min((index + 1) * chunk_bytes, size)
+        def check(source: str, f: FileEntry, first: int, stop: int) -> None:
+            start, end = first * f.chunk_bytes, min(stop * f.chunk_bytes, f.size)
             data = self.retry(f"reading {source}", lambda: self._read_range(source, start, end))
-            if len(data) != end - start or crc32c.crc32c(data) != expected:
-                problems.append(f"{self.url}/{checkpoint_dirname(step)}/{source.rsplit('/', 1)[-1]}: chunk {index} "
-                                f"(bytes {start}..{end}) does not match its checksum")
+            try:
+                f.check(data, first, where=f"{self.url}/{checkpoint_dirname(step)}/{f.name}")
+            except CorruptCheckpointError as e:
+                problems.append(str(e))
             if progress is not None:
                 progress(end - start)
 
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="persist-verify") as pool:
-            futures = [pool.submit(check, f"{prefix}/{f.name}", i, f.chunk_bytes, f.size, crc)
-                       for f in manifest.files for i, crc in enumerate(f.chunks)]
+            futures = [pool.submit(check, f"{prefix}/{f.name}", f, first, stop)
+                       for f in manifest.files for first, stop in f.spans(_knobs.chunk_bytes())]
             for fut in futures:
                 fut.result()
         return sorted(problems)
@@ -301,8 +301,8 @@ class RemoteTier:
                 source = f"{prefix}/{f.name}"
                 fd = os.open(tmp / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 try:
-                    futures = [pool.submit(self._fetch_chunk, source, fd, i, f.chunk_bytes, f.size, f.chunks[i], progress)
-                               for i in range(len(f.chunks))]
+                    futures = [pool.submit(self._fetch_span, source, fd, f, first, stop, progress)
+                               for first, stop in f.spans(_knobs.chunk_bytes())]
                     wait(futures)
                     for fut in futures:
                         fut.result()
@@ -315,14 +315,25 @@ class RemoteTier:
         fsync_dir(tmp)
         return manifest
 
-    def _fetch_chunk(self, source: str, fd: int, index: int, chunk_bytes: int, size: int, expected: int,
-                     progress: Callable[[int], None] | None = None) -> None:
-        start, end = index * chunk_bytes, min((index + 1) * chunk_bytes, size)
+    def read_blocks(self, step: int, f: FileEntry, first: int, stop: int, *, verify: bool = True) -> bytearray:
+        """Checksum blocks ``[first, stop)`` of file ``f`` of checkpoint ``step``: one ranged read, verified.
+
+        Raises:
+            CorruptCheckpointError: a block does not match its checksum.
+            RemoteError: the remote could not be read.
+        """
+        source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
+        start, end = first * f.chunk_bytes, min(stop * f.chunk_bytes, f.size)
+        data = bytearray(self.retry(f"reading {source}", lambda: self._read_range(source, start, end)))
+        if verify:
+            f.check(data, first, where=f"{self.url}/{checkpoint_dirname(step)}/{f.name}")
+        return data
+
+    def _fetch_span(self, source: str, fd: int, f: FileEntry, first: int, stop: int,
+                    progress: Callable[[int], None] | None = None) -> None:
+        start, end = first * f.chunk_bytes, min(stop * f.chunk_bytes, f.size)
         data = self.retry(f"reading {source}", lambda: self._read_range(source, start, end))
-        if len(data) != end - start or crc32c.crc32c(data) != expected:
-            raise CorruptCheckpointError(
-                f"{source}: chunk {index} (bytes {start}..{end}) does not match its checksum; the remote copy is corrupt"
-            )
+        f.check(data, first, where=f"{source} (the remote copy)")
         view = memoryview(data)
         done = 0
         while done < len(view):

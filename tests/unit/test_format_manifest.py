@@ -27,14 +27,14 @@ def _place(root: Path, version: str, step: int = 12) -> Path:
     return ckpt
 
 
-@pytest.mark.parametrize("torch_loadable, prefix, shard", [(False, "v3-", "rank-00000.safetensors"),
-                                                           (True, "v3-torch-", "rank-00000.ckpt")])
+@pytest.mark.parametrize("torch_loadable, prefix, shard", [(False, "v4-", "rank-00000.safetensors"),
+                                                           (True, "v4-torch-", "rank-00000.ckpt")])
 def test_a_save_writes_the_golden_bytes_of_the_current_version(tmp_path, torch_loadable, prefix, shard):
     with CheckpointEngine(tmp_path, direct_io="off", chunk_bytes=4096 * 4, wall_clock=lambda: WALL,
                           torch_loadable=torch_loadable) as engine:
         engine.save(golden_state(), step=12, metadata={"note": "golden"}).wait()
     ckpt = tmp_path / "step-000000000012"
-    assert FORMAT_VERSION == 3
+    assert FORMAT_VERSION == 4
     assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", shard]
     assert (ckpt / "manifest.json").read_bytes() == (GOLDEN / f"{prefix}manifest.json").read_bytes()
     assert (ckpt / shard).read_bytes() == (GOLDEN / f"{prefix}{shard}").read_bytes()
@@ -44,17 +44,17 @@ def test_only_the_time_field_and_the_checksum_depend_on_the_clock(tmp_path):
     with CheckpointEngine(tmp_path, direct_io="off", chunk_bytes=4096 * 4, wall_clock=lambda: WALL + 60) as engine:
         engine.save(golden_state(), step=12, metadata={"note": "golden"}).wait()
     got = Manifest.from_bytes((tmp_path / "step-000000000012" / "manifest.json").read_bytes(), where="new")
-    want = Manifest.from_bytes((GOLDEN / "v3-manifest.json").read_bytes(), where="golden")
+    want = Manifest.from_bytes((GOLDEN / "v4-manifest.json").read_bytes(), where="golden")
     assert got.time == WALL + 60 and want.time == WALL
     assert Manifest(**{**got.__dict__, "time": WALL}).to_bytes() == want.to_bytes()
 
 
-@pytest.mark.parametrize("version", ["1", "2", "3", "3-torch"])
+@pytest.mark.parametrize("version", ["1", "2", "3", "3-torch", "4", "4-torch"])
 def test_every_versions_golden_checkpoint_loads(tmp_path, version):
     ckpt = _place(tmp_path, version)
     with CheckpointReader(tmp_path) as reader:
         assert_state_equal(reader.load(), golden_state())
-    if version == "3-torch":  # and torch.load reads it too
+    if version.endswith("-torch"):  # and torch.load reads it too
         assert_state_equal(torch.load(ckpt / "rank-00000.ckpt", weights_only=False), golden_state())
 
 
