@@ -305,7 +305,8 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None)
 @click.pass_context
 def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool, depth: int | None,
             pattern: str | None) -> None:
-    """The state's tree: names, dtypes, shapes, bytes, values of scalars, and which rank's file holds each tensor.
+    """The state's tree: names, dtypes, (global) shapes, bytes, values of scalars, which rank's file holds each
+    tensor, or how a sharded one is laid out (placements, mesh, parts).
 
     Example: `persist inspect /nvme/ckpt --depth 2` (subtrees summed), `--filter 'optim/*'`.
     """
@@ -327,8 +328,16 @@ def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool, 
             for d in rec["shape"]:
                 n *= d
             size = n * torch.empty(0, dtype=dtype_from_name(rec["dtype"])).element_size()
-            rows.append({"name": name, "dtype": rec["dtype"], "shape": rec["shape"], "file": rec["file"],
-                         "elements": n, "bytes": size, "value": None})
+            sharded = "chunks" in rec
+            where = (f"sharded {rec.get('placements', '')} on mesh {tuple(rec.get('mesh', ()))}: "
+                     f"{len(rec['chunks'])} part(s) in {len({c['file'] for c in rec['chunks']})} file(s)"
+                     if sharded else rec["file"])
+            rows.append({"name": name, "dtype": rec["dtype"], "shape": rec["shape"], "file": where,
+                         "elements": n, "bytes": size, "value": None, "sharded": sharded,
+                         "placements": rec.get("placements"), "mesh": rec.get("mesh")})
+        elif "per_rank" in node:
+            rows.append({"name": name, "dtype": "per-rank", "shape": None, "file": f"one per rank ({len(m.per_rank)})",
+                         "elements": None, "bytes": sum(r[node["per_rank"]][2] for r in m.per_rank), "value": None})
         elif "dict" in node:
             for k, v in node["dict"]:
                 walk(v, f"{path}/{k.get('value', '?')}" if path else str(k.get("value", "?")))
@@ -548,14 +557,28 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
 @click.argument("location")
 @click.option("--step", type=int, default=None, help="default: the newest")
 @click.option("--to", "target", required=True, help="the file (torch) or directory (accelerate) to write")
-@click.option("--format", "fmt", type=click.Choice(["torch", *_exporters()]), default="torch", show_default=True,
-              help="torch: one torch.save file; others come from installed adapters (accelerate: a plain "
-                   "Accelerate directory, with torch-persist[accelerate])")
+@click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", *_exporters()]), default="torch",
+              show_default=True,
+              help="torch: one torch.save file; safetensors: one .safetensors file of every tensor by key path "
+                   "(sharded ones whole), written tensor by tensor; others come from installed adapters "
+                   "(accelerate: a plain Accelerate directory, with torch-persist[accelerate])")
 @click.pass_context
 def export(ctx: click.Context, location: str, step: int | None, target: str, fmt: str) -> None:
-    """Write a checkpoint as one torch.save file (Lightning loads it) or a plain Accelerate directory."""
+    """Write a checkpoint as one torch.save file (Lightning loads it), one safetensors file, or a plain
+    Accelerate directory. Sharded checkpoints come out whole (consolidated)."""
     loc = _open(ctx, location)
     s = loc.step_or_latest(step)
+    if fmt == "safetensors":
+        if os.path.exists(target):
+            raise click.UsageError(f"{target} exists; choose a new file")
+        t0 = time.perf_counter()
+        from persist_core.consolidate import export_safetensors
+
+        n, nbytes, skipped = export_safetensors(loc.tier, s, Path(target))
+        click.echo(f"step {s} -> {target}: {n} tensors, {_size(nbytes)}{_took(time.perf_counter() - t0, nbytes)}"
+                   + (f"; not tensors, so not in it: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}"
+                      if skipped else ""))
+        return
     if fmt != "torch":
         exporter = _exporters()[fmt].load()  # an adapter's, found by entry point
         out = exporter(location, target, step=s, storage_options=ctx.obj)

@@ -1,0 +1,86 @@
+"""Whole tensors out of a checkpoint, sharded or not, without holding the state: ``persist export --format
+safetensors``. Each tensor is assembled from the chunks the ranks wrote (every block verified) and
+written before the next is read, so memory stays about the largest tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from persist_core import _knobs
+from persist_core.errors import ConfigError
+from persist_core.format.shard_file import dtype_from_name, encode_header, safetensors_dtype
+from persist_core.format.tree import tensor_paths
+from persist_core.layout import checkpoint_dirname
+from persist_core.planning.load import iter_tensors
+from persist_core.tiers import LocalTier, Tier
+from persist_core.tiers.local import read_blocks
+
+
+def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, list[str]]:
+    """Write checkpoint ``step`` of ``tier`` as one safetensors file, streaming tensor by tensor (each read
+    verified; memory about the largest tensor). JSON scalars go in its metadata; pickled leaves are left
+    out. Returns ``(tensors, bytes, names left out)``.
+
+    Raises:
+        ConfigError: a tensor of a dtype safetensors cannot name (export it with ``--format torch``).
+        CorruptCheckpointError: a block does not verify (nothing is left at ``target``).
+    """
+    m = tier.read_manifest(step)
+    paths = tensor_paths(m.tree)
+    entries: dict[str, Any] = {}
+    pos = 0
+    for path, rec in zip(paths, m.tensors):
+        dtype = dtype_from_name(rec["dtype"])
+        name = safetensors_dtype(dtype)
+        if name is None:
+            raise ConfigError(f"state[{path!r}] is {rec['dtype']}, which safetensors has no name for; export it with "
+                              "--format torch")
+        n = 1
+        for d in rec["shape"]:
+            n *= d
+        size = n * torch.empty(0, dtype=dtype).element_size()
+        entries[path] = {"dtype": name, "shape": rec["shape"], "data_offsets": [pos, pos + size]}
+        pos += size
+    values, skipped = {}, []
+
+    def scalars(node: dict[str, Any], path: str) -> None:
+        if "value" in node:
+            values[path or "<root>"] = json.dumps(node["value"])
+        elif "object" in node or "per_rank" in node:
+            skipped.append(path or "<root>")
+        for k, v in node.get("dict", ()):
+            scalars(v, f"{path}/{k.get('value', '?')}" if path else str(k.get("value", "?")))
+        for i, v in enumerate(node.get("list", node.get("tuple", ()))):
+            scalars(v, f"{path}/{i}" if path else str(i))
+
+    scalars(m.tree, "")
+    header = encode_header({"__metadata__": {"format": "pt", "torch-persist-step": str(step), **values}, **entries})
+    if isinstance(tier, LocalTier):
+        ckpt = tier.root / checkpoint_dirname(step)
+
+        def read(f: Any, a: int, b: int) -> bytes:
+            return read_blocks(ckpt / f.name, f, a, b, verify=True)
+    else:
+        def read(f: Any, a: int, b: int) -> bytes:
+            return tier.read_blocks(step, f, a, b)
+    partial = target.with_name(f".{target.name}.partial")
+    try:
+        with ThreadPoolExecutor(_knobs.write_threads()) as pool, open(partial, "wb") as out:
+            out.write(header)
+            for _, t in iter_tensors(m, read_blocks=read, pool=pool, where=f"{tier}"):
+                if t.numel():
+                    out.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            out.flush()
+            os.fsync(out.fileno())
+        os.rename(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return len(entries), pos, skipped
