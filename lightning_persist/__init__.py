@@ -2,17 +2,19 @@
 
 ``Trainer(plugins=[PersistCheckpointIO(local_dir=..., remote_url=...)])``; see
 :class:`PersistCheckpointIO`. With several processes, ``strategy=PersistDDPStrategy()`` makes
-every rank write its part.
+every rank write its part; ``strategy=PersistModelParallelStrategy(...)`` saves FSDP2 / tensor-parallel
+state sharded through the plugin and resumes it on any number of devices.
 """
 
 from lightning_persist.autosave import PersistAutoSave
 from lightning_persist._strategies import StrategyBypassWarning
 from lightning_persist.checkpoint_io import PersistCheckpointIO
 from lightning_persist.loading import load_from_checkpoint
+from lightning_persist.model_parallel import PersistModelParallelStrategy
 from lightning_persist.strategy import PersistDDPStrategy
 
-__all__ = ["PersistAutoSave", "PersistCheckpointIO", "PersistDDPStrategy", "StrategyBypassWarning",
-           "load_from_checkpoint"]
+__all__ = ["PersistAutoSave", "PersistCheckpointIO", "PersistDDPStrategy", "PersistModelParallelStrategy",
+           "StrategyBypassWarning", "load_from_checkpoint"]
 
 
 def _register_with_pytorch_lightning() -> None:

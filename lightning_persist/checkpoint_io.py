@@ -204,8 +204,11 @@ class PersistCheckpointIO(CheckpointIO):
         handle.add_local_callback(lambda committed: self._links.on_committed(target, step, committed, kind))
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+                        weights_only: bool | None = None, *, into: Any = None) -> dict[str, Any]:
         """Load the checkpoint ``path`` names, on the CPU unless ``map_location`` says otherwise.
+
+        ``into``: sharded targets to fill in place (``PersistModelParallelStrategy`` passes the model's
+        and optimizers' state dicts on the new mesh); each rank reads only what its parts need.
 
         ``path`` may be a path this plugin saved (a link), a ``local_dir/step-N`` directory, a
         ``remote_url/step-N`` URL (downloaded into ``local_dir`` and verified), or a plain
@@ -227,7 +230,7 @@ class PersistCheckpointIO(CheckpointIO):
                 handle.wait_local()
                 kind, step = key
                 reader = self._get_reader() if kind == FULL else self._get_engine(kind).reader
-                return reader.load(step, map_location=_device(map_location))
+                return reader.load(step, map_location=_device(map_location), into=into, rank=self._rank)
             if os.path.isfile(text) and _checkpoint_dir(text) is None:  # a plain torch.save file
                 return torch_load(text, map_location=map_location or "cpu", weights_only=weights_only)
             self._links.adopt(os.path.dirname(text))
@@ -237,8 +240,12 @@ class PersistCheckpointIO(CheckpointIO):
         real = checkpoint_of(Path(os.path.realpath(text))) if not _is_url(text) else None
         if real is not None and real.parent != Path(os.path.realpath(reader.local_dir)):
             with CheckpointReader(real.parent, verify=self._session.options.verify) as other:  # another run's local_dir
-                return other.load(other.step_of(real), map_location=_device(map_location))
-        return reader.load(reader.step_of(text), map_location=_device(map_location))
+                return other.load(other.step_of(real), map_location=_device(map_location), into=into, rank=self._rank)
+        return reader.load(reader.step_of(text), map_location=_device(map_location), into=into, rank=self._rank)
+
+    @property
+    def _rank(self) -> int:
+        return self._session.collectives.rank
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove the path; its directory goes when no path links to it and retention lets it.
