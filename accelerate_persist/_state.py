@@ -20,11 +20,59 @@ from persist_core import ConfigError
 log = logging.getLogger(__name__)
 
 
+def is_sharded(acc: Any) -> bool:
+    """Whether ``acc`` trains FSDP2 (``fsdp_version=2``) models: their state is saved sharded (DTensors)."""
+    return bool(getattr(acc, "is_fsdp2", False))
+
+
+def sharded_states(models: list[torch.nn.Module], optimizers: list[Any], *,
+                   targets: bool = False) -> tuple[list[Any], list[Any]]:
+    """The sharded (DTensor) state dicts of FSDP2 ``models`` and their ``optimizers``, on the device
+    (no CPU offload: the engine's staging copy is the only copy). With ``targets``, the optimizers'
+    states are created first (Adam's moments exist only after a step), to be loaded into in place."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, _init_optim_state, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(cpu_offload=False)
+    owners = [_owner(models, getattr(o, "optimizer", o)) for o in optimizers]
+    if targets:
+        for o in optimizers:
+            _init_optim_state(getattr(o, "optimizer", o))
+    return ([get_model_state_dict(m, options=options) for m in models],
+            [get_optimizer_state_dict(m, getattr(o, "optimizer", o), options=options) for m, o in zip(owners, optimizers)])
+
+
+def set_sharded_states(models: list[torch.nn.Module], optimizers: list[Any], model_states: list[Any],
+                       optim_states: list[Any]) -> None:
+    """Put sharded state dicts (filled in place by a load into :func:`sharded_states` targets) back."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    for model, state in zip(models, model_states):
+        set_model_state_dict(model, state)
+    for optimizer, state in zip(optimizers, optim_states):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        set_optimizer_state_dict(_owner(models, inner), inner, optim_state_dict=state)
+
+
+def _owner(models: list[torch.nn.Module], optimizer: Any) -> torch.nn.Module:
+    """The model whose parameters ``optimizer`` steps."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in models:
+        if any(id(p) in params for p in model.parameters()):
+            return model
+    raise ConfigError("an optimizer steps parameters of none of the prepared models; prepare the model it belongs to")
+
+
 def capture(acc: Any, *, optimizer_steps: int) -> dict[str, Any]:
     """The Accelerator's whole state (a collective call with several processes)."""
+    if is_sharded(acc):
+        models, optimizers = sharded_states(acc._models, acc._optimizers)
+    else:
+        models = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
+        optimizers = [o.state_dict() for o in acc._optimizers]
     return {
-        "models": [acc.get_state_dict(m, unwrap=False) for m in acc._models],
-        "optimizers": [o.state_dict() for o in acc._optimizers],
+        "models": models,
+        "optimizers": optimizers,
         "schedulers": [s.state_dict() for s in acc._schedulers],
         "dataloaders": [_dataloader_state(dl) for dl in acc._dataloaders],
         "scaler": None if acc.scaler is None else acc.scaler.state_dict(),
@@ -49,10 +97,13 @@ def apply(acc: Any, state: dict[str, Any]) -> int:
                 f"the checkpoint holds {len(state[key])} {key} but this Accelerator has {n}; restore into the same "
                 "set of prepared objects (and register_for_checkpointing calls) that saved it"
             )
-    for model, weights in zip(acc._models, state["models"]):
-        model.load_state_dict(_match_wrapping(weights, model))
-    for optimizer, optim_state in zip(acc._optimizers, state["optimizers"]):
-        optimizer.load_state_dict(optim_state)
+    if is_sharded(acc):  # loaded into the targets in place (load_targets); put them back
+        set_sharded_states(acc._models, acc._optimizers, state["models"], state["optimizers"])
+    else:
+        for model, weights in zip(acc._models, state["models"]):
+            model.load_state_dict(_match_wrapping(weights, model))
+        for optimizer, optim_state in zip(acc._optimizers, state["optimizers"]):
+            optimizer.load_state_dict(optim_state)
     for scheduler, sched_state in zip(acc._schedulers, state["schedulers"]):
         scheduler.load_state_dict(sched_state)
     for dataloader, dl_state in zip(acc._dataloaders, state["dataloaders"]):
@@ -70,6 +121,15 @@ def apply(acc: Any, state: dict[str, Any]) -> int:
     acc.step = mine["step"]
     acc.project_configuration.iteration = state["iteration"] + 1
     return state["optimizer_steps"]
+
+
+def load_targets(acc: Any) -> dict[str, Any] | None:
+    """What a load fills in place (``engine.load(into=...)``): the FSDP2 models' and optimizers' sharded
+    state dicts on this process's mesh, so each process reads only its parts; ``None`` otherwise."""
+    if not is_sharded(acc):
+        return None
+    models, optimizers = sharded_states(acc._models, acc._optimizers, targets=True)
+    return {"models": models, "optimizers": optimizers}
 
 
 def _rng_state() -> dict[str, Any]:

@@ -72,8 +72,9 @@ class PersistHook:
     interpreter exit, and SIGTERM (a handler waits up to ``preemption_grace_s`` for the pending
     checkpoint and its upload, then chains to the previous handler).
 
-    Limits: DDP/multi-CPU/single device. FSDP, DeepSpeed, Megatron-LM and XLA save through their
-    own machinery and are refused at ``register``. ``local_dir`` must be one directory all
+    Limits: DDP/multi-CPU/single device, and FSDP2 (``fsdp_version=2``: sharded, each process writes
+    and reads its own parts; it needs GPUs, so ``benchmarks/gpu_check.sh`` checks it). FSDP1,
+    DeepSpeed, Megatron-LM and XLA save through their own machinery and are refused at ``register``. ``local_dir`` must be one directory all
     processes of a node share; with several nodes, use a shared file system.
 
     Args:
@@ -144,10 +145,11 @@ class PersistHook:
                 f"without GPUs does this), and each would write {self._options.local_dir} as if alone. Launch with "
                 "`accelerate launch --cpu` (or Accelerator(cpu=True)) for one process group, or unset WORLD_SIZE"
             )
-        if kind not in _SUPPORTED:
+        if kind not in _SUPPORTED and not (kind == "FSDP" and _state.is_sharded(accelerator)):
             raise ConfigError(
                 f"PersistHook does not support distributed_type={kind}: it saves through its own machinery; "
-                f"use DDP, multi-CPU or one device ({', '.join(_SUPPORTED)})"
+                f"use DDP, multi-CPU, one device ({', '.join(_SUPPORTED)}) or FSDP2 (FullyShardedDataParallelPlugin("
+                "fsdp_version=2): its state is saved sharded)"
             )
         options = self._options
         config = accelerator.project_configuration
@@ -288,7 +290,8 @@ class PersistHook:
             log.info("loaded %s with Accelerate's own loader (not a torch-persist checkpoint); %d optimizer steps",
                      plain, self._optimizer_steps)
             return
-        state = engine.load(None if input_dir is None else engine.reader.step_of(input_dir))
+        state = engine.load(None if input_dir is None else engine.reader.step_of(input_dir),
+                            into=_state.load_targets(acc))  # FSDP2: each process reads its own parts
         self._optimizer_steps = _state.apply(acc, state)
         session.restored(self._optimizer_steps)  # saving again at this step is a no-op
 

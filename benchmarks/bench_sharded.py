@@ -1,0 +1,251 @@
+"""Sharded save and resharded load, side by side with torch.distributed.checkpoint (DCP), on gloo CPU ranks.
+
+The same FSDP2 (``fully_shard``) model + Adam state (default ~1 GB in all) on 2 ranks:
+
+* save: our stall (``save()`` returning) and save->durable (``wait()``), against ``dcp.save`` and
+  ``dcp.async_save`` (its stall: the call returning; durable: its future), each rank's stall over the
+  **copy floor** (a plain ``copy_`` of the rank's own local shards into preallocated memory) and
+  save->durable over the **disk** (both ranks ``pwrite`` + ``fsync`` of their bytes at once);
+* load with resharding 2->1 and 2->3 into fresh FSDP2 targets: ours (``engine.load(into=...)``)
+  against ``dcp.load``, and the bytes each rank read over the bytes its targets needed.
+
+Every figure is a median of ``--repeat`` runs after a warm-up, measured in this one run. Usage::
+
+    .venv/bin/python benchmarks/bench_sharded.py [--gb 1.0] [--repeat 3] [--dir bench-out/sharded]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MB = 1 << 20
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model(gb: float, seed: int) -> torch.nn.Module:
+    """Linear layers of ~``gb / 3`` GB of fp32 parameters (Adam adds two moments: ~``gb`` in all)."""
+    torch.manual_seed(seed)
+    width = 2048
+    params = int(gb * 1e9 / 3 / 4)
+    layers = max(1, params // (width * width + width))
+    return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+
+
+def _setup(rank: int, world: int, port: int, gb: float, seed: int):
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model = make_model(gb, seed)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    _init_optim_state(opt)
+    return model, opt
+
+
+def _local_tensors(tree) -> list[torch.Tensor]:
+    out = []
+    if isinstance(tree, dict):
+        for v in tree.values():
+            out += _local_tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            out += _local_tensors(v)
+    elif isinstance(tree, torch.Tensor):
+        out.append(tree.to_local() if hasattr(tree, "to_local") else tree)
+    return out
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in path.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def _timed(fn, repeat: int) -> list[float]:
+    """Median of each returned figure over ``repeat`` runs after a warm-up; every rank in step."""
+    runs = []
+    for i in range(repeat + 1):
+        dist.barrier()
+        figures = fn(i)
+        if i:
+            runs.append(figures)
+    return [statistics.median(col) for col in zip(*runs)]
+
+
+def save_rank(rank: int, world: int, port: int, gb: float, repeat: int, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from persist_core import CheckpointEngine, TorchCollectives
+
+    model, opt = _setup(rank, world, port, gb, seed=1)
+    coll = TorchCollectives.new_group()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    local = _local_tensors(state)
+    mine = sum(t.numel() * t.element_size() for t in local)
+    work = Path(out)
+
+    def floor(i: int) -> list[float]:
+        dst = [torch.empty_like(t) for t in local] if i == 0 else floor.dst
+        floor.dst = dst
+        t0 = time.perf_counter()
+        for d, s in zip(dst, local):
+            d.copy_(s)
+        return [time.perf_counter() - t0]
+
+    def disk(i: int) -> list[float]:
+        size = mine - mine % 4096 + 4096
+        buf = torch.empty(size, dtype=torch.uint8).numpy()
+        path = work / f"disk-{rank}.bin"
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda o: os.pwrite(fd, memoryview(buf)[o: o + 32 * MB], o), range(0, size, 32 * MB)))
+        os.fsync(fd)
+        os.close(fd)
+        took = time.perf_counter() - t0
+        path.unlink()
+        return [took]
+
+    engine = CheckpointEngine(work / "persist", collectives=coll)
+
+    def ours(i: int) -> list[float]:
+        t0 = time.perf_counter()
+        handle = engine.save(state, step=i + 1)
+        stall = time.perf_counter() - t0
+        handle.wait()
+        return [stall, time.perf_counter() - t0]
+
+    def dcp_sync(i: int) -> list[float]:
+        d = work / f"dcp-{i}"
+        t0 = time.perf_counter()
+        dcp.save(state, checkpoint_id=str(d))
+        return [time.perf_counter() - t0]
+
+    def dcp_async(i: int) -> list[float]:
+        d = work / f"dcp-async-{i}"
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=str(d))
+        stall = time.perf_counter() - t0
+        fut.result()
+        return [stall, time.perf_counter() - t0]
+
+    figures = {"bytes": mine, "floor": _timed(floor, repeat)[0], "disk": _timed(disk, repeat)[0]}
+    figures["ours_stall"], figures["ours_durable"] = _timed(ours, repeat)
+    engine.close()
+    figures["dcp_save"] = _timed(dcp_sync, repeat)[0]
+    figures["dcp_async_stall"], figures["dcp_async_durable"] = _timed(dcp_async, repeat)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, figures)
+    if rank == 0:
+        torch.save(gathered, work / "save-figures.pt")
+    dist.destroy_process_group()
+
+
+def load_rank(rank: int, world: int, port: int, gb: float, repeat: int, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from persist_core import CheckpointEngine, TorchCollectives
+
+    model, opt = _setup(rank, world, port, gb, seed=2)
+    coll = TorchCollectives.new_group()
+    msd, osd = get_state_dict(model, opt)
+    into = {"model": msd, "optim": osd}
+    work = Path(out)
+    saved_step = repeat + 1
+    stats: list = []
+
+    def ours(i: int) -> list[float]:
+        with CheckpointEngine(work / "persist", collectives=coll) as engine:
+            t0 = time.perf_counter()
+            engine.load(saved_step, into=into)
+            took = time.perf_counter() - t0
+            s = engine._reader.last_load
+            stats.append((s.needed_bytes, s.read_bytes))
+        return [took]
+
+    def theirs(i: int) -> list[float]:
+        t0 = time.perf_counter()
+        dcp.load(into, checkpoint_id=str(work / f"dcp-{repeat}"))
+        return [time.perf_counter() - t0]
+
+    figures = {"ours": _timed(ours, repeat)[0], "dcp": _timed(theirs, repeat)[0],
+               "needed": stats[-1][0], "read": stats[-1][1]}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, figures)
+    if rank == 0:
+        torch.save(gathered, work / f"load-{world}-figures.pt")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gb", type=float, default=1.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", default="bench-out/sharded")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    work = Path(args.dir).absolute()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        mp.spawn(save_rank, args=(2, _port(), args.gb, args.repeat, str(work)), nprocs=2, join=True)
+        save = torch.load(work / "save-figures.pt", weights_only=False)
+        loads = {}
+        for world in (1, 3):
+            mp.spawn(load_rank, args=(world, _port(), args.gb, args.repeat, str(work)), nprocs=world, join=True)
+            loads[world] = torch.load(work / f"load-{world}-figures.pt", weights_only=False)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    total = sum(f["bytes"] for f in save)
+    print(f"FSDP2 state of {total / 1e9:.2f} GB (model + Adam) on 2 gloo ranks; medians of {args.repeat} runs")
+    print(f"{'rank':>4} {'own bytes':>10} {'copy floor':>10} {'disk':>8} | {'our stall':>10} {'x floor':>8} "
+          f"{'DCP async stall':>16} {'ours / DCP':>10} | {'our durable':>11} {'disk / ours':>11} {'dcp.save':>9} "
+          f"{'DCP async':>10}")
+    for r, f in enumerate(save):
+        print(f"{r:>4} {f['bytes'] / 1e9:>9.2f}G {f['floor']:>9.3f}s {f['disk']:>7.2f}s | {f['ours_stall']:>9.3f}s "
+              f"{f['ours_stall'] / f['floor']:>7.2f}x {f['dcp_async_stall']:>15.3f}s "
+              f"{f['ours_stall'] / f['dcp_async_stall']:>9.2f}x | {f['ours_durable']:>10.3f}s "
+              f"{f['disk'] / f['ours_durable']:>10.2f}x {f['dcp_save']:>8.3f}s {f['dcp_async_durable']:>9.3f}s")
+    print("resharded load into fresh FSDP2 targets (files in the page cache for both)")
+    print(f"{'2 ->':>5} {'rank':>4} {'ours':>8} {'dcp.load':>9} {'DCP / ours':>10} {'needed':>9} {'read':>9} "
+          f"{'read / needed':>13}")
+    for world, figs in loads.items():
+        for r, f in enumerate(figs):
+            print(f"{world:>5} {r:>4} {f['ours']:>7.3f}s {f['dcp']:>8.3f}s {f['dcp'] / f['ours']:>9.2f}x "
+                  f"{f['needed'] / 1e6:>8.1f}M {f['read'] / 1e6:>8.1f}M {f['read'] / max(1, f['needed']):>12.3f}x")
+
+
+if __name__ == "__main__":
+    main()
