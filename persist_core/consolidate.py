@@ -65,11 +65,11 @@ def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, l
     if isinstance(tier, LocalTier):
         ckpt = tier.root / checkpoint_dirname(step)
 
-        def read(f: Any, a: int, b: int) -> bytes:
-            return read_blocks(ckpt / f.name, f, a, b, verify=True)
+        def read(f: Any, first: int, views: list[memoryview]) -> None:
+            read_blocks(ckpt / f.name, f, first, views, verify=True)
     else:
-        def read(f: Any, a: int, b: int) -> bytes:
-            return tier.read_blocks(step, f, a, b)
+        def read(f: Any, first: int, views: list[memoryview]) -> None:
+            tier.read_blocks(step, f, first, views)
     partial = target.with_name(f".{target.name}.partial")
     try:
         with ThreadPoolExecutor(_knobs.write_threads()) as pool, open(partial, "wb") as out:

@@ -78,11 +78,11 @@ class WrittenFile:
 OnChunk = Callable[[int, int], None]
 
 
-CHECKSUM_BLOCK_BYTES = 1 << 20  # the checksum granularity: a resharding read verifies whole blocks, so keep them small
+CHECKSUM_BLOCK_BYTES = 256 << 10  # the checksum granularity: a resharding read verifies whole blocks, so keep them small
 
 
 def checksum_block(chunk_bytes: int) -> int:
-    """Bytes per checksum for writes of ``chunk_bytes``: 1 MiB, or less where it must divide ``chunk_bytes``."""
+    """Bytes per checksum for writes of ``chunk_bytes``: 256 KiB, or less where it must divide ``chunk_bytes``."""
     return math.gcd(chunk_bytes, CHECKSUM_BLOCK_BYTES)
 
 

@@ -246,7 +246,7 @@ class CheckpointReader:
                 manifest = read_manifest(ckpt)
                 return load_into(manifest, into, pool=self._pool, rank=rank, map_location=map_location,
                                  where=str(ckpt), stats=self.last_load,
-                                 read_blocks=lambda f, a, b: read_blocks(ckpt / f.name, f, a, b, verify=verify)), False
+                                 read_blocks=lambda f, a, v: read_blocks(ckpt / f.name, f, a, v, verify=verify)), False
             except CorruptCheckpointError as e:
                 if not in_remote:
                     raise
@@ -257,7 +257,7 @@ class CheckpointReader:
         manifest = tier.read_manifest(step)
         return load_into(manifest, into, pool=self._pool, rank=rank, map_location=map_location,
                          where=f"{tier.url}/{checkpoint_dirname(step)}", stats=self.last_load,
-                         read_blocks=lambda f, a, b: tier.read_blocks(step, f, a, b, verify=verify)), True
+                         read_blocks=lambda f, a, v: tier.read_blocks(step, f, a, v, verify=verify)), True
 
     def _load_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any,
                    rank: int) -> Any:

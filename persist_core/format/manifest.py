@@ -51,26 +51,37 @@ class FileEntry:
         n = len(self.chunks)
         return [(i, min(i + per, n)) for i in range(0, n, per)]
 
-    def check(self, data: bytes | memoryview, first: int, *, where: str) -> None:
-        """Check ``data``, the bytes of blocks ``first, first + 1, ...``, against their checksums.
+    def check(self, data: bytes | bytearray | memoryview, first: int, *, where: str) -> None:
+        """Check ``data``, the bytes of blocks ``first, first + 1, ...``, against their checksums."""
+        self.check_views([memoryview(data)], first, where=where)
+
+    def check_views(self, views: list[memoryview], first: int, *, where: str) -> None:
+        """Check the bytes of ``views`` (in order: blocks ``first, first + 1, ...``, whole blocks) against
+        their checksums.
 
         Raises:
-            CorruptCheckpointError: a block does not match (or ``data`` ends early).
+            CorruptCheckpointError: a block does not match, or the views do not end with a block.
         """
-        view = memoryview(data)
-        start = first * self.chunk_bytes
-        stop = -(-(start + len(view)) // self.chunk_bytes)
-        if stop > len(self.chunks) or (stop == len(self.chunks) and start + len(view) != self.size) \
-                or (stop < len(self.chunks) and len(view) % self.chunk_bytes):
-            raise CorruptCheckpointError(f"{where}: {len(view)} bytes from byte {start} do not make whole checksum "
-                                         f"blocks of a {self.size}-byte file; it is short or corrupt")
-        for i in range(first, stop):
-            lo = (i - first) * self.chunk_bytes
-            if crc32c.crc32c(view[lo : lo + self.chunk_bytes]) != self.chunks[i]:
-                raise CorruptCheckpointError(
-                    f"{where}: chunk {i} (bytes {i * self.chunk_bytes}..{min((i + 1) * self.chunk_bytes, self.size)}) "
-                    "does not match its checksum; the copy is corrupt: load another step, or restore this one from "
-                    "the other tier")
+        size, cb = self.size, self.chunk_bytes
+        i, crc = first, 0
+        left = min(cb, size - i * cb) if i < len(self.chunks) else 0
+        for view in views:
+            view = memoryview(view).cast("B") if view.format != "B" else view
+            while len(view):
+                if left <= 0:
+                    raise CorruptCheckpointError(f"{where}: bytes past the end of its {size}-byte file")
+                n = min(len(view), left)
+                crc = crc32c.crc32c(view[:n], crc)
+                view, left = view[n:], left - n
+                if left == 0:
+                    if crc != self.chunks[i]:
+                        raise CorruptCheckpointError(
+                            f"{where}: chunk {i} (bytes {i * cb}..{min((i + 1) * cb, size)}) does not match its "
+                            "checksum; the copy is corrupt: load another step, or restore this one from the other tier")
+                    i, crc = i + 1, 0
+                    left = min(cb, size - i * cb) if i < len(self.chunks) else 0
+        if left != min(cb, size - i * cb) and i < len(self.chunks):
+            raise CorruptCheckpointError(f"{where}: the bytes read end inside chunk {i}; the file is short or corrupt")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ Who calls what: :class:`~persist_core.reader.CheckpointReader` calls :func:`load
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import pickle
@@ -34,8 +35,9 @@ from persist_core.planning.partition import contiguous_strides
 
 log = logging.getLogger(__name__)
 
-#: ``read_blocks(file, first, stop)``: the bytes of checksum blocks ``[first, stop)`` of ``file``, verified
-ReadBlocks = Callable[[FileEntry, int, int], bytes]
+#: ``read_blocks(file, first, views)``: fill ``views`` — in file order, whole checksum blocks of ``file`` from
+#: block ``first`` on — with its bytes, and verify them
+ReadBlocks = Callable[[FileEntry, int, list[memoryview]], None]
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor
 
 _HEADER_GUESS = 1 << 16
@@ -129,9 +131,13 @@ def per_rank_values(manifest: Manifest, rank: int, value_bytes: Callable[[str, i
 
 @dataclass
 class _Request:
+    """Bytes ``[start, end)`` of one file: read straight into ``into`` (a target's own memory), or into a
+    buffer then handed to ``done``."""
+
     start: int
     end: int
-    done: Callable[[memoryview], None]
+    done: Callable[[memoryview], None] | None = None
+    into: memoryview | None = None
 
 
 class _Plan:
@@ -176,16 +182,19 @@ class _Plan:
 
     def _read_range(self, fe: FileEntry, start: int, end: int) -> bytes:
         first, stop = fe.blocks(start, end)
-        data = self._read(fe, first, stop)
-        self._stats.add(0, len(data), 1)
         base = first * fe.chunk_bytes
+        data = bytearray(min(stop * fe.chunk_bytes, fe.size) - base)
+        self._read(fe, first, [memoryview(data)])
+        self._stats.add(0, len(data), 1)
         return bytes(memoryview(data)[start - base : end - base])
 
-    def request(self, fname: str, start: int, end: int, done: Callable[[memoryview], None]) -> None:
+    def request(self, fname: str, start: int, end: int, done: Callable[[memoryview], None] | None = None, *,
+                into: memoryview | None = None) -> None:
+        """Bytes ``[start, end)`` of ``fname``: read into ``into`` (exactly that many bytes), or handed to ``done``."""
         fe = self._file(fname)
         if not 0 <= start <= end <= fe.size:
             raise CorruptCheckpointError(f"{fname}: bytes {start}..{end} are outside its {fe.size} bytes")
-        self._requests.setdefault(fname, []).append(_Request(start, end, done))
+        self._requests.setdefault(fname, []).append(_Request(start, end, done, into))
 
     def run(self) -> None:
         """Read every request's bytes (runs of blocks in parallel) and hand them to its ``done``."""
@@ -198,9 +207,14 @@ class _Plan:
             first = stop = -1
             for r in requests:
                 if r.end == r.start:
-                    r.done(memoryview(b""))
+                    if r.done is not None:
+                        r.done(memoryview(b""))
                     continue
                 a, b = fe.blocks(r.start, r.end)
+                if run and r.start < run[-1].end:  # overlapping requests: never expected; read them apart
+                    jobs.append(self._pool.submit(self._serve, fe, first, stop, run))
+                    run, first, stop = [r], a, b
+                    continue
                 if run and a <= stop and (stop - first) * fe.chunk_bytes < span_cap:
                     stop = max(stop, b)
                     run.append(r)
@@ -216,11 +230,37 @@ class _Plan:
             raise first_error
 
     def _serve(self, fe: FileEntry, first: int, stop: int, run: list[_Request]) -> None:
-        data = memoryview(self._read(fe, first, stop))
-        base = first * fe.chunk_bytes
-        self._stats.add(sum(r.end - r.start for r in run), len(data), 1)
+        """One read of blocks ``[first, stop)``: each request's bytes land in its target (or a buffer for its
+        ``done``), the bytes between them and at the ends in scratch, and every block is verified."""
+        pos, end = first * fe.chunk_bytes, min(stop * fe.chunk_bytes, fe.size)
+        views: list[memoryview] = []
+        buffered: list[tuple[_Request, memoryview]] = []
         for r in run:
-            r.done(data[r.start - base : r.end - base])
+            if r.start > pos:
+                views.append(memoryview(bytearray(r.start - pos)))
+            view = r.into if r.into is not None else memoryview(bytearray(r.end - r.start))
+            if r.into is None:
+                buffered.append((r, view))
+            views.append(view)
+            pos = r.end
+        if end > pos:
+            views.append(memoryview(bytearray(end - pos)))
+        self._read(fe, first, views)
+        self._stats.add(sum(r.end - r.start for r in run), end - first * fe.chunk_bytes, 1)
+        for r, view in buffered:
+            assert r.done is not None
+            r.done(view)
+
+
+def _direct(dst: torch.Tensor, dtype: torch.dtype, span_is_box: bool) -> bool:
+    """Whether the saved bytes can be read straight into ``dst``: same dtype, host memory, both sides one
+    contiguous run of the same elements in the same order."""
+    return span_is_box and dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous() and dst.numel() > 0
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable view of the bytes of the contiguous CPU tensor ``t`` (valid while ``t`` lives)."""
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
 
 
 def iter_tensors(manifest: Manifest, *, read_blocks: ReadBlocks, pool: Executor, where: str,
@@ -381,6 +421,10 @@ def _plan_tensor(plan: _Plan, path: str, rec: dict[str, Any], target: torch.Tens
         first = sum(r * s for r, s in zip(rel, c_strides))
         last = sum((r + n - 1) * s for r, n, s in zip(rel, meet[1], c_strides))
         dst = dest[_slices(meet, box[0])]
+        start, stop = begin + first * es, begin + (last + 1) * es
+        if _direct(dst, dtype, last - first + 1 == math.prod(meet[1])):  # the bytes are the target's, in order
+            plan.request(c["file"], start, stop, into=_bytes_of(dst))
+            continue
 
         def done(mv: memoryview, dst: torch.Tensor = dst, sizes: tuple[int, ...] = meet[1],
                  strides: tuple[int, ...] = c_strides) -> None:
@@ -389,5 +433,5 @@ def _plan_tensor(plan: _Plan, path: str, rec: dict[str, Any], target: torch.Tens
             with torch.no_grad():
                 dst.copy_(src)
 
-        plan.request(c["file"], begin + first * es, begin + (last + 1) * es, done)
+        plan.request(c["file"], start, stop, done)
     return result

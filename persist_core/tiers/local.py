@@ -202,25 +202,23 @@ def _read_shard(path: Path, fe: FileEntry, *, pool: Executor, verify: bool) -> d
         os.close(fd)
 
 
-def read_blocks(path: Path, fe: FileEntry, first: int, stop: int, *, verify: bool) -> bytearray:
-    """Checksum blocks ``[first, stop)`` of the local shard file ``path`` (verified unless ``verify`` is off).
+def read_blocks(path: Path, fe: FileEntry, first: int, views: list[memoryview], *, verify: bool) -> None:
+    """Fill ``views`` (in file order, whole checksum blocks from block ``first`` on) from the local shard
+    file ``path`` with ``preadv``, straight into them, and verify them (unless ``verify`` is off).
 
     Raises:
-        CorruptCheckpointError: the file is short or a block does not match its checksum.
+        CorruptCheckpointError: the file is missing or short, or a block does not match its checksum.
     """
-    start, end = first * fe.chunk_bytes, min(stop * fe.chunk_bytes, fe.size)
-    data = bytearray(end - start)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing") from None
     try:
-        _read_exact(fd, [memoryview(data)], start, path)
+        _read_exact(fd, views, first * fe.chunk_bytes, path)
     finally:
         os.close(fd)
     if verify:
-        fe.check(data, first, where=str(path))
-    return data
+        fe.check_views(views, first, where=str(path))
 
 
 def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, verify: bool, map_location: Any,

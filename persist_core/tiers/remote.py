@@ -315,19 +315,27 @@ class RemoteTier:
         fsync_dir(tmp)
         return manifest
 
-    def read_blocks(self, step: int, f: FileEntry, first: int, stop: int, *, verify: bool = True) -> bytearray:
-        """Checksum blocks ``[first, stop)`` of file ``f`` of checkpoint ``step``: one ranged read, verified.
+    def read_blocks(self, step: int, f: FileEntry, first: int, views: list[memoryview], *, verify: bool = True) -> None:
+        """Fill ``views`` (whole checksum blocks of file ``f`` of checkpoint ``step`` from block ``first`` on,
+        in order) with one ranged read, and verify them.
 
         Raises:
             CorruptCheckpointError: a block does not match its checksum.
             RemoteError: the remote could not be read.
         """
         source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
-        start, end = first * f.chunk_bytes, min(stop * f.chunk_bytes, f.size)
-        data = bytearray(self.retry(f"reading {source}", lambda: self._read_range(source, start, end)))
+        start = first * f.chunk_bytes
+        end = start + sum(len(v) for v in views)
+        data = memoryview(self.retry(f"reading {source}", lambda: self._read_range(source, start, end)))
+        if len(data) != end - start:
+            raise CorruptCheckpointError(f"{self.url}/{checkpoint_dirname(step)}/{f.name}: {len(data)} bytes from "
+                                         f"byte {start}, {end - start} asked; the remote copy is short")
+        pos = 0
+        for view in views:
+            view[:] = data[pos : pos + len(view)]
+            pos += len(view)
         if verify:
-            f.check(data, first, where=f"{self.url}/{checkpoint_dirname(step)}/{f.name}")
-        return data
+            f.check_views(views, first, where=f"{self.url}/{checkpoint_dirname(step)}/{f.name}")
 
     def _fetch_span(self, source: str, fd: int, f: FileEntry, first: int, stop: int,
                     progress: Callable[[int], None] | None = None) -> None:

@@ -102,7 +102,8 @@ def test_verify_catches_a_corrupt_remote_object(remote, s3_options):
     data[-5000] ^= 1
     fs.pipe_file(key, bytes(data))
     result = run("verify", remote, "--step", "40", options=s3_options)
-    assert result.exit_code == 1 and "step-000000000040/rank-00000.safetensors: chunk 0" in result.output
+    block = (len(data) - 5000) // (256 << 10)  # the flipped byte's 256 KiB checksum block
+    assert result.exit_code == 1 and f"step-000000000040/rank-00000.safetensors: chunk {block} (bytes" in result.output
 
 
 def test_pull_push_round_trip(remote, s3_options, tmp_path):

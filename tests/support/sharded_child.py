@@ -86,6 +86,7 @@ def save(rank: int, world: int, port: int, root: str, remote: str, out: str, two
             results["mixed"] = str(e)
     results["full"] = _full(m, opt)  # a collective: every rank gathers
     torch.save(results, Path(out) / f"save-rank{rank}.pt")
+    dist.barrier()  # every rank done before any tears its groups down (gloo aborts otherwise, at times)
     dist.destroy_process_group()
 
 
@@ -127,6 +128,7 @@ def load(rank: int, world: int, port: int, root: str, remote: str, out: str, two
             engine.load(into={"model": msd2})
         results["from_one"] = {k: v.full_tensor() for k, v in msd2.items()}
     torch.save(results, Path(out) / f"load-rank{rank}.pt")
+    dist.barrier()  # every rank done before any tears its groups down (gloo aborts otherwise, at times)
     dist.destroy_process_group()
 
 
@@ -166,6 +168,7 @@ def accelerate_round_trip(rank: int, world: int, port: int, root: str, out: str,
             state = engine.load(into=_state.load_targets(acc))
             assert _state.apply(acc, state) == 2
     torch.save({"full": _full(m, opt)}, Path(out) / f"{phase}-rank{rank}.pt")
+    dist.barrier()  # every rank done before any tears its groups down (gloo aborts otherwise, at times)
     dist.destroy_process_group()
 
 
