@@ -32,9 +32,11 @@ _SAMPLES = 16  # elements per tensor a sampled digest reads (and its first and l
 class Sharding:
     """One rank's part of a sharded tensor: the box ``offsets``/``sizes`` of a ``shape`` tensor.
 
-    ``writes``: this rank writes its box (the first replica along every ``Replicate`` mesh
-    dimension; the other replicas hold the same bytes). ``placements``/``mesh`` describe the
-    layout for people (``persist inspect``); loading needs only the boxes.
+    The box is the part this rank *writes*: the ranks holding the same local part (the replicas
+    along the ``Replicate`` mesh dimensions) split it along its first dimension, so each writes
+    about ``1/replicas`` of it; ``writes`` is False when this rank's share is empty.
+    ``placements``/``mesh`` describe the layout for people (``persist inspect``); loading needs
+    only the boxes.
     """
 
     shape: tuple[int, ...]
@@ -68,10 +70,22 @@ def describe(t: Any, path: str) -> tuple[torch.Tensor, Sharding]:
         raise UnsupportedStateError(
             f"state[{path!r}] is a DTensor {placements} whose local part is not one box of the global tensor "
             f"({len(chunks)} chunks); redistribute it to Shard/Replicate placements before saving")
-    writes = all(coord[d] == 0 for d, p in enumerate(placements) if p.is_replicate())
-    sizes = tuple(chunks[0].sizes)
-    return local.reshape(sizes) if local.numel() else local, Sharding(
-        tuple(t.shape), tuple(chunks[0].offsets), sizes, writes, str(placements), tuple(mesh.shape))
+    offsets, sizes = list(chunks[0].offsets), list(chunks[0].sizes)
+    local = local.reshape(sizes) if local.numel() else local
+    replicas = [d for d, p in enumerate(placements) if p.is_replicate()]
+    count = math.prod(mesh.shape[d] for d in replicas)
+    index = 0
+    for d in replicas:  # this rank's place among the ranks holding the same box
+        index = index * mesh.shape[d] + coord[d]
+    if count > 1:  # the replicas split the box along its first dimension: each writes about 1/count of it
+        if not sizes:
+            return local, Sharding(tuple(t.shape), (), (), index == 0, str(placements), tuple(mesh.shape))
+        begin, end = index * sizes[0] // count, (index + 1) * sizes[0] // count
+        local = local[begin:end]
+        offsets[0] += begin
+        sizes[0] = end - begin
+    writes = math.prod(sizes) > 0 or (not sizes and index == 0)
+    return local, Sharding(tuple(t.shape), tuple(offsets), tuple(sizes), writes, str(placements), tuple(mesh.shape))
 
 
 def localize(flat: FlatState) -> tuple[FlatState, dict[int, Sharding]]:

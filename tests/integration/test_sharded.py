@@ -91,7 +91,9 @@ def test_four_ranks_on_a_2d_mesh_load_on_two_and_one_process_checkpoint_loads_in
     full = _results(out, "save", 4)[0]["full"]
     manifest = json.loads((root / "step-000000000002" / "manifest.json").read_text())
     grid_b = next(t for t, p in zip(manifest["tensors"], _paths(manifest)) if p == "grid/b")
-    assert len(grid_b["chunks"]) == 2  # Replicate() over dp: one replica writes each tp part
+    # Replicate() over dp: the two replicas of each tp part split it, so all four ranks write a piece of it
+    assert sorted((c["offsets"][0], c["sizes"][0]) for c in grid_b["chunks"]) == [(0, 2), (2, 2), (4, 1), (5, 2)]
+    assert len({c["file"] for c in grid_b["chunks"]}) == 4
     _spawn(sharded_child.load, 2, str(root), "", str(out), True, str(plain_root))
     loaded = _results(out, "load", 2)
     assert_state_equal(dict(loaded[0]["full"]["model"]), dict(full["model"]))

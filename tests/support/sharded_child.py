@@ -21,7 +21,21 @@ def two_d(rank_values: bool = False) -> dict[str, torch.Tensor]:
     """Plain values of the 2-D mesh tensors (the same on every rank)."""
     return {"a": torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6),
             "b": torch.arange(7 * 3, dtype=torch.float64).reshape(7, 3) * -1,
-            "c": torch.arange(6, dtype=torch.int64)}
+            "c": torch.arange(6, dtype=torch.int64),
+            "s": torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6) + 1000}
+
+
+def _strided(full: torch.Tensor, mesh2):
+    """``full`` as FSDP2 lays a parameter out under tensor parallel: ``_StridedShard(0)`` over dp, ``Shard(0)`` over tp."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = [_StridedShard(0, split_factor=mesh2.shape[1]), Shard(0)]
+    rows = full.shape[0] // (mesh2.shape[0] * mesh2.shape[1])
+    probe = DTensor.from_local(torch.empty(rows, full.shape[1]), mesh2, placements, run_check=False)
+    (box,) = probe.__create_chunk_list__()
+    part = full[box.offsets[0] : box.offsets[0] + box.sizes[0]].clone()
+    return DTensor.from_local(part, mesh2, placements, run_check=False)
 
 
 def _fsdp(seed: int, world: int):
@@ -71,7 +85,8 @@ def save(rank: int, world: int, port: int, root: str, remote: str, out: str, two
         plain = two_d()
         state["grid"] = {"a": distribute_tensor(plain["a"], mesh2, [Shard(0), Shard(1)]),
                          "b": distribute_tensor(plain["b"], mesh2, [Replicate(), Shard(0)]),
-                         "c": distribute_tensor(plain["c"], mesh2, [Shard(0), Replicate()])}
+                         "c": distribute_tensor(plain["c"], mesh2, [Shard(0), Replicate()]),
+                         "s": _strided(plain["s"], mesh2)}
     results: dict = {}
     with CheckpointEngine(root, collectives=coll, remote_url=remote or None) as engine:
         handle = engine.save(state, step=2)
@@ -109,7 +124,8 @@ def load(rank: int, world: int, port: int, root: str, remote: str, out: str, two
         zeros = {k: torch.zeros_like(v) for k, v in two_d().items()}
         into["grid"] = {"a": distribute_tensor(zeros["a"], mesh, [Shard(1)]),
                         "b": distribute_tensor(zeros["b"], mesh, [Shard(0)]),
-                        "c": distribute_tensor(zeros["c"], mesh, [Shard(0)])}
+                        "c": distribute_tensor(zeros["c"], mesh, [Shard(0)]),
+                        "s": distribute_tensor(zeros["s"], mesh, [Shard(0)])}
     with CheckpointEngine(root, collectives=coll, remote_url=remote or None) as engine:
         state = engine.load(into=into)
         stats = engine._reader.last_load
