@@ -26,7 +26,8 @@ from persist_core import CheckpointReader, ConfigError
 
 
 def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, step: int | None = None,
-                      storage_options: dict[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+                      storage_options: dict[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None,
+                      weights_only: bool = True) -> Path:
     """Write checkpoint ``step`` (default: the newest) of ``source`` as an Accelerate checkpoint directory.
 
     Args:
@@ -36,6 +37,8 @@ def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike
         storage_options: fsspec options for a remote ``source``.
         cache_dir: where a remote checkpoint is downloaded and kept (default: a temporary directory,
             removed when the export ends).
+        weights_only: unpickle non-tensor leaves with the allowlist (default); ``False``: full pickle,
+            for checkpoints you trust.
 
     Returns:
         ``out_dir``.
@@ -58,7 +61,7 @@ def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike
         else:
             local = Path(cache_dir) if remote else Path(text.removeprefix("file://"))
         with CheckpointReader(local, remote_url=text if remote else None, storage_options=storage_options) as reader:
-            state = reader.load(step)
+            state = reader.load(step, weights_only=weights_only)
     if not (isinstance(state, dict) and _HOOK_KEYS <= state.keys()):
         raise ConfigError(f"the checkpoint in {text} was not saved by accelerate_persist.PersistHook; nothing to export")
     out.mkdir(parents=True, exist_ok=True)

@@ -117,7 +117,7 @@ class PersistHook:
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending,
             preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, save_policy=save_policy,
-            preemption_signals=tuple(preemption_signals))
+            preemption_signals=preemption_signals)
         self._session: PersistSession | None = None
         self._accelerator: Any = None
         self._originals: dict[str, Any] = {}
@@ -274,7 +274,9 @@ class PersistHook:
     def _load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
         """``load_state()``: the newest committed checkpoint, or the one ``input_dir`` names (a directory
         ``save_state`` named, ``local_dir/step-N``, a URL). A plain Accelerate checkpoint (no manifest: a
-        run switching to the hook) loads through Accelerate's own loader."""
+        run switching to the hook) loads through Accelerate's own loader. Non-tensor values are unpickled
+        with the allowlist of the types training states hold unless ``load_kwargs={"weights_only": False}``
+        (full pickle: for checkpoints you trust)."""
         session = self._session_or_raise()
         engine = session.open()
         engine.wait()
@@ -290,8 +292,10 @@ class PersistHook:
             log.info("loaded %s with Accelerate's own loader (not a torch-persist checkpoint); %d optimizer steps",
                      plain, self._optimizer_steps)
             return
+        weights_only = (load_kwargs or {}).get("weights_only", True)  # Accelerate passes it on to torch.load
         state = engine.load(None if input_dir is None else engine.reader.step_of(input_dir),
-                            into=_state.load_targets(acc))  # FSDP2: each process reads its own parts
+                            into=_state.load_targets(acc),  # FSDP2: each process reads its own parts
+                            weights_only=weights_only)
         self._optimizer_steps = _state.apply(acc, state)
         session.restored(self._optimizer_steps)  # saving again at this step is a no-op
 

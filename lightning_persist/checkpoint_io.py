@@ -213,8 +213,10 @@ class PersistCheckpointIO(CheckpointIO):
         ``path`` may be a path this plugin saved (a link), a ``local_dir/step-N`` directory, a
         ``remote_url/step-N`` URL (downloaded into ``local_dir`` and verified), or a plain
         ``torch.save`` file (loaded with ``torch.load``, for runs started with another IO).
-        Non-tensor values (hyper-parameters, loop state) are unpickled, as with
-        ``torch.load(weights_only=False)``: load checkpoints you trust.
+        Non-tensor values (hyper-parameters, loop state) are unpickled as ``torch.load`` does by default:
+        only the types training states hold (``weights_only=None`` or ``True``); a checkpoint holding
+        other types raises ``UnsafeCheckpointError`` naming the type, and loads with
+        ``weights_only=False`` (``Trainer.fit(..., weights_only=False)``) if you trust it.
 
         Raises:
             CheckpointNotFoundError: nothing there (a ``FileNotFoundError``).
@@ -230,7 +232,8 @@ class PersistCheckpointIO(CheckpointIO):
                 handle.wait_local()
                 kind, step = key
                 reader = self._get_reader() if kind == FULL else self._get_engine(kind).reader
-                return reader.load(step, map_location=_device(map_location), into=into, rank=self._rank)
+                return reader.load(step, map_location=_device(map_location), into=into, rank=self._rank,
+                                   weights_only=_weights_only(weights_only))
             if os.path.isfile(text) and _checkpoint_dir(text) is None:  # a plain torch.save file
                 return torch_load(text, map_location=map_location or "cpu", weights_only=weights_only)
             self._links.adopt(os.path.dirname(text))
@@ -240,8 +243,10 @@ class PersistCheckpointIO(CheckpointIO):
         real = checkpoint_of(Path(os.path.realpath(text))) if not _is_url(text) else None
         if real is not None and real.parent != Path(os.path.realpath(reader.local_dir)):
             with CheckpointReader(real.parent, verify=self._session.options.verify) as other:  # another run's local_dir
-                return other.load(other.step_of(real), map_location=_device(map_location), into=into, rank=self._rank)
-        return reader.load(reader.step_of(text), map_location=_device(map_location), into=into, rank=self._rank)
+                return other.load(other.step_of(real), map_location=_device(map_location), into=into, rank=self._rank,
+                                  weights_only=_weights_only(weights_only))
+        return reader.load(reader.step_of(text), map_location=_device(map_location), into=into, rank=self._rank,
+                           weights_only=_weights_only(weights_only))
 
     @property
     def _rank(self) -> int:
@@ -403,6 +408,11 @@ def _kind_of(checkpoint: dict[str, Any]) -> str:
     """``weights-only`` for what Lightning's ``dump_checkpoint(weights_only=True)`` makes, else ``full``."""
     lightning = "pytorch-lightning_version" in checkpoint and "state_dict" in checkpoint
     return WEIGHTS_ONLY if lightning and "optimizer_states" not in checkpoint else FULL
+
+
+def _weights_only(value: bool | None) -> bool:
+    """Lightning passes ``None`` for "torch.load's default", which is restricted unpickling since torch 2.6."""
+    return True if value is None else value
 
 
 def _device(map_location: Any) -> Any:

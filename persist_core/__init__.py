@@ -29,6 +29,7 @@ from persist_core.errors import (
     PersistError,
     RemoteError,
     StepExistsError,
+    UnsafeCheckpointError,
     UnsupportedStateError,
     WriteError,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "SingleProcess",
     "StepExistsError",
     "TorchCollectives",
+    "UnsafeCheckpointError",
     "UnsupportedStateError",
     "WriteError",
 ]

@@ -120,10 +120,51 @@ class WriteSettings:
             raise ConfigError(f"remote_timeout_s={self.remote_timeout_s!r} must be a positive number of seconds")
         if self.max_unsynced_bytes is not None and (not whole(self.max_unsynced_bytes) or self.max_unsynced_bytes < 1):
             raise ConfigError(f"max_unsynced_bytes={self.max_unsynced_bytes!r} must be a positive int (bytes) or None")
+        check_bool("verify", self.verify)
         if not whole(self.max_pending) or self.max_pending < 1:
             raise ConfigError(
                 f"max_pending={self.max_pending!r} must be at least 1 (each pending save holds one staging buffer)"
             )
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is a bool (``verify="no"`` must not mean yes); else a ConfigError naming ``name``."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} must be True or False")
+    return value
+
+
+def check_local_dir(value: object) -> os.PathLike[str] | str:
+    """``value`` if it names a local directory; a ConfigError for ``None``, a non-path or a URL."""
+    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise ConfigError(f"local_dir={value!r} must be a directory path (str or pathlib.Path), e.g. '/nvme/ckpt'")
+    text = os.fspath(value)
+    if isinstance(text, str) and "://" in text and not text.startswith("file://"):
+        raise ConfigError(f"local_dir={text!r} is a URL; local_dir is a directory on this machine (ideally NVMe) and "
+                          f"the URL goes in remote_url: local_dir='/nvme/ckpt', remote_url={text!r}")
+    return value
+
+
+def check_remote_url(value: object) -> str | None:
+    """``value`` if it is ``None`` or a URL with a scheme and a bucket or path after it; else a ConfigError."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or "://" not in value:
+        raise ConfigError(f"remote_url={value!r} is not a URL; pass e.g. 's3://bucket/run-7' or "
+                          "'file:///mnt/shared/run', or None for local only")
+    scheme, _, rest = value.partition("://")
+    if not scheme or not rest.strip("/"):
+        raise ConfigError(f"remote_url={value!r} names no bucket or path after {scheme or 'its scheme'}://; pass e.g. "
+                          f"'{scheme or 's3'}://bucket/run-7'")
+    return value
+
+
+def check_storage_options(value: object) -> dict | None:
+    """``value`` if it is ``None`` or a dict (fsspec's keyword arguments); else a ConfigError."""
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"storage_options={value!r} must be a dict of fsspec options, e.g. "
+                          "{'client_kwargs': {'endpoint_url': 'http://127.0.0.1:9000'}}, or None")
+    return value
 
 
 def remote_lease_s() -> int:

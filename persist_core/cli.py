@@ -234,6 +234,9 @@ def main(ctx: click.Context, storage_options: str | None, debug: bool) -> None:
         options = json.loads(storage_options) if storage_options else None
     except json.JSONDecodeError as e:
         raise click.UsageError(f"--storage-options is not JSON ({e})") from e
+    if options is not None and not isinstance(options, dict):
+        raise click.UsageError(f"--storage-options={storage_options!r} must be a JSON object of fsspec options, e.g. "
+                               "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:9000\"}}'")
     ctx.obj = options
 
 
@@ -562,10 +565,16 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
               help="torch: one torch.save file; safetensors: one .safetensors file of every tensor by key path "
                    "(sharded ones whole), written tensor by tensor; others come from installed adapters "
                    "(accelerate: a plain Accelerate directory, with torch-persist[accelerate])")
+@click.option("--unsafe-pickle", is_flag=True,
+              help="unpickle non-tensor leaves in full (runs code a crafted checkpoint chose: only for checkpoints "
+                   "you trust); default: only the types training states hold")
 @click.pass_context
-def export(ctx: click.Context, location: str, step: int | None, target: str, fmt: str) -> None:
+def export(ctx: click.Context, location: str, step: int | None, target: str, fmt: str, unsafe_pickle: bool) -> None:
     """Write a checkpoint as one torch.save file (Lightning loads it), one safetensors file, or a plain
     Accelerate directory. Sharded checkpoints come out whole (consolidated)."""
+    parent = Path(target).expanduser().absolute().parent
+    if fmt in ("torch", "safetensors") and not parent.is_dir():
+        raise click.UsageError(f"--to {target}: its directory {parent} does not exist; create it or choose another")
     loc = _open(ctx, location)
     s = loc.step_or_latest(step)
     if fmt == "safetensors":
@@ -581,7 +590,7 @@ def export(ctx: click.Context, location: str, step: int | None, target: str, fmt
         return
     if fmt != "torch":
         exporter = _exporters()[fmt].load()  # an adapter's, found by entry point
-        out = exporter(location, target, step=s, storage_options=ctx.obj)
+        out = exporter(location, target, step=s, storage_options=ctx.obj, weights_only=not unsafe_pickle)
         click.echo(f"step {s} -> {out} (accelerator.load_state({str(out)!r}))" if fmt == "accelerate" else
                    f"step {s} -> {out}")
         return
@@ -591,7 +600,7 @@ def export(ctx: click.Context, location: str, step: int | None, target: str, fmt
         raise click.UsageError(f"{target} exists; choose a new file")
     cache = Path(target).absolute().parent / f".{Path(target).name}.download" if loc.remote else loc.root
     with CheckpointReader(cache, remote_url=location if loc.remote else None, storage_options=ctx.obj) as reader:
-        state = reader.load(s)
+        state = reader.load(s, weights_only=not unsafe_pickle)
     if loc.remote:
         shutil.rmtree(cache, ignore_errors=True)
     torch.save(state, target)

@@ -15,6 +15,7 @@ Call order (one process):
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from persist_core import _knobs
 from persist_core._knobs import WriteSettings
 from persist_core.distributed import Collectives, SingleProcess
 from persist_core.errors import ConfigError, PersistError, RemoteError
@@ -153,10 +155,10 @@ class CheckpointEngine:
         save_policy = None if save_policy is None else check_save_policy(save_policy)
         if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
             raise ConfigError(f"run_id={run_id!r} must be a non-empty string (the id of this training run)")
-        self._root = Path(local_dir).expanduser().absolute()
+        self._root = Path(os.fspath(_knobs.check_local_dir(local_dir)).removeprefix("file://")).expanduser().absolute()
         self._torch_loadable = bool(torch_loadable)
         self._replica_check = check_replica_mode(replica_check)
-        self._coll = collectives or SingleProcess()
+        self._coll = check_collectives(collectives)
         self._wall_clock = wall_clock
         self._closed = False
         self._latest_step = -1
@@ -213,6 +215,7 @@ class CheckpointEngine:
         self._ledger.raise_first()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int (the training step)")
+        check_metadata(metadata)
         resumed_at = self.resumed_step
         self._pipeline.timeline.check(step, resumed_at)
         replace = step == resumed_at  # the step resumed from, saved again (Lightning does, with accumulation)
@@ -408,7 +411,7 @@ class CheckpointEngine:
         return self._reader.abandoned(tier)
 
     def load(self, step: int | None = None, *, into: Any = None, map_location: Any = "cpu",
-             verify: bool | None = None) -> Any:
+             verify: bool | None = None, weights_only: bool = True) -> Any:
         """Load the newest committed checkpoint that verifies, or the one for ``step``.
 
         The local copy is used when it is there and verifies; otherwise the remote copy is
@@ -416,7 +419,9 @@ class CheckpointEngine:
         ``local_dir`` resumes with ``engine.load()`` alone. With ``into`` (targets on this run's
         mesh, e.g. ``{"model": msd, "optim": osd}`` from ``get_state_dict``) each rank fills its
         tensors and ``DTensor`` s in place, reading only the byte ranges they need (resharding to
-        any number of ranks). ``PerRank`` values come back to the rank that saved them. Same as
+        any number of ranks). ``PerRank`` values come back to the rank that saved them. Non-tensor
+        leaves are unpickled with an allowlist of the types training states hold unless
+        ``weights_only=False`` (full pickle: for checkpoints you trust). Same as
         :meth:`CheckpointReader.load`.
 
         Raises:
@@ -424,10 +429,35 @@ class CheckpointEngine:
             CorruptCheckpointError: no copy of ``step`` verifies (names the file).
         """
         self._check_open()
-        state = self._reader.load(step, into=into, map_location=map_location, verify=verify, rank=self._coll.rank)
+        state = self._reader.load(step, into=into, map_location=map_location, verify=verify, rank=self._coll.rank,
+                                  weights_only=weights_only)
         if self._reader.loaded_from_remote:  # a fresh machine: this run continues the one that wrote it
             self._pipeline.adopt_remote_run()
         return state
+
+
+def check_collectives(value: Any) -> Collectives:
+    """``value`` if it has the :class:`Collectives` calls (``None``: one process); else a ConfigError."""
+    if value is None:
+        return SingleProcess()
+    missing = [n for n in ("rank", "world_size", "broadcast", "all_gather") if not hasattr(value, n)]
+    if missing:
+        raise ConfigError(f"collectives={value!r} lacks {', '.join(missing)}; pass TorchCollectives.new_group() "
+                          "(after torch.distributed is initialized), or None for one process")
+    return value
+
+
+def check_metadata(value: Any) -> None:
+    """``value`` must be ``None`` or a dict of JSON-able values (it goes into the manifest as JSON)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ConfigError(f"metadata={value!r} must be a dict of JSON-able values (or None)")
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"metadata={value!r} cannot be written as JSON ({e}); keep str, number, bool, None, list "
+                          "and dict values") from e
 
 
 def _close_at_exit(engine: CheckpointEngine) -> None:

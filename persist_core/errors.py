@@ -19,6 +19,8 @@ that observes them.
 
 from __future__ import annotations
 
+import pickle
+
 __all__ = [
     "CheckpointNotFoundError",
     "ConfigError",
@@ -27,6 +29,7 @@ __all__ = [
     "PersistError",
     "RemoteError",
     "StepExistsError",
+    "UnsafeCheckpointError",
     "UnsupportedStateError",
     "WriteError",
 ]
@@ -58,6 +61,12 @@ class CheckpointNotFoundError(PersistError, FileNotFoundError):
 
 class CorruptCheckpointError(PersistError):
     """A checkpoint's manifest, file sizes or checksums do not verify."""
+
+
+class UnsafeCheckpointError(PersistError, pickle.UnpicklingError):
+    """A leaf of the checkpoint names a type that loading with ``weights_only=True`` (the default) does
+    not unpickle; the message names it and the opt-in (``weights_only=False``, for trusted checkpoints).
+    Not a corrupt checkpoint: ``load()`` does not fall back to an older one."""
 
 
 class WriteError(PersistError, OSError):

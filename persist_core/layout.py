@@ -98,7 +98,7 @@ _SHARD_RE = re.compile(r"^rank-(\d{5,})\.(safetensors|ckpt)$")
 
 def parse_shard_filename(name: str) -> int | None:
     """The rank of a shard file name, or ``None`` for any other name."""
-    m = _SHARD_RE.match(name)
+    m = _SHARD_RE.fullmatch(name) if isinstance(name, str) else None  # fullmatch: no trailing newline either
     return int(m.group(1)) if m else None
 
 

@@ -23,7 +23,7 @@ from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname, pa
 from persist_core.ownership import claim_tmp, discard
 from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
-from persist_core.planning.load import LoadStats, load_into
+from persist_core.planning.load import LoadOptions, LoadStats, check_weights_only, load_into
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.local import (
     LocalTier,
@@ -70,12 +70,12 @@ class CheckpointReader:
         verify: bool = True,
         tier: RemoteTier | None = None,
     ) -> None:
-        self._root = Path(local_dir).expanduser().absolute()
+        self._root = Path(os.fspath(_knobs.check_local_dir(local_dir)).removeprefix("file://")).expanduser().absolute()
         try:
             self._root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"local_dir={str(self._root)!r} cannot be created ({e.strerror or e}); pass a usable directory") from e
-        self._verify = verify
+        self._verify = _knobs.check_bool("verify", verify)
         self._owns_tier = tier is None and remote_url is not None
         self._tier = tier if tier is not None else (RemoteTier(remote_url, storage_options) if remote_url else None)
         self._pool = ThreadPoolExecutor(_knobs.write_threads(), thread_name_prefix="persist-read")
@@ -166,7 +166,7 @@ class CheckpointReader:
     # ------------------------------------------------------------------ loading
 
     def load(self, step: int | None = None, *, into: Any = None, map_location: Any = "cpu",
-             verify: bool | None = None, rank: int = 0) -> Any:
+             verify: bool | None = None, rank: int = 0, weights_only: bool = True) -> Any:
         """Load the newest committed checkpoint that verifies, or the one for ``step``.
 
         Without ``into``, the whole state: the local copy when it is there and verifies; otherwise
@@ -186,6 +186,9 @@ class CheckpointReader:
             map_location: device for the tensors read whole (``"cpu"`` default, ``"cuda:0"``, ...).
             verify: check checksums (default: the reader's ``verify``).
             rank: whose ``PerRank`` values to return (the engine passes its own rank).
+            weights_only: unpickle non-tensor leaves with an allowlist of the types training states
+                hold (the default, as ``torch.load`` spells it: a crafted leaf runs no code);
+                ``False``: full pickle, for checkpoints you trust.
 
         Returns:
             An object equal to the saved state (its tensors being ``into``'s where it had them).
@@ -193,19 +196,27 @@ class CheckpointReader:
         Raises:
             CheckpointNotFoundError: nothing committed (for ``step``) on any tier.
             CorruptCheckpointError: no copy of ``step`` verifies (names the file).
+            UnsafeCheckpointError: a leaf names a type outside the allowlist (names it and the opt-in).
             ConfigError: a target of another shape than saved, or one the checkpoint lacks.
         """
-        verify = self._verify if verify is None else verify
-        if into is not None:
-            return self._load_into(step, into, verify, map_location, rank)
+        opts = LoadOptions(verify=self._verify if verify is None else bool(verify), map_location=map_location,
+                           rank=rank, weights_only=check_weights_only(weights_only))
         order, local, remote = self._candidates(step)
-        if step is not None:
-            return self._load_step(step, step in local, step in remote, verify, map_location, rank)
         for candidate in order:
             try:
-                return self._load_step(candidate, candidate in local, candidate in remote, verify, map_location, rank)
+                if into is not None:
+                    state, from_remote = self._read_into(candidate, candidate in local, candidate in remote, into, opts)
+                else:
+                    downloads = self._downloads
+                    state = self._read_step(candidate, candidate in local, candidate in remote, opts)
+                    from_remote = self._downloads > downloads
             except CorruptCheckpointError as e:
+                if step is not None:
+                    raise
                 log.warning("[step=%d] skipping: %s", candidate, e)
+                continue
+            self.loaded_step, self.loaded_from_remote = candidate, from_remote
+            return state
         where = f"{self._root}" + (f" nor {self._tier.url}" if self._tier else "")
         raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {where}")
 
@@ -220,33 +231,17 @@ class CheckpointReader:
                 f"no committed checkpoint for step={step} in {where}; committed steps: {sorted(local | remote)}")
         return ([step] if step is not None else sorted(local | remote, reverse=True)), local, remote
 
-    def _load_into(self, step: int | None, into: Any, verify: bool, map_location: Any, rank: int) -> Any:
-        order, local, remote = self._candidates(step)
-        for candidate in order:
-            try:
-                state, from_remote = self._read_into(candidate, candidate in local, candidate in remote, into,
-                                                     verify, map_location, rank)
-            except CorruptCheckpointError as e:
-                if step is not None:
-                    raise
-                log.warning("[step=%d] skipping: %s", candidate, e)
-                continue
-            self.loaded_step, self.loaded_from_remote = candidate, from_remote
-            return state
-        where = f"{self._root}" + (f" nor {self._tier.url}" if self._tier else "")
-        raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {where}")
-
-    def _read_into(self, step: int, in_local: bool, in_remote: bool, into: Any, verify: bool, map_location: Any,
-                   rank: int) -> tuple[Any, bool]:
+    def _read_into(self, step: int, in_local: bool, in_remote: bool, into: Any,
+                   opts: LoadOptions) -> tuple[Any, bool]:
         """``(the state, whether it was read from the remote)``."""
         self.last_load = LoadStats()
         if in_local:
             ckpt = checkpoint_dir(self._root, step)
             try:
                 manifest = read_manifest(ckpt)
-                return load_into(manifest, into, pool=self._pool, rank=rank, map_location=map_location,
-                                 where=str(ckpt), stats=self.last_load,
-                                 read_blocks=lambda f, a, v: read_blocks(ckpt / f.name, f, a, v, verify=verify)), False
+                return load_into(manifest, into, pool=self._pool, options=opts, where=str(ckpt), stats=self.last_load,
+                                 read_blocks=lambda f, a, v: read_blocks(ckpt / f.name, f, a, v,
+                                                                         verify=opts.verify)), False
             except CorruptCheckpointError as e:
                 if not in_remote:
                     raise
@@ -255,31 +250,22 @@ class CheckpointReader:
         assert self._tier is not None
         tier = self._tier
         manifest = tier.read_manifest(step)
-        return load_into(manifest, into, pool=self._pool, rank=rank, map_location=map_location,
-                         where=f"{tier.url}/{checkpoint_dirname(step)}", stats=self.last_load,
-                         read_blocks=lambda f, a, v: tier.read_blocks(step, f, a, v, verify=verify)), True
+        return load_into(manifest, into, pool=self._pool, options=opts, where=f"{tier.url}/{checkpoint_dirname(step)}",
+                         stats=self.last_load,
+                         read_blocks=lambda f, a, v: tier.read_blocks(step, f, a, v, verify=opts.verify)), True
 
-    def _load_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any,
-                   rank: int) -> Any:
-        downloads = self._downloads
-        state = self._read_step(step, in_local, in_remote, verify, map_location, rank)
-        self.loaded_step, self.loaded_from_remote = step, self._downloads > downloads
-        return state
-
-    def _read_step(self, step: int, in_local: bool, in_remote: bool, verify: bool, map_location: Any,
-                   rank: int) -> Any:
+    def _read_step(self, step: int, in_local: bool, in_remote: bool, opts: LoadOptions) -> Any:
         ckpt = checkpoint_dir(self._root, step)
         if in_local:
             try:
-                return load_checkpoint(ckpt, read_manifest(ckpt), pool=self._pool, verify=verify,
-                                       map_location=map_location, rank=rank)
+                return load_checkpoint(ckpt, read_manifest(ckpt), pool=self._pool, options=opts)
             except CorruptCheckpointError as e:
                 if not in_remote:
                     raise
                 log.warning("[step=%d] local copy does not verify (%s); downloading from %s", step, e, self._tier.url)
                 self._set_aside(ckpt)
         manifest = self._download(step)
-        return load_checkpoint(ckpt, manifest, pool=self._pool, verify=verify, map_location=map_location, rank=rank)
+        return load_checkpoint(ckpt, manifest, pool=self._pool, options=opts)
 
     def fetch(self, step: int, progress: Callable[[int], None] | None = None) -> Path:
         """Make ``local_dir`` hold checkpoint ``step``, downloading it (verified) if it is not there.

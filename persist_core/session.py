@@ -29,6 +29,7 @@ from typing import Any
 
 from persist_core.distributed import Collectives, SingleProcess
 from persist_core.engine import CheckpointEngine
+from persist_core import _knobs
 from persist_core.errors import ConfigError, StepExistsError
 from persist_core.handle import SaveHandle, SaveStats
 from persist_core.history import describe_summary
@@ -77,16 +78,25 @@ class PersistOptions:
     torch_loadable: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "local_dir", Path(self.local_dir).expanduser().absolute())
+        local = os.fspath(_knobs.check_local_dir(self.local_dir)).removeprefix("file://")
+        object.__setattr__(self, "local_dir", Path(local).expanduser().absolute())
         check_grace(self.preemption_grace_s)
+        _knobs.check_bool("verify", self.verify)
+        _knobs.check_storage_options(self.storage_options)
+        _knobs.WriteSettings.resolve(write_threads=self.write_threads, chunk_bytes=None, direct_io=None,
+                                     max_pending=self.max_pending, verify=self.verify,
+                                     remote_timeout_s=self.remote_timeout_s)  # its checks, now, not at the first save
+        if isinstance(self.preemption_signals, int):
+            raise ConfigError(f"preemption_signals={self.preemption_signals!r} must be a tuple of signals, e.g. "
+                              f"({self.preemption_signals!r},)")
         if self.save_policy is not None:
             check_save_policy(self.save_policy)
         if not self.preemption_signals:
             raise ConfigError("preemption_signals=() is empty; pass at least one, e.g. (signal.SIGTERM,)")
         object.__setattr__(self, "preemption_signals", tuple(self.preemption_signals))
-        if self.remote_url is not None and (not isinstance(self.remote_url, str) or "://" not in self.remote_url):
-            raise ConfigError(f"remote_url={self.remote_url!r} is not a URL; pass e.g. 's3://bucket/run-7' or "
-                              "'file:///mnt/shared/run', or None for local only")
+        _knobs.check_remote_url(self.remote_url)
+        if self.remote_url is not None:
+            _check_backend(self.remote_url)
 
     @classmethod
     def from_keywords(cls, local_dir: str | os.PathLike[str], *, keep_last: int | None = None,
@@ -99,6 +109,21 @@ class PersistOptions:
         """
         policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds, retention)
         return cls(local_dir=Path(local_dir), retention=policy, **options)
+
+
+def _check_backend(url: str) -> None:
+    """An fsspec backend exists for ``url``'s scheme (``nosuch://x`` fails here, not at the first upload)."""
+    import fsspec
+
+    scheme = url.partition("://")[0]
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ValueError as e:
+        raise ConfigError(f"remote_url={url!r}: fsspec knows no protocol {scheme!r} ({e}); use s3://, gs://, az://, "
+                          "file:// or memory://") from e
+    except ImportError as e:
+        raise ConfigError(f"remote_url={url!r} needs an fsspec backend that is not installed ({e}); e.g. "
+                          "pip install 'torch-persist[s3]' for s3://") from e
 
 
 class PersistSession:

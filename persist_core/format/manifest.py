@@ -157,7 +157,7 @@ class Manifest:
             if (_CHECKSUM_KEY in body) != (version >= _FIRST_CHECKSUMMED_VERSION):
                 raise CorruptCheckpointError(f"{where}: a version {version} manifest "
                                              f"{'without' if version >= 2 else 'with'} a checksum is corrupt")
-            return cls(
+            manifest = cls(
                 step=int(body["step"]),
                 time=float(body["time"]),
                 world_size=int(body["world_size"]),
@@ -168,10 +168,42 @@ class Manifest:
                 metadata=dict(body.get("metadata") or {}),
                 per_rank=tuple(tuple((str(f), int(b), int(n)) for f, b, n in r) for r in body.get("per_rank", ())),
             )
+            _check_places(manifest, where)
+            return manifest
         except CorruptCheckpointError:
             raise
         except Exception as e:  # whatever a damaged manifest makes the parser raise, it is corrupt
             raise CorruptCheckpointError(f"{where} is not a valid manifest: {type(e).__name__}: {e}") from e
+
+
+def _check_places(m: Manifest, where: str) -> None:
+    """Every file a manifest names is a shard name of ``layout.py``'s grammar, listed once, with sane numbers,
+    and every record places its bytes in a listed file: a crafted name (``../x``, ``/etc/passwd``) never
+    makes a reader open, or a download create, a file outside the checkpoint."""
+    from persist_core.layout import parse_shard_filename
+
+    names = set()
+    for f in m.files:
+        if parse_shard_filename(f.name) is None:
+            raise CorruptCheckpointError(f"{where} names a file {str(f.name)[:80]!r}, not a shard name "
+                                         "(rank-NNNNN.safetensors or .ckpt): the manifest is corrupt or crafted")
+        if f.name in names:
+            raise CorruptCheckpointError(f"{where} lists {f.name!r} twice")
+        names.add(f.name)
+        numbers = (f.rank, f.size, f.chunk_bytes)
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in numbers) or f.chunk_bytes == 0 \
+                or len(f.chunks) != -(-f.size // f.chunk_bytes) \
+                or any(not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < 1 << 32 for c in f.chunks):
+            raise CorruptCheckpointError(f"{where}: its entry for {f.name!r} has impossible sizes or checksums")
+    placed = [fname for fname, _, _ in m.objects] + [fname for rank in m.per_rank for fname, _, _ in rank]
+    for rec in m.tensors:
+        if not isinstance(rec, dict):
+            raise CorruptCheckpointError(f"{where}: a tensor record is {type(rec).__name__}, not an object")
+        placed += [c.get("file") for c in rec["chunks"]] if "chunks" in rec else [rec.get("file")]
+    stray = [p for p in placed if p not in names]
+    if stray:
+        raise CorruptCheckpointError(f"{where} places bytes in {str(stray[0])[:80]!r}, a file it does not list: "
+                                     "the manifest is corrupt or crafted")
 
 
 def _checked(raw: bytes, *, where: str) -> bytes:

@@ -8,6 +8,7 @@ mutation cannot leak into the checkpoint); :func:`unflatten` rebuilds the same o
 from __future__ import annotations
 
 import pickle
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,8 @@ def flatten(state: Any) -> FlatState:
             return {"per_rank": len(per_rank) - 1}
         if isinstance(obj, torch.Tensor):
             _check_tensor(obj, path)
+            if not is_dtensor(obj) and (obj.is_conj() or obj.is_neg()):  # a lazy view: its bytes are not its values
+                obj = obj.resolve_conj().resolve_neg()  # saved as its own copy (it no longer aliases its base)
             tensors.append((path, obj))
             return {"tensor": len(tensors) - 1}
         if obj is None or kind in (bool, int, float, str):
@@ -101,7 +104,12 @@ def flatten(state: Any) -> FlatState:
         objects.append(_pickle(obj, path))
         return {"object": len(objects) - 1}
 
-    tree = enc(state, "")
+    try:
+        tree = enc(state, "")
+    except RecursionError:
+        raise UnsupportedStateError(
+            "the state nests dicts/lists/tuples deeper than Python's recursion limit "
+            f"({sys.getrecursionlimit()}), or contains itself; flatten it before saving") from None
     return FlatState(tree=tree, tensors=tensors, objects=objects, per_rank=per_rank)
 
 

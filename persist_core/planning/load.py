@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import pickle
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
@@ -28,6 +27,7 @@ import torch
 
 from persist_core import _knobs
 from persist_core.errors import ConfigError, CorruptCheckpointError
+from persist_core.format import unpickle
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.format.shard_file import OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, parse_header
 from persist_core.format.tree import flatten, is_dtensor, tensor_paths, unflatten
@@ -41,6 +41,25 @@ ReadBlocks = Callable[[FileEntry, int, list[memoryview]], None]
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor
 
 _HEADER_GUESS = 1 << 16
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a load reads: verify checksums, the device for tensors read whole, whose ``PerRank`` values, and
+    whether non-tensor leaves are unpickled with the allowlist (``weights_only``, the default) or in full."""
+
+    verify: bool = True
+    map_location: Any = "cpu"
+    rank: int = 0
+    weights_only: bool = True
+
+
+def check_weights_only(value: Any) -> bool:
+    """``value`` if it is a bool; else a ConfigError (``weights_only="no"`` must not mean yes)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"weights_only={value!r} must be True (unpickle only the types training states hold) or "
+                          "False (full pickle, for checkpoints you trust)")
+    return value
 
 
 @dataclass
@@ -109,7 +128,7 @@ def assemble(rec: dict[str, Any], entry_of: Callable[[dict[str, Any]], torch.Ten
 
 
 def per_rank_values(manifest: Manifest, rank: int, value_bytes: Callable[[str, int, int], Any], *,
-                    where: str) -> list[Any] | None:
+                    where: str, weights_only: bool = True) -> list[Any] | None:
     """The ``PerRank`` values rank ``rank`` saved, or ``None`` (with a warning) when no such rank saved.
 
     ``value_bytes(file, begin, length)``: the pickled bytes of one, from its file's ``__per_rank__`` entry.
@@ -123,9 +142,11 @@ def per_rank_values(manifest: Manifest, rank: int, value_bytes: Callable[[str, i
     values = []
     for fname, begin, length in manifest.per_rank[rank]:
         try:
-            values.append(pickle.loads(value_bytes(fname, begin, length)))
-        except Exception as e:  # a manifest that names the wrong bytes, however unpickling fails
-            raise CorruptCheckpointError(f"{where}: a PerRank value of rank {rank} does not load ({e})") from e
+            raw = value_bytes(fname, begin, length)
+        except Exception as e:  # a manifest that names the wrong place, however looking it up fails
+            raise CorruptCheckpointError(f"{where}: a PerRank value of rank {rank} is not where the manifest says ({e})"
+                                         ) from e
+        values.append(unpickle.loads(raw, weights_only=weights_only, where=f"{where} (rank {rank}'s PerRank value)"))
     return values
 
 
@@ -280,8 +301,8 @@ def iter_tensors(manifest: Manifest, *, read_blocks: ReadBlocks, pool: Executor,
         yield path, tensor
 
 
-def load_into(manifest: Manifest, into: Any, *, read_blocks: ReadBlocks, pool: Executor, rank: int,
-              map_location: Any = "cpu", where: str, stats: LoadStats | None = None) -> Any:
+def load_into(manifest: Manifest, into: Any, *, read_blocks: ReadBlocks, pool: Executor,
+              options: LoadOptions = LoadOptions(), where: str, stats: LoadStats | None = None) -> Any:
     """The state of ``manifest`` with each tensor that ``into`` has at the same key path filled in place.
 
     Args:
@@ -291,7 +312,7 @@ def load_into(manifest: Manifest, into: Any, *, read_blocks: ReadBlocks, pool: E
             saved global shape. Other saved tensors are read whole (onto ``map_location``).
         read_blocks: reads verified checksum blocks of one of the checkpoint's files.
         pool: threads for the reads.
-        rank: whose ``PerRank`` values to return.
+        options: the device for tensors read whole, whose ``PerRank`` values, how to unpickle.
         where: the checkpoint's name, for messages.
         stats: filled with the bytes needed and read.
 
@@ -304,7 +325,8 @@ def load_into(manifest: Manifest, into: Any, *, read_blocks: ReadBlocks, pool: E
         CorruptCheckpointError: a block does not verify, or the manifest does not fit its files.
     """
     stats = stats if stats is not None else LoadStats()
-    device = torch.device("cpu") if map_location is None else torch.device(map_location)
+    rank = options.rank
+    device = torch.device("cpu") if options.map_location is None else torch.device(options.map_location)
     targets = dict(flatten(into).tensors)
     objects_raw: list[bytes | None] = [None] * len(manifest.objects)
     per_rank_raw: list[bytes | None] = []
@@ -326,7 +348,7 @@ def load_into(manifest: Manifest, into: Any, *, read_blocks: ReadBlocks, pool: E
 
     try:
         key_objects = None if not any("object" in k for k in _dict_keys(manifest.tree)) else _objects_now(
-            plan, manifest, objects_raw)
+            plan, manifest, options.weights_only, where)
         paths = tensor_paths(manifest.tree, key_objects)
     except CorruptCheckpointError:
         raise
@@ -343,14 +365,10 @@ def load_into(manifest: Manifest, into: Any, *, read_blocks: ReadBlocks, pool: E
     for path, rec in zip(paths, manifest.tensors):
         tensors.append(_plan_tensor(plan, path, rec, targets.get(path), device, where))
     plan.run()
-    objects = []
-    for raw in objects_raw:
-        try:
-            objects.append(pickle.loads(raw))
-        except Exception as e:  # the wrong bytes, however unpickling fails
-            raise CorruptCheckpointError(f"{where}: a pickled leaf does not load ({type(e).__name__}: {e})") from e
+    objects = [unpickle.loads(raw or b"", weights_only=options.weights_only, where=where) for raw in objects_raw]
     ordered = iter(per_rank_raw)
-    per_rank = per_rank_values(manifest, rank, lambda f, b, n: next(ordered), where=where)
+    per_rank = per_rank_values(manifest, rank, lambda f, b, n: next(ordered), where=where,
+                               weights_only=options.weights_only)
     try:
         return unflatten(manifest.tree, tensors, objects, per_rank)
     except Exception as e:  # a tree that does not fit its records, however it fails
@@ -372,12 +390,13 @@ def _dict_keys(tree: Any) -> list[Any]:
     return keys
 
 
-def _objects_now(plan: _Plan, manifest: Manifest, raw: list[bytes | None]) -> list[Any]:
+def _objects_now(plan: _Plan, manifest: Manifest, weights_only: bool, where: str) -> list[Any]:
     """The pickled leaves read at once (a dict key that was pickled is part of a tensor's path)."""
     out = []
     for fname, begin, length in manifest.objects:
         b, _ = plan.entry(fname, OBJECTS_ENTRY)
-        out.append(pickle.loads(plan._read_range(plan._file(fname), b + begin, b + begin + length)))
+        raw = plan._read_range(plan._file(fname), b + begin, b + begin + length)
+        out.append(unpickle.loads(raw, weights_only=weights_only, where=where))
     return out
 
 

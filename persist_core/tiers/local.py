@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import pickle
 import secrets
 from collections import deque
 from collections.abc import Callable
@@ -36,7 +35,8 @@ from persist_core.layout import (
 )
 from persist_core.ownership import DirLock, discard, remove_dead, take
 from persist_core.format.manifest import FileEntry, Manifest
-from persist_core.planning.load import assemble, per_rank_values
+from persist_core.format import unpickle
+from persist_core.planning.load import LoadOptions, assemble, per_rank_values
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -221,31 +221,30 @@ def read_blocks(path: Path, fe: FileEntry, first: int, views: list[memoryview], 
         fe.check_views(views, first, where=str(path))
 
 
-def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, verify: bool, map_location: Any,
-                    rank: int = 0) -> Any:
+def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, options: LoadOptions) -> Any:
     """Load and rebuild the state of the checkpoint directory ``ckpt``: sharded tensors whole.
 
     Args:
         ckpt: the committed checkpoint directory.
         manifest: its manifest (from :func:`read_manifest`).
         pool: threads for parallel chunk reads.
-        verify: check every chunk's crc32c.
-        map_location: ``None``/``"cpu"`` or a device (``"cuda:0"``, ``torch.device``) for the tensors.
-        rank: whose ``PerRank`` values to return.
+        options: verify checksums, the device for the tensors, whose ``PerRank`` values, how to unpickle.
 
     Raises:
         CorruptCheckpointError: a file or checksum does not verify (the message names the file).
+        UnsafeCheckpointError: a leaf names a type restricted unpickling does not load.
     """
-    device = torch.device("cpu") if map_location is None else torch.device(map_location)
-    entries = {f.name: _read_shard(ckpt / f.name, f, pool=pool, verify=verify) for f in manifest.files}
+    device = torch.device("cpu") if options.map_location is None else torch.device(options.map_location)
+    entries = {f.name: _read_shard(ckpt / f.name, f, pool=pool, verify=options.verify) for f in manifest.files}
     objects = []
     for fname, begin, length in manifest.objects:
         try:
-            objects.append(pickle.loads(_view(entries[fname][OBJECTS_ENTRY])[begin : begin + length]))
-        except Exception as e:  # a manifest that names the wrong bytes: any unpickling error, not only one kind
-            raise CorruptCheckpointError(f"{ckpt}: a pickled leaf does not load ({type(e).__name__}: {e})") from e
-    per_rank = per_rank_values(manifest, rank, lambda f, b, n: _view(entries[f][PER_RANK_ENTRY])[b : b + n],
-                               where=str(ckpt))
+            blob = _view(entries[fname][OBJECTS_ENTRY])[begin : begin + length]
+        except KeyError as e:
+            raise CorruptCheckpointError(f"{ckpt}: the manifest places a pickled leaf in {e}, which it lacks") from e
+        objects.append(unpickle.loads(blob, weights_only=options.weights_only, where=str(ckpt)))
+    per_rank = per_rank_values(manifest, options.rank, lambda f, b, n: _view(entries[f][PER_RANK_ENTRY])[b : b + n],
+                               where=str(ckpt), weights_only=options.weights_only)
     if device.type != "cpu":
         entries = {f: {n: t.to(device) for n, t in es.items() if n not in (OBJECTS_ENTRY, PER_RANK_ENTRY)}
                    for f, es in entries.items()}

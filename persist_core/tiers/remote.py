@@ -56,7 +56,8 @@ class RemoteTier:
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        self.url = url.rstrip("/")
+        self.url = _knobs.check_remote_url(url).rstrip("/")
+        storage_options = _knobs.check_storage_options(storage_options)
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **_with_timeouts(self.url, storage_options))
         except ImportError as e:

@@ -72,6 +72,6 @@ def test_user_keys_cannot_collide_with_internal_entries(ckpt_dir):
     state = {"__pad__.0": torch.ones(2), "__objects__": torch.zeros(1), "x": ValueError("kept")}
     with CheckpointEngine(ckpt_dir) as engine:
         engine.save(state, step=1).wait()
-        out = engine.load()
+        out = engine.load(weights_only=False)  # an exception object is no training type: full pickle, opted in
     assert out["__pad__.0"].equal(torch.ones(2)) and out["__objects__"].equal(torch.zeros(1))
     assert type(out["x"]) is ValueError and out["x"].args == ("kept",)
