@@ -169,6 +169,7 @@ class Manifest:
                 per_rank=tuple(tuple((str(f), int(b), int(n)) for f, b, n in r) for r in body.get("per_rank", ())),
             )
             _check_places(manifest, where)
+            _check_schema(manifest, where)
             return manifest
         except CorruptCheckpointError:
             raise
@@ -204,6 +205,112 @@ def _check_places(m: Manifest, where: str) -> None:
     if stray:
         raise CorruptCheckpointError(f"{where} places bytes in {str(stray[0])[:80]!r}, a file it does not list: "
                                      "the manifest is corrupt or crafted")
+
+
+def _whole(v: Any, minimum: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+def _ints(v: Any, n: int | None = None) -> bool:
+    return isinstance(v, list) and all(_whole(x) for x in v) and (n is None or len(v) == n)
+
+
+def _check_schema(m: Manifest, where: str) -> None:
+    """Every field a reader uses has the type and range it must (a crafted manifest carrying its own
+    checksum is corrupt here, by name, instead of crashing a reader with a raw error or loading wrong
+    values); the tree is walked without recursion, whatever its depth."""
+    from persist_core.format.shard_file import dtype_from_name
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {what}; the manifest is corrupt or crafted")
+
+    if not _whole(m.step) or not _whole(m.world_size, 1):
+        raise bad(f"step={m.step!r} / world_size={m.world_size!r} out of range")
+    if m.per_rank and len(m.per_rank) != m.world_size:
+        raise bad(f"per_rank lists {len(m.per_rank)} ranks for a world of {m.world_size}")
+    for fname, begin, length in [*m.objects, *(p for r in m.per_rank for p in r)]:
+        if begin < 0 or length < 0:
+            raise bad(f"a pickled leaf at bytes {begin}..{begin + length} of {fname!r}")
+    seen_tensors: set[int] = set()
+    stack = [m.tree]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or not node:
+            raise bad(f"a tree node is {type(node).__name__} {str(node)[:40]!r}")
+        kind = next(iter(node))
+        if kind == "tensor":
+            i = node["tensor"]
+            if not _whole(i) or i >= len(m.tensors) or i in seen_tensors:
+                raise bad(f"a tree node names tensor {i!r} (the manifest has {len(m.tensors)}, each named once)")
+            seen_tensors.add(i)
+        elif kind == "object":
+            if not _whole(node["object"]) or node["object"] >= len(m.objects):
+                raise bad(f"a tree node names pickled leaf {node['object']!r} of {len(m.objects)}")
+        elif kind == "per_rank":
+            counts = {len(r) for r in m.per_rank} or {0}
+            if not _whole(node["per_rank"]) or node["per_rank"] >= min(counts):
+                raise bad(f"a tree node names PerRank value {node['per_rank']!r} that the ranks did not all save")
+        elif kind == "value":
+            if node["value"] is not None and not isinstance(node["value"], (bool, int, float, str)):
+                raise bad(f"a tree value is {type(node['value']).__name__}")
+        elif kind == "dict":
+            pairs = node["dict"]
+            if not isinstance(pairs, list) or any(not isinstance(p, list) or len(p) != 2 for p in pairs):
+                raise bad("a dict node's items are not [key, value] pairs")
+            stack.extend(x for p in pairs for x in p)
+        elif kind in ("list", "tuple"):
+            if not isinstance(node[kind], list):
+                raise bad(f"a {kind} node holds {type(node[kind]).__name__}")
+            stack.extend(node[kind])
+        else:
+            raise bad(f"a tree node of unknown kind {kind!r}")
+    if len(seen_tensors) != len(m.tensors):
+        raise bad(f"the tree names {len(seen_tensors)} of its {len(m.tensors)} tensor records")
+    for i, rec in enumerate(m.tensors):
+        try:
+            dtype = dtype_from_name(rec["dtype"])
+        except (KeyError, TypeError):
+            raise bad(f"tensor record {i} has no valid dtype") from None
+        shape = rec.get("shape")
+        if not _ints(shape):
+            raise bad(f"tensor record {i} has shape {shape!r}")
+        if "chunks" in rec:
+            _check_chunks(rec, i, shape, bad)
+            continue
+        if not isinstance(rec.get("entry"), str) or not _whole(rec.get("offset", 0)):
+            raise bad(f"tensor record {i} has entry {rec.get('entry')!r} / offset {rec.get('offset')!r}")
+        stride = rec.get("stride")
+        if stride is not None and not _ints(stride, len(shape)):
+            raise bad(f"tensor record {i} has stride {stride!r} for shape {shape}")
+        size = _itemsize(dtype)
+        if rec.get("offset", 0) % size:
+            raise bad(f"tensor record {i}'s offset {rec['offset']} is not a multiple of its {size}-byte elements")
+
+
+def _check_chunks(rec: dict[str, Any], i: int, shape: list[int], bad: Any) -> None:
+    import math
+
+    boxes = []
+    for c in rec["chunks"] if isinstance(rec["chunks"], list) else [None]:
+        if not isinstance(c, dict) or not isinstance(c.get("entry"), str) or not _ints(c.get("offsets"), len(shape)) \
+                or not _ints(c.get("sizes"), len(shape)) \
+                or any(o + n > d for o, n, d in zip(c["offsets"], c["sizes"], shape)):
+            raise bad(f"sharded tensor record {i} has a chunk {str(c)[:80]} outside its shape {shape}")
+        boxes.append((c["offsets"], c["sizes"]))
+    if sum(math.prod(n) for _, n in boxes) != math.prod(shape):
+        raise bad(f"sharded tensor record {i}'s chunks do not cover its {math.prod(shape)} elements")
+    for a in range(len(boxes)):  # equal total and no overlap: they tile it
+        for b in range(a + 1, len(boxes)):
+            (oa, na), (ob, nb) = boxes[a], boxes[b]
+            if all(max(x, y) < min(x + n, y + m) for x, n, y, m in zip(oa, na, ob, nb)) and math.prod(na) \
+                    and math.prod(nb):
+                raise bad(f"sharded tensor record {i} has overlapping chunks")
+
+
+def _itemsize(dtype: Any) -> int:
+    import torch
+
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _checked(raw: bytes, *, where: str) -> bytes:

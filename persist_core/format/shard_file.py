@@ -129,3 +129,12 @@ def parse_header(prefix: bytes, *, file_size: int) -> tuple[int, list[tuple[str,
         raise CorruptCheckpointError(f"shard entries end at byte {pos} but the file has {file_size}")
     return data_start, [(name, begin, end) for begin, end, name in spans]
 
+
+
+def entry_dtypes(prefix: bytes) -> dict[str, str]:
+    """The safetensors dtype (``"F32"``, ``"U8"``) of each entry of a shard whose first bytes are ``prefix``
+    (already checked by :func:`parse_header`): a reader compares it with the manifest's record."""
+    skip = image_offset(prefix)
+    (n,) = struct.unpack("<Q", prefix[skip : skip + 8])
+    header = json.loads(prefix[skip + 8 : skip + 8 + n])
+    return {str(name): str(e.get("dtype")) for name, e in header.items() if name != "__metadata__"}

@@ -174,5 +174,9 @@ def unflatten(tree: Any, tensors: list[torch.Tensor], objects: list[Any], per_ra
             return objects[node["object"]]
         raise CorruptCheckpointError(f"unknown node {sorted(node)} in the manifest's tree")
 
-    return dec(tree)
+    try:
+        return dec(tree)
+    except RecursionError:
+        raise CorruptCheckpointError(f"the manifest's tree nests deeper than Python's recursion limit "
+                                     f"({sys.getrecursionlimit()}) allows here") from None
 

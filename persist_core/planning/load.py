@@ -29,7 +29,8 @@ from persist_core import _knobs
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format import unpickle
 from persist_core.format.manifest import FileEntry, Manifest
-from persist_core.format.shard_file import OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, parse_header
+from persist_core.format.shard_file import (OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, entry_dtypes, parse_header,
+                                            safetensors_dtype)
 from persist_core.format.tree import flatten, is_dtensor, tensor_paths, unflatten
 from persist_core.planning.partition import contiguous_strides
 
@@ -165,7 +166,7 @@ class _Plan:
     """Byte-range requests per file, then one verified read per run of adjacent checksum blocks."""
 
     def __init__(self, manifest: Manifest, read_blocks: ReadBlocks, pool: Executor, stats: LoadStats,
-                 headers: dict[str, dict[str, tuple[int, int]]] | None = None) -> None:
+                 headers: dict[str, tuple[dict[str, tuple[int, int]], dict[str, str]]] | None = None) -> None:
         self._files = {f.name: f for f in manifest.files}
         self._read = read_blocks
         self._pool = pool
@@ -189,11 +190,20 @@ class _Plan:
                     spans = parse_header(prefix, file_size=fe.size)[1]
             except CorruptCheckpointError as e:
                 raise CorruptCheckpointError(f"{fname}: {e}") from e
-            self._headers[fname] = {name: (b, e) for name, b, e in spans}
+            self._headers[fname] = ({name: (b, e) for name, b, e in spans}, entry_dtypes(prefix))
         try:
-            return self._headers[fname][name]
+            return self._headers[fname][0][name]
         except KeyError:
             raise CorruptCheckpointError(f"{fname} has no entry {name!r} that its manifest names") from None
+
+    def check_whole(self, fname: str, name: str, dtype: torch.dtype, numel: int, where: str) -> None:
+        """The entry ``name`` holds exactly ``numel`` elements of ``dtype``, as its header says (a record whose
+        dtype was swapped for another of the same size is caught here)."""
+        begin, end = self.entry(fname, name)
+        header = self._headers[fname][1].get(name)
+        if header != (safetensors_dtype(dtype) or "U8") or end - begin != numel * _itemsize(dtype):
+            raise CorruptCheckpointError(f"{where}: entry {name!r} of {fname} holds {header} x {end - begin} bytes, "
+                                         f"its record says {numel} x {dtype}")
 
     def _file(self, fname: str) -> FileEntry:
         try:
@@ -273,6 +283,10 @@ class _Plan:
             r.done(view)
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
 def _direct(dst: torch.Tensor, dtype: torch.dtype, span_is_box: bool) -> bool:
     """Whether the saved bytes can be read straight into ``dst``: same dtype, host memory, both sides one
     contiguous run of the same elements in the same order."""
@@ -289,7 +303,7 @@ def iter_tensors(manifest: Manifest, *, read_blocks: ReadBlocks, pool: Executor,
     """Each tensor of the checkpoint whole (sharded ones assembled), one at a time, with its key path:
     memory about the largest tensor, not the state (consolidation, ``persist export``)."""
     stats = stats if stats is not None else LoadStats()
-    headers: dict[str, dict[str, tuple[int, int]]] = {}
+    headers: dict[str, tuple[dict[str, tuple[int, int]], dict[str, str]]] = {}
     paths = tensor_paths(manifest.tree)
     if len(paths) != len(manifest.tensors):
         raise CorruptCheckpointError(f"{where}: the manifest's tree has {len(paths)} tensors, its records "
@@ -412,6 +426,9 @@ def _plan_tensor(plan: _Plan, path: str, rec: dict[str, Any], target: torch.Tens
         raise
     except Exception as e:  # a damaged record, however it fails
         raise CorruptCheckpointError(f"{where}: the record of {path!r} is damaged ({e})") from e
+    for c in chunks:  # the record agrees with its shard's header before anything is compared or read
+        if c.get("stride") is None:
+            plan.check_whole(c["file"], c["entry"], dtype, math.prod(c["sizes"]), where)
     if target is None:
         result = torch.empty(shape, dtype=dtype, device=device)
         dest, box = result, ((0,) * len(shape), shape)
@@ -432,15 +449,17 @@ def _plan_tensor(plan: _Plan, path: str, rec: dict[str, Any], target: torch.Tens
         meet = overlap(box, c_box)
         if meet is None:
             continue
-        begin, _ = plan.entry(c["file"], c["entry"])
-        begin += int(c.get("offset", 0))
+        begin, entry_end = plan.entry(c["file"], c["entry"])
         stride = c.get("stride")
+        begin += int(c.get("offset", 0))
         c_strides = tuple(stride) if stride is not None else contiguous_strides(c_box[1])
         rel = tuple(lo - o for lo, o in zip(meet[0], c_box[0]))
         first = sum(r * s for r, s in zip(rel, c_strides))
         last = sum((r + n - 1) * s for r, n, s in zip(rel, meet[1], c_strides))
         dst = dest[_slices(meet, box[0])]
         start, stop = begin + first * es, begin + (last + 1) * es
+        if stop > entry_end or start < begin:
+            raise CorruptCheckpointError(f"{where}: the record of {path!r} reaches past its entry {c['entry']!r}")
         if _direct(dst, dtype, last - first + 1 == math.prod(meet[1])):  # the bytes are the target's, in order
             plan.request(c["file"], start, stop, into=_bytes_of(dst))
             continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import secrets
 from collections import deque
@@ -22,7 +23,8 @@ import torch
 
 from persist_core import _knobs
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
-from persist_core.format.shard_file import OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, parse_header
+from persist_core.format.shard_file import (OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, entry_dtypes, parse_header,
+                                            safetensors_dtype)
 from persist_core.format.torch_zip import image_offset
 from persist_core.format.tree import unflatten
 from persist_core.fileio import fsync_dir
@@ -145,8 +147,10 @@ def _read_chunks(fd: int, path: Path, blocks: list[tuple[list[memoryview], int, 
         _read_chunk(fd, path, views, offset, expected, index)
 
 
-def _read_shard(path: Path, fe: FileEntry, *, pool: Executor, verify: bool) -> dict[str, torch.Tensor]:
-    """Read one shard file into one CPU byte tensor per entry, verifying chunk checksums."""
+def _read_shard(path: Path, fe: FileEntry, *, pool: Executor,
+                verify: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read one shard file into one CPU byte tensor per entry, verifying chunk checksums; and the
+    safetensors dtype its header gives each entry."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         if os.fstat(fd).st_size != fe.size:
@@ -197,9 +201,32 @@ def _read_shard(path: Path, fe: FileEntry, *, pool: Executor, verify: bool) -> d
             raise first
         if bytes(header_copy) != prefix[:data_start]:
             raise CorruptCheckpointError(f"{path}: header changed while reading")
-        return tensors
+        return tensors, entry_dtypes(prefix)
     finally:
         os.close(fd)
+
+
+def _check_entry(rec: dict[str, Any], header_dtype: str | None, nbytes: int, dtype: torch.dtype) -> None:
+    """A record agrees with the shard entry that holds it: a whole-entry tensor has the entry's dtype and
+    exactly its bytes; a view into a shared entry stays inside it.
+
+    Raises:
+        RuntimeError: they disagree (the caller makes it a CorruptCheckpointError naming the record).
+    """
+    es = torch.empty(0, dtype=dtype).element_size()
+    shape = rec["shape"]
+    if rec["stride"] is None:
+        named = safetensors_dtype(dtype) or "U8"
+        if header_dtype != named:
+            raise RuntimeError(f"the record says {rec['dtype']} but its shard entry holds {header_dtype}")
+        if math.prod(shape) * es != nbytes:
+            raise RuntimeError(f"{math.prod(shape)} x {es} bytes do not make the entry's {nbytes}")
+        return
+    if math.prod(shape) == 0:
+        return
+    last = rec["offset"] // es + sum((n - 1) * st for n, st in zip(shape, rec["stride"]))
+    if (last + 1) * es > nbytes:
+        raise RuntimeError(f"the view ends at byte {(last + 1) * es}, past its shared entry's {nbytes}")
 
 
 def read_blocks(path: Path, fe: FileEntry, first: int, views: list[memoryview], *, verify: bool) -> None:
@@ -235,7 +262,9 @@ def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, options: 
         UnsafeCheckpointError: a leaf names a type restricted unpickling does not load.
     """
     device = torch.device("cpu") if options.map_location is None else torch.device(options.map_location)
-    entries = {f.name: _read_shard(ckpt / f.name, f, pool=pool, verify=options.verify) for f in manifest.files}
+    shards = {f.name: _read_shard(ckpt / f.name, f, pool=pool, verify=options.verify) for f in manifest.files}
+    entries = {name: tensors for name, (tensors, _) in shards.items()}
+    header_dtypes = {name: dtypes for name, (_, dtypes) in shards.items()}
     objects = []
     for fname, begin, length in manifest.objects:
         try:
@@ -257,6 +286,7 @@ def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, options: 
             entry = entries[rec["file"]][rec["entry"]]
             dtype = dtype_from_name(rec["dtype"])
             shape = tuple(rec["shape"])
+            _check_entry(rec, header_dtypes[rec["file"]].get(rec["entry"]), entry.numel(), dtype)
             if rec["stride"] is None:
                 t = (entry.view(dtype) if dtype != torch.uint8 else entry).view(shape)
             else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import collections
 import datetime
 import pathlib
@@ -14,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from persist_core import CheckpointEngine, CheckpointReader, ConfigError, UnsafeCheckpointError
+from persist_core import CheckpointEngine, CheckpointReader, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
 from persist_core.cli import main
 from tests.support.hostile import RunsOnLoad
 from tests.support.states import assert_state_equal
@@ -140,7 +141,12 @@ def _rechecksummed(body: dict) -> bytes:
 
     import crc32c
 
-    raw = json.dumps(body, separators=(",", ":")).encode()
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)  # a crafted tree may nest deeper than json's default allows writing
+    try:
+        raw = json.dumps(body, separators=(",", ":")).encode()
+    finally:
+        sys.setrecursionlimit(limit)
     return raw[:-1] + f',"manifest_crc32c":{crc32c.crc32c(raw)}}}'.encode()
 
 
@@ -221,3 +227,77 @@ def test_cli_bad_input_is_a_usage_error_not_a_traceback(crafted, tmp_path):
     assert bad_json.exit_code == 2 and "must be a JSON object" in bad_json.output
     nowhere = CliRunner().invoke(main, ["export", str(root), "--to", "/nonexistent-dir/x.pt"])
     assert nowhere.exit_code == 2 and "does not exist" in nowhere.output and "Traceback" not in nowhere.output
+
+
+def _deep_tree(levels: int) -> dict:
+    node: dict = {"tensor": 0}
+    for _ in range(levels):
+        node = {"list": [node]}
+    return node
+
+
+def _set(path: tuple, value):
+    def mutate(body: dict) -> None:
+        target = body
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return mutate
+
+
+def _shared(body: dict) -> dict:
+    return next(t for t in body["tensors"] if t.get("stride") is not None)
+
+
+def _whole(body: dict) -> dict:
+    return next(t for t in body["tensors"] if t.get("stride") is None and t["dtype"] == "float32")
+
+
+CRAFTED = {  # a crafted manifest carries a correct checksum: each must be corrupt by name, and load() fall back
+    "dtype swapped, same size": lambda b: _whole(b).update(dtype="int32"),
+    "dtype unknown": lambda b: _whole(b).update(dtype="nosuch"),
+    "dtype not a string": lambda b: _whole(b).update(dtype=7),
+    "shape negative": lambda b: _whole(b).update(shape=[-1]),
+    "shape a string": lambda b: _whole(b).update(shape="x"),
+    "shape grown": lambda b: _whole(b).update(shape=[4096, 4096]),
+    "record not an object": _set(("tensors", 0), 5),
+    "record without entry": lambda b: _whole(b).pop("entry"),
+    "shared view past its entry": lambda b: _shared(b).update(offset=10 ** 6 * 4),
+    "shared offset not aligned": lambda b: _shared(b).update(offset=2),
+    "stride of the wrong length": lambda b: _shared(b).update(stride=[1]),
+    "tree names a string index": _set(("tree",), {"tensor": "0"}),
+    "tree pair of one": _set(("tree",), {"dict": [[{"value": "a"}]]}),
+    "tree node of unknown kind": _set(("tree",), {"bogus": 1}),
+    "tree value an object": _set(("tree",), {"value": {"a": 1}}),
+    "tree deeper than the recursion limit": _set(("tree",), _deep_tree(5000)),
+    "object at a negative offset": _set(("objects",), [["rank-00000.safetensors", -5, 3]]),
+    "object in an unlisted file": _set(("objects",), [["rank-00009.safetensors", 0, 3]]),
+    "file without checksums": lambda b: b["files"][0].update(chunks=[]),
+    "file of negative size": lambda b: b["files"][0].update(size=-1),
+    "files not a list": _set(("files",), "x"),
+    "world of zero": _set(("world_size",), 0),
+    "step a string": _set(("step",), "two"),
+    "per_rank for a world it lacks": _set(("per_rank",), [[], [], []]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_a_crafted_manifest_is_corrupt_by_name_and_load_falls_back(tmp_path, case):
+    import json
+
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    with CheckpointEngine(tmp_path) as engine:
+        engine.save({"w": torch.ones(8), "t": base, "v": base[1:, ::2], "n": "one"}, step=1).wait()
+        twice = base * 2
+        engine.save({"w": torch.full((8,), 2.0), "t": twice, "v": twice[1:, ::2], "n": "two"}, step=2).wait()
+    path = tmp_path / "step-000000000002" / "manifest.json"
+    body = json.loads(path.read_bytes())
+    body.pop("manifest_crc32c")
+    CRAFTED[case](body)
+    path.write_bytes(_rechecksummed(body))
+    with CheckpointReader(tmp_path) as reader:
+        with pytest.raises(CorruptCheckpointError):
+            reader.load(2)
+        assert reader.load()["n"] == "one"  # step 2 skipped, step 1 loads
+        targets = {"w": torch.zeros(8), "t": torch.zeros(3, 4)}
+        assert reader.load(into=targets)["n"] == "one" and torch.equal(targets["w"], torch.ones(8))  # resharding path
