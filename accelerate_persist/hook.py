@@ -136,6 +136,11 @@ class PersistHook:
         """
         if self._accelerator is not None:
             raise ConfigError("this PersistHook is registered already; close() it before registering it again")
+        missing = [n for n in ("distributed_type", "num_processes", "save_state", "load_state", "project_configuration")
+                   if not hasattr(accelerator, n)]
+        if missing:
+            raise ConfigError(f"register({type(accelerator).__name__}) needs an accelerate.Accelerator (it has no "
+                              f"{', '.join(missing)}); pass the Accelerator you train with")
         kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
         launched = os.environ.get("WORLD_SIZE", "1")
         if launched.isdigit() and int(launched) > 1 and accelerator.num_processes == 1:

@@ -161,8 +161,8 @@ def check_remote_url(value: object) -> str | None:
 
 def check_storage_options(value: object) -> dict | None:
     """``value`` if it is ``None`` or a dict (fsspec's keyword arguments); else a ConfigError."""
-    if value is not None and not isinstance(value, dict):
-        raise ConfigError(f"storage_options={value!r} must be a dict of fsspec options, e.g. "
+    if value is not None and not isinstance(value, dict):  # its type only: the value may hold credentials
+        raise ConfigError(f"storage_options (a {type(value).__name__}) must be a dict of fsspec options, e.g. "
                           "{'client_kwargs': {'endpoint_url': 'http://127.0.0.1:9000'}}, or None")
     return value
 

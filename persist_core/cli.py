@@ -233,9 +233,11 @@ def main(ctx: click.Context, storage_options: str | None, debug: bool) -> None:
     try:
         options = json.loads(storage_options) if storage_options else None
     except json.JSONDecodeError as e:
-        raise click.UsageError(f"--storage-options is not JSON ({e})") from e
+        raise click.UsageError(f"--storage-options is not JSON (at character {e.pos}; its value is not shown: it "
+                               "may hold credentials)") from None
     if options is not None and not isinstance(options, dict):
-        raise click.UsageError(f"--storage-options={storage_options!r} must be a JSON object of fsspec options, e.g. "
+        raise click.UsageError(f"--storage-options holds a JSON {type(options).__name__}; it must be a JSON object of "
+                               "fsspec options (its value is not shown: it may hold credentials), e.g. "
                                "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:9000\"}}'")
     ctx.obj = options
 

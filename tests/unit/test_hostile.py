@@ -171,7 +171,7 @@ BAD_INPUTS = {  # each must be a ConfigError at the call that received it, namin
     "remote_url=123": (_engine(remote_url=123), "remote_url=123"),
     "remote_url=''": (_engine(remote_url=""), "remote_url=''"),
     "remote_url='s3://'": (_engine(remote_url="s3://"), "names no bucket"),
-    "storage_options='x'": (_engine(remote_url="memory://x", storage_options="x"), "storage_options='x'"),
+    "storage_options='x'": (_engine(remote_url="memory://x", storage_options="key=SECRET"), "storage_options (a str)"),
     "collectives='x'": (_engine(collectives="x"), "collectives='x'"),
     "verify='no'": (_engine(verify="no"), "verify='no'"),
     "reader verify='no'": (lambda d: CheckpointReader(d, verify="no"), "verify='no'"),
@@ -180,6 +180,7 @@ BAD_INPUTS = {  # each must be a ConfigError at the call that received it, namin
     "plugin remote_url='nosuch://x'": (lambda d: _plugin(d, remote_url="nosuch://x"), "nosuch"),
     "hook preemption_signals=SIGTERM": (lambda d: _hook(d, preemption_signals=__import__("signal").SIGTERM),
                                         "must be a tuple"),
+    "hook register(object())": (lambda d: _hook(d).register(object()), "needs an accelerate.Accelerator"),
 }
 
 
@@ -198,8 +199,9 @@ def _hook(d, **kw):
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_a_bad_argument_is_a_config_error_naming_it(tmp_path, case):
     make, named = BAD_INPUTS[case]
-    with pytest.raises(ConfigError, match=re.escape(named)):
+    with pytest.raises(ConfigError, match=re.escape(named)) as caught:
         make(tmp_path)
+    assert "SECRET" not in str(caught.value)  # a bad value that may hold credentials is never printed
 
 
 def test_bad_save_arguments_fail_at_the_call_and_leave_the_engine_usable(tmp_path):
@@ -223,8 +225,8 @@ def test_bad_save_arguments_fail_at_the_call_and_leave_the_engine_usable(tmp_pat
 
 def test_cli_bad_input_is_a_usage_error_not_a_traceback(crafted, tmp_path):
     root, _ = crafted
-    bad_json = CliRunner().invoke(main, ["--storage-options", "[1]", "ls", str(root)])
-    assert bad_json.exit_code == 2 and "must be a JSON object" in bad_json.output
+    bad_json = CliRunner().invoke(main, ["--storage-options", '["SECRET"]', "ls", str(root)])
+    assert bad_json.exit_code == 2 and "must be a JSON object" in bad_json.output and "SECRET" not in bad_json.output
     nowhere = CliRunner().invoke(main, ["export", str(root), "--to", "/nonexistent-dir/x.pt"])
     assert nowhere.exit_code == 2 and "does not exist" in nowhere.output and "Traceback" not in nowhere.output
 
