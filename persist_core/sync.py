@@ -135,6 +135,10 @@ class RemoteSync:
         self._branch_at: int | None = None  # set the remote's steps after this aside before the next upload
         # a daemon: close() waits for it, except for a request the remote never answers after giving up
         self._thread = threading.Thread(target=self._run, name="persist-sync", daemon=True)
+
+    def start(self) -> None:
+        """Start the sync thread (its owner calls this once the callbacks it was given can run: the thread
+        may upload a backlog and call ``after_upload`` at once)."""
         self._thread.start()
         # At interpreter exit (an engine never closed), finish the queued uploads, then stop,
         # like concurrent.futures' workers do; otherwise the process would never exit.

@@ -248,14 +248,16 @@ class Pipeline:
                              direct_io=settings.direct_io)
         local = LocalTier(root)
         self.local = Retainer(local, keep_local if leader else None, protected=self.protected)
+        self._url = None if tier is None else tier.url  # before RemoteSync: its thread may upload a backlog at once
+        self._record_lock = threading.Lock()
         self.sync = None if tier is None or not leader else RemoteSync(
             tier, keep_remote=keep_remote, ledger=ledger, backlog=self._backlog, after_upload=self._after_upload,
             latest_step=latest_step, lease=RemoteLease(tier, run_id or run_id_from_env() or local_run_id(root),
                                                        ttl_s=remote_lease_s()),
             abandoned=local.abandoned_manifests)
-        self._url = None if tier is None else tier.url
-        self._record_lock = threading.Lock()
         self.timeline = Timeline(root, local, self.sync, leader=leader)
+        if self.sync is not None:  # now that protected() and the record can see it
+            self.sync.start()
 
     def adopt_remote_run(self) -> None:
         """This run resumed from a checkpoint downloaded from the remote: continue the run holding its lease."""
