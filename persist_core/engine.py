@@ -15,6 +15,7 @@ Call order (one process):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from persist_core.errors import ConfigError, PersistError, RemoteError
 from persist_core.fileio import FileOps, OsFileOps
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import SaveHistory
+from persist_core.overlap import Guard, Overlap
 from persist_core.planning.save import plan_rank
 from persist_core.planning.sharding import check_replica_mode
 from persist_core.policies.retention import RetentionPolicy, check_policy
@@ -185,6 +187,7 @@ class CheckpointEngine:
                                         history=self._history, clock=clock, in_flight=self._writer.in_flight,
                                         known=self._known, wait=self.wait)
         self._reader = CheckpointReader(self._root, verify=verify, tier=tier)
+        self._overlap = Overlap()
         _close_at_exit(self)
 
     # ------------------------------------------------------------------ save
@@ -212,6 +215,7 @@ class CheckpointEngine:
         """
         t0, decided_at = time.perf_counter(), self._history.now()
         self._check_open()
+        self._overlap.fence()  # the previous guarded save's copy goes to the writer first: saves stay in order
         self._ledger.raise_first()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int (the training step)")
@@ -224,7 +228,10 @@ class CheckpointEngine:
             plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size,
                              torch_loadable=self._torch_loadable, replica_check=self._replica_check, seed=step)
             self._pipeline.check_backlog(step, plan.shard.file_bytes)
-            staged = stage_into(self._pool, plan.shard, self._streams)
+            deferred = self._overlap.deferred() if self._overlap.active else set()
+            staged = stage_into(self._pool, plan.shard, self._streams,
+                                defer=(lambda c: isinstance(c.source, torch.Tensor)
+                                       and c.source.untyped_storage().data_ptr() in deferred) if deferred else None)
         except BaseException:
             self._writer.unreserve(step)
             raise
@@ -235,13 +242,62 @@ class CheckpointEngine:
         self._history.add(decided_at, step, handle)
         job = WriteJob(handle=handle, buf=staged.buf, base=base, staged_at=staged.done_at, signature=plan.signature,
                        replace=replace, filename=plan.filename, digests=tuple(plan.digests))
-        del plan  # the writer needs only the staged bytes, not the caller's tensors
+        del plan  # the writer needs only the staged bytes (and the deferred copy its sources), not the tensors
         handle._update(stall_s=time.perf_counter() - t0)
-        self._writer.submit(job)
-        self._history.meter.staged(step, self._history.now())
+        if staged.later is None:
+            self._writer.submit(job)
+            self._history.meter.staged(step, self._history.now())
+            handle._set_staged()
+        else:
+            self._overlap.run(lambda: self._finish_staging(job, staged.later))
         log.debug("[rank=%d][step=%d] staged %d bytes in %.3f s", self._coll.rank, step, handle.stats.nbytes,
                   handle.stats.staging_s)
         return handle
+
+    def guard(self, *optimizers: Any) -> Guard:
+        """Overlap the next saves with training: ``save()`` returns after copying only what the forward pass
+        may mutate (module buffers, counters, RNG states), the guarded optimizers' parameters and state are
+        copied in the background while the next forward and backward run, and each optimizer's next
+        ``step()`` waits for that copy (an ``optimizer.register_step_pre_hook``). The checkpoint is the state
+        at the moment of ``save()``. ``handle.wait_staged()`` waits for the copy; ``guard(...).remove()``
+        (or ``with engine.guard(opt):``) undoes it. Without a guard ``save()`` returns once everything is copied.
+
+        Example::
+
+            engine.guard(optimizer)
+            for step in ...:
+                loss = model(batch).loss; loss.backward()
+                optimizer.step()                      # waits for the previous save's copy, if any
+                engine.save(state(), step=step)       # returns after the buffers are copied
+        """
+        if not optimizers or not all(hasattr(o, "register_step_pre_hook") for o in optimizers):
+            raise ConfigError(f"guard({', '.join(type(o).__name__ for o in optimizers) or ''}) needs torch optimizers "
+                              "(whose step() the copy must finish before)")
+        return self._overlap.guard(optimizers, self._fence)
+
+    def _fence(self) -> None:
+        """A guarded optimizer is about to step: the pending background copy must be done."""
+        waited = self._overlap.fence()
+        if waited > 0:
+            log.debug("[rank=%d] optimizer.step waited %.3f s for the checkpoint copy", self._coll.rank, waited)
+
+    def _finish_staging(self, job: WriteJob, later: Callable[[], float]) -> None:
+        """Copy thread: the deferred copies of a guarded save, then its write (or its failure, recorded)."""
+        handle = job.handle
+        t0 = time.perf_counter()
+        try:
+            behind = later()
+        except BaseException as e:  # the buffer goes back and the step is free again; the error is raised once
+            self._pool.abandon(job.buf)
+            self._writer.unreserve(handle.step)
+            self._ledger.fail(handle, e)
+            handle._set_staged()
+            return
+        done = time.perf_counter()
+        handle._update(staging_s=handle.stats.staging_s + (done - t0 - behind), wait_s=handle.stats.wait_s + behind)
+        self._writer.submit(dataclasses.replace(job, staged_at=done))
+        self._history.meter.staged(handle.step, self._history.now())
+        handle._set_staged()
 
     def maybe_save(self, make_state: Callable[[], Any], step: int, *,
                    metadata: dict[str, Any] | None = None) -> SaveHandle | None:
@@ -334,6 +390,7 @@ class CheckpointEngine:
             RemoteError: uploads still fail after ``remote_timeout_s`` (names the un-synced steps).
             PersistError: a background failure no other call has raised yet (raised once).
         """
+        self._overlap.fence()
         try:
             self._pipeline.drain(timeout)
         except RemoteError:
@@ -350,6 +407,7 @@ class CheckpointEngine:
             self.wait()
         finally:
             self._closed = True
+            self._overlap.close()
             self._pipeline.close()
             if self._tier is not None:
                 self._tier.close()

@@ -76,6 +76,7 @@ class SaveHandle:
 
     def __init__(self, stats: SaveStats) -> None:
         self._stats = stats
+        self._staged: Future[None] = Future()  # done at once, or (a guarded save) when the background copy is
         self._local: Future[None] = Future()
         self._remote: Future[None] = Future()
         self._lock = threading.Lock()
@@ -109,6 +110,15 @@ class SaveHandle:
                 self._callbacks.append(fn)
                 return
         fn(not self._failed)
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the state is copied (a guarded save copies in the background): after this the
+        caller may mutate anything. Failures are raised by :meth:`wait`."""
+        self._staged.result(timeout)
+
+    def _set_staged(self) -> None:
+        if not self._staged.done():
+            self._staged.set_result(None)
 
     def wait_local(self, timeout: float | None = None) -> None:
         """Block until committed on the local tier.

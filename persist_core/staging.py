@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from persist_core._knobs import PAGE_BYTES
-from persist_core.planning.save import ShardPlan
+from persist_core.planning.save import EntryCopy, ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,8 @@ class StagingPool:
 
 
 def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch.cuda.Stream],
-          wait_free: Callable[[int], float] = lambda end: 0.0) -> float:
+          wait_free: Callable[[int], float] = lambda end: 0.0,
+          defer: Callable[[EntryCopy], bool] | None = None) -> tuple[float, Callable[[], float] | None]:
     """Copy ``plan``'s header and sources into ``buf``; returns once the bytes are there.
 
     CUDA sources are copied ``non_blocking`` on a per-device side stream (created on demand in
@@ -156,44 +157,82 @@ def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch
     copies before returning, so the caller may mutate its tensors afterwards. Before each range
     is written, ``wait_free(end)`` blocks until bytes ``[0, end)`` of ``buf`` may be overwritten.
 
+    With ``defer``, the copies it picks are left out and returned as a function that makes them
+    (the overlap: a background thread runs it while training goes on; the side stream waits for an
+    event recorded now, on the caller's stream, so the copies see exactly the values of this moment).
+
     Returns:
-        The seconds spent in ``wait_free``.
+        ``(seconds spent in wait_free, the deferred copies' function or None)``; that function
+        returns its own seconds spent in ``wait_free``.
     """
     data = buf.tensor[: plan.file_bytes]
     waited = wait_free(len(plan.header))
     ctypes.memmove(data.data_ptr(), plan.header, len(plan.header))
     base = len(plan.header)
+    later: list[EntryCopy] = []
     used: list[torch.cuda.Stream] = []
     pos = 0  # the data section's padding is zeroed: no stale memory reaches the file, and equal states give equal bytes
-    for c in plan.copies:
-        waited += wait_free(base + c.end)
+    for c in plan.copies:  # in file order, so each range waits only for the previous write to pass it
         if c.begin > pos:
+            waited += wait_free(base + c.begin)
             ctypes.memset(data.data_ptr() + base + pos, 0, c.begin - pos)
         pos = c.end
-        dst = data[base + c.begin : base + c.end]
-        src = c.source
-        if isinstance(src, bytes):
-            ctypes.memmove(dst.data_ptr(), src, len(src))
-            continue
-        if c.dtype != torch.uint8:
-            dst = dst.view(c.dtype)
-        dst = dst.view(c.shape)
-        if src.is_cuda:
-            stream = streams.get(src.device)
-            if stream is None:
-                stream = streams[src.device] = torch.cuda.Stream(device=src.device)
-            if stream not in used:
-                stream.wait_stream(torch.cuda.current_stream(src.device))
-                used.append(stream)
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
+        if defer is not None and defer(c):
+            later.append(c)
         else:
-            dst.copy_(src)
+            waited += _copy(c, data, base, streams, wait_free, used, events={})
     if plan.file_bytes > base + pos:
         waited += wait_free(plan.file_bytes)
         ctypes.memset(data.data_ptr() + base + pos, 0, plan.file_bytes - base - pos)
     for stream in used:
         stream.synchronize()
+    if not later:
+        return waited, None
+    events = {}  # the moment of save(): each device's current stream, for the deferred copies to wait on
+    for device in {c.source.device for c in later if isinstance(c.source, torch.Tensor) and c.source.is_cuda}:
+        events[device] = torch.cuda.Event()
+        events[device].record(torch.cuda.current_stream(device))
+    return waited, lambda: _copy_all(later, data, base, streams, wait_free, events=events)
+
+
+def _copy_all(copies: list[EntryCopy], data: torch.Tensor, base: int, streams: dict[torch.device, torch.cuda.Stream],
+              wait_free: Callable[[int], float], *, events: dict[torch.device, torch.cuda.Event]) -> float:
+    """Copy each of ``copies`` into ``data`` (CUDA ones on side streams, waited for); seconds in ``wait_free``."""
+    used: list[torch.cuda.Stream] = []
+    waited = sum(_copy(c, data, base, streams, wait_free, used, events=events) for c in copies)
+    for stream in used:
+        stream.synchronize()
+    return waited
+
+
+def _copy(c: EntryCopy, data: torch.Tensor, base: int, streams: dict[torch.device, torch.cuda.Stream],
+          wait_free: Callable[[int], float], used: list[torch.cuda.Stream], *,
+          events: dict[torch.device, torch.cuda.Event]) -> float:
+    """Copy one source into its range of ``data`` (a CUDA one queued on its device's side stream, which the
+    caller synchronizes: ``used``); the seconds spent in ``wait_free``."""
+    waited = wait_free(base + c.end)
+    dst = data[base + c.begin : base + c.end]
+    src = c.source
+    if isinstance(src, bytes):
+        ctypes.memmove(dst.data_ptr(), src, len(src))
+        return waited
+    if c.dtype != torch.uint8:
+        dst = dst.view(c.dtype)
+    dst = dst.view(c.shape)
+    if not src.is_cuda:
+        dst.copy_(src)
+        return waited
+    stream = streams.get(src.device)
+    if stream is None:
+        stream = streams[src.device] = torch.cuda.Stream(device=src.device)
+    if stream not in used:
+        if src.device in events:  # deferred: wait for the moment of save(), not for whatever runs now
+            stream.wait_event(events[src.device])
+        else:
+            stream.wait_stream(torch.cuda.current_stream(src.device))
+        used.append(stream)
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
     return waited
 
 
@@ -204,20 +243,23 @@ class Staged:
     buf: StagingBuffer
     wait_s: float  # waiting for a buffer, or for the previous write to pass the bytes overwritten
     staging_s: float  # copying
-    done_at: float  # time.perf_counter() when the bytes were there
+    done_at: float  # time.perf_counter() when the bytes were there (but the deferred ones)
+    later: Callable[[], float] | None = None  # makes the deferred copies (a background thread calls it)
 
 
-def stage_into(pool: StagingPool, plan: ShardPlan, streams: dict[torch.device, torch.cuda.Stream]) -> Staged:
-    """Take a buffer from ``pool`` (waiting if all are busy) and copy ``plan`` into it.
+def stage_into(pool: StagingPool, plan: ShardPlan, streams: dict[torch.device, torch.cuda.Stream],
+               defer: Callable[[EntryCopy], bool] | None = None) -> Staged:
+    """Take a buffer from ``pool`` (waiting if all are busy) and copy ``plan`` into it (but the copies
+    ``defer`` picks: :attr:`Staged.later` makes those).
 
     On any failure the buffer goes back to the pool before the exception propagates.
     """
     buf, waited = pool.acquire(plan.file_bytes)
     try:
         t1 = time.perf_counter()
-        behind = stage(plan, buf, streams, lambda end: pool.wait_free(buf, end))
+        behind, later = stage(plan, buf, streams, lambda end: pool.wait_free(buf, end), defer=defer)
         done = time.perf_counter()
     except BaseException:
         pool.abandon(buf)
         raise
-    return Staged(buf=buf, wait_s=waited + behind, staging_s=done - t1 - behind, done_at=done)
+    return Staged(buf=buf, wait_s=waited + behind, staging_s=done - t1 - behind, done_at=done, later=later)

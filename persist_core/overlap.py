@@ -1,0 +1,105 @@
+"""Overlapped snapshots (FastPersist's overlap): ``save()`` returns before the parameters are copied.
+
+With a guard (:meth:`CheckpointEngine.guard`), ``save()`` copies at once only what the forward
+pass itself may mutate — everything that is not a parameter or optimizer state of the guarded
+optimizers (module buffers such as BatchNorm's running statistics, step counters, RNG states) —
+and hands the copy of the parameters and optimizer state to one background thread, which then
+submits the write. The next ``optimizer.step()`` — the first thing that mutates them — waits for
+that copy: the guard is an ``optimizer.register_step_pre_hook``. So the checkpoint is the state
+at the moment of ``save()`` while the next forward and backward run.
+
+Who calls what: the engine calls :meth:`Overlap.deferred` and :meth:`Overlap.run` from ``save()``,
+and :meth:`Overlap.fence` before the next save, ``wait()`` and ``close()``; the guarded optimizers'
+step pre-hooks call :meth:`Overlap.fence` (Lightning runs forward and backward *inside*
+``optimizer.step(closure)``, so its adapter fences from ``on_before_optimizer_step`` instead).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Guard:
+    """What :meth:`CheckpointEngine.guard` returns: ``remove()`` takes the optimizers' hooks off again."""
+
+    def __init__(self, overlap: Overlap, optimizers: tuple[Any, ...], hooks: list[Any]) -> None:
+        self._overlap, self._optimizers, self._hooks = overlap, optimizers, hooks
+
+    def remove(self) -> None:
+        """Undo the guard (idempotent): the next ``save()`` returns once everything is copied, as without one."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._overlap._drop(self._optimizers)
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class Overlap:
+    """The background copy of guarded saves: one thread, in save order; :meth:`fence` waits for it."""
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="persist-copy")
+        self._lock = threading.Lock()
+        self._optimizers: list[Any] = []
+        self._pending: Future[None] | None = None
+        self.fence_s = 0.0  # total time fences waited (the overlap's cost to training)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._optimizers)
+
+    def guard(self, optimizers: tuple[Any, ...], fence: Callable[[], None]) -> Guard:
+        hooks = [opt.register_step_pre_hook(lambda *_: fence()) for opt in optimizers]
+        with self._lock:
+            self._optimizers.extend(optimizers)
+        return Guard(self, optimizers, hooks)
+
+    def _drop(self, optimizers: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._optimizers = [o for o in self._optimizers if not any(o is p for p in optimizers)]
+
+    def deferred(self) -> set[int]:
+        """Storage addresses of the guarded optimizers' parameters and state tensors: copied in the background."""
+        ptrs: set[int] = set()
+        with self._lock:
+            optimizers = list(self._optimizers)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                ptrs.update(p.untyped_storage().data_ptr() for p in group["params"])
+            for state in opt.state.values():
+                ptrs.update(v.untyped_storage().data_ptr() for v in state.values()
+                            if isinstance(v, torch.Tensor) and v.numel() > 0)
+        return ptrs
+
+    def run(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (the deferred copy, then the write's submission) on the copy thread."""
+        self._pending = self._thread.submit(fn)
+
+    def fence(self) -> float:
+        """Wait for the pending background copy; the seconds waited."""
+        pending = self._pending
+        if pending is None or pending.done():
+            return 0.0
+        t0 = time.perf_counter()
+        pending.result()  # fn records its own failure (the ledger); it never raises here
+        waited = time.perf_counter() - t0
+        self.fence_s += waited
+        return waited
+
+    def close(self) -> None:
+        self.fence()
+        self._thread.shutdown(wait=True)

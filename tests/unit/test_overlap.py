@@ -1,0 +1,81 @@
+"""Overlapped snapshots: with a guard, save() returns before the parameters are copied, and the next
+optimizer.step() waits for that copy; the checkpoint is the state at the moment of save()."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from persist_core import CheckpointEngine, ConfigError
+from tests.support.states import assert_state_equal
+
+
+def _gate_the_copy(engine: CheckpointEngine, gate: threading.Event) -> None:
+    """Hold the background copy until ``gate`` opens (so the test decides what runs before it)."""
+    run = engine._overlap.run
+    engine._overlap.run = lambda fn: run(lambda: (gate.wait(), fn()))
+
+
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _snapshot(model, opt) -> dict:
+    return {"model": type(model.state_dict())((k, v.detach().clone()) for k, v in model.state_dict().items()),
+            "optim": {k: {n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in s.items()}
+                      for k, s in opt.state_dict()["state"].items()}}
+
+
+def test_a_guarded_save_returns_before_the_copy_and_the_next_step_waits_for_it(tmp_path):
+    model, opt = _model_and_optimizer()
+    gate = threading.Event()
+    opt.register_step_pre_hook(lambda *_: gate.set())  # runs before the guard's fence: the copy may go on now
+    with CheckpointEngine(tmp_path) as engine:
+        engine.guard(opt)
+        _gate_the_copy(engine, gate)
+        before = _snapshot(model, opt)
+        handle = engine.save({"model": model.state_dict(), "optim": opt.state_dict()["state"]}, step=1)
+        with pytest.raises(TimeoutError):
+            handle.wait_staged(timeout=0.01)  # returned before the parameters were copied
+        model(torch.randn(4, 8)).sum().backward()  # the next forward/backward (BatchNorm's stats change)
+        opt.step()  # mutates parameters and moments: only once the copy is done
+        handle.wait()
+        assert handle.stats.stall_s > 0
+        saved = engine.load(1)
+    assert_state_equal(saved["model"], before["model"])  # BatchNorm buffers too: copied before save() returned
+    assert_state_equal(saved["optim"], before["optim"])
+    assert not torch.equal(saved["model"]["0.weight"], model.state_dict()["0.weight"])  # the step did happen
+
+
+def test_without_a_guard_save_returns_once_everything_is_copied_and_remove_undoes_it(tmp_path):
+    model, opt = _model_and_optimizer()
+    with CheckpointEngine(tmp_path) as engine:
+        handle = engine.save({"model": model.state_dict()}, step=1)
+        handle.wait_staged(timeout=0)  # already
+        guard = engine.guard(opt)
+        guard.remove()
+        assert not engine._overlap.active
+        engine.save({"model": model.state_dict()}, step=2).wait_staged(timeout=0)
+        with pytest.raises(ConfigError, match="needs torch optimizers"):
+            engine.guard(object())
+
+
+def test_guarded_saves_stay_in_order_and_all_commit(tmp_path):
+    model, opt = _model_and_optimizer()
+    with CheckpointEngine(tmp_path) as engine, engine.guard(opt):
+        expected = {}
+        for step in range(1, 6):
+            expected[step] = _snapshot(model, opt)["model"]
+            engine.save({"model": model.state_dict()}, step=step)
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        engine.wait()
+        for step, weights in expected.items():
+            assert_state_equal(engine.load(step)["model"], weights)
