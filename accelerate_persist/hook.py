@@ -93,6 +93,10 @@ class PersistHook:
             period, and :attr:`preempted` tells the loop to stop.
         preemption_signals: the signals that mean "preempted" when a ``save_policy`` is given
             (default SIGTERM; e.g. ``(signal.SIGTERM, signal.SIGUSR1)`` for a scheduler's warning).
+        overlap: ``save_state()`` returns after copying what the forward may mutate (buffers, RNG and
+            loader state); the prepared optimizers' parameters and state are copied in the background
+            while the next forward and backward run, and each ``optimizer.step()`` waits for that copy
+            (see ``CheckpointEngine.guard``). The checkpoint is the state at ``save_state()``.
     """
 
     def __init__(
@@ -111,6 +115,7 @@ class PersistHook:
         remote_timeout_s: float = 300.0,
         save_policy: SavePolicy | None = None,
         preemption_signals: tuple[int, ...] = (signal.SIGTERM,),
+        overlap: bool = False,
     ) -> None:
         self._options = PersistOptions.from_keywords(
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
@@ -118,6 +123,10 @@ class PersistHook:
             storage_options=storage_options, verify=verify, max_pending=max_pending,
             preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, save_policy=save_policy,
             preemption_signals=preemption_signals)
+        if not isinstance(overlap, bool):
+            raise ConfigError(f"overlap={overlap!r} must be True or False")
+        self._overlap = overlap
+        self._guard: Any = None
         self._session: PersistSession | None = None
         self._accelerator: Any = None
         self._originals: dict[str, Any] = {}
@@ -180,6 +189,8 @@ class PersistHook:
         for optimizer in accelerator._optimizers:
             self._count_steps(optimizer)
         session.install_flush()  # without a save policy: SIGTERM drains, then ends the process
+        if self._overlap and accelerator._optimizers:  # the update after the next backward waits for the copy
+            self._guard = session.open().guard(*[getattr(o, "optimizer", o) for o in accelerator._optimizers])
         return self
 
     def _count_steps(self, optimizer: Any) -> None:
@@ -373,6 +384,9 @@ class PersistHook:
             if session is not None:
                 session.close(sink=self._sink())
         finally:
+            if self._guard is not None:
+                self._guard.remove()
+                self._guard = None
             for name, original in self._originals.items():
                 setattr(acc, name, original)
             for optimizer, step in reversed(self._wrapped):

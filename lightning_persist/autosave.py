@@ -1,4 +1,5 @@
-"""``PersistAutoSave``: a callback that saves when a save-decision policy says so.
+"""``PersistAutoSave``: a callback that saves when a save-decision policy says so; ``PersistOverlap``:
+the fence that lets a save's copy overlap the next forward and backward.
 
 Made with :meth:`PersistCheckpointIO.autosave`. At each training batch end, rank 0 asks the
 policy (``Continuous``, ``EveryNSteps``, ``OptimalInterval``, ...) with the engine's view of the
@@ -45,3 +46,32 @@ class PersistAutoSave(Callback):
         if decision:
             trainer.save_checkpoint(os.path.join(str(self._io.local_dir), self._filename))
             self.saved_steps.append(step)
+
+
+class PersistOverlap(Callback):
+    """Made by :meth:`PersistCheckpointIO.overlap`: guards the Trainer's optimizers on the plugin's engine
+    (no step pre-hook: Lightning runs forward and backward inside ``optimizer.step(closure)``) and fences
+    in ``on_before_optimizer_step`` — after the backward, before the update."""
+
+    def __init__(self, io: Any) -> None:
+        self._io = io
+        self._guard: Any = None
+        self.fence_s = 0.0  # what the updates waited for copies, all told
+        self.overlapped = 0  # saves whose copy ran during the next forward and backward
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        if optimizers:
+            self._guard = self._io._get_engine().guard(*optimizers, step_hook=False)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self._guard is not None:
+            self.fence_s += self._io._get_engine().fence()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._guard is not None:
+            engine = self._io._get_engine()
+            engine.fence()
+            self.overlapped = engine._overlap.runs
+            self._guard.remove()
+            self._guard = None

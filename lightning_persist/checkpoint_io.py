@@ -313,6 +313,18 @@ class PersistCheckpointIO(CheckpointIO):
 
         return PersistAutoSave(self, policy, filename)
 
+    def overlap(self) -> Callback:
+        """A callback that overlaps each save's copy of the parameters and optimizer state with the next
+        forward and backward: ``save_checkpoint`` returns after copying the rest (module buffers such as
+        BatchNorm's statistics, loop state), and the update after the next backward waits for the copy
+        (``on_before_optimizer_step``). The checkpoint is the state at the save.
+
+        Example: ``Trainer(plugins=[io], callbacks=[io.overlap(), ModelCheckpoint(...)])``.
+        """
+        from lightning_persist.autosave import PersistOverlap
+
+        return PersistOverlap(self)
+
     # ------------------------------------------------------------------ resume
 
     def latest_path(self) -> str | None:

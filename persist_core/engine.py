@@ -254,13 +254,17 @@ class CheckpointEngine:
                   handle.stats.staging_s)
         return handle
 
-    def guard(self, *optimizers: Any) -> Guard:
+    def guard(self, *optimizers: Any, step_hook: bool = True) -> Guard:
         """Overlap the next saves with training: ``save()`` returns after copying only what the forward pass
         may mutate (module buffers, counters, RNG states), the guarded optimizers' parameters and state are
         copied in the background while the next forward and backward run, and each optimizer's next
         ``step()`` waits for that copy (an ``optimizer.register_step_pre_hook``). The checkpoint is the state
         at the moment of ``save()``. ``handle.wait_staged()`` waits for the copy; ``guard(...).remove()``
         (or ``with engine.guard(opt):``) undoes it. Without a guard ``save()`` returns once everything is copied.
+
+        ``step_hook=False``: no step pre-hook; the caller calls :meth:`fence` itself before the update
+        (Lightning runs forward and backward *inside* ``optimizer.step(closure)``, so a pre-hook would
+        wait before the forward: its adapter fences from ``on_before_optimizer_step``).
 
         Example::
 
@@ -273,13 +277,15 @@ class CheckpointEngine:
         if not optimizers or not all(hasattr(o, "register_step_pre_hook") for o in optimizers):
             raise ConfigError(f"guard({', '.join(type(o).__name__ for o in optimizers) or ''}) needs torch optimizers "
                               "(whose step() the copy must finish before)")
-        return self._overlap.guard(optimizers, self._fence)
+        return self._overlap.guard(optimizers, self.fence if step_hook else None)
 
-    def _fence(self) -> None:
-        """A guarded optimizer is about to step: the pending background copy must be done."""
+    def fence(self) -> float:
+        """Wait for the background copy of the last guarded save (before anything mutates the parameters or
+        optimizer state); the seconds waited. Guarded optimizers call it from their step pre-hook."""
         waited = self._overlap.fence()
         if waited > 0:
-            log.debug("[rank=%d] optimizer.step waited %.3f s for the checkpoint copy", self._coll.rank, waited)
+            log.debug("[rank=%d] the update waited %.3f s for the checkpoint copy", self._coll.rank, waited)
+        return waited
 
     def _finish_staging(self, job: WriteJob, later: Callable[[], float]) -> None:
         """Copy thread: the deferred copies of a guarded save, then its write (or its failure, recorded)."""

@@ -57,13 +57,18 @@ class Overlap:
         self._optimizers: list[Any] = []
         self._pending: Future[None] | None = None
         self.fence_s = 0.0  # total time fences waited (the overlap's cost to training)
+        self.runs = 0  # saves whose copy ran in the background
 
     @property
     def active(self) -> bool:
         return bool(self._optimizers)
 
-    def guard(self, optimizers: tuple[Any, ...], fence: Callable[[], None]) -> Guard:
-        hooks = [opt.register_step_pre_hook(lambda *_: fence()) for opt in optimizers]
+    def guard(self, optimizers: tuple[Any, ...], fence: Callable[[], object] | None) -> Guard:
+        def pre_hook(*_: Any) -> None:  # a step pre-hook must return None (or new arguments)
+            assert fence is not None
+            fence()
+
+        hooks = [] if fence is None else [opt.register_step_pre_hook(pre_hook) for opt in optimizers]
         with self._lock:
             self._optimizers.extend(optimizers)
         return Guard(self, optimizers, hooks)
@@ -87,6 +92,7 @@ class Overlap:
 
     def run(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` (the deferred copy, then the write's submission) on the copy thread."""
+        self.runs += 1
         self._pending = self._thread.submit(fn)
 
     def fence(self) -> float:

@@ -140,3 +140,24 @@ def test_close_logs_the_summary_once_everything_is_committed_and_uploaded(tmp_pa
     summaries = [m for m in ours if m.startswith("torch-persist:")]
     assert len(summaries) == 1 and ours[-1] == summaries[0], ours
     assert "upload lag P50 -" not in summaries[0]  # measured: the uploads were done before it was written
+
+
+def test_overlapped_save_state_holds_the_same_state_as_a_plain_one_step_for_step(tmp_path):
+    from persist_core import CheckpointReader
+
+    def run(d, overlap: bool) -> tuple[dict, int]:
+        acc = fresh_accelerator()
+        parts = build(acc)
+        hook = PersistHook(local_dir=d, overlap=overlap).register(acc)
+        engine = hook._session.open()
+        train(acc, *parts, start=0, stop=5, save_every=1)  # each save_state() is followed by the next step at once
+        runs = engine._overlap.runs
+        hook.close()
+        with CheckpointReader(d) as reader:
+            return {c.step: reader.load(c.step) for c in reader.list()}, runs
+
+    (plain, _), (overlapped, runs) = run(tmp_path / "plain", False), run(tmp_path / "overlap", True)
+    assert sorted(plain) == sorted(overlapped) == [1, 2, 3, 4, 5] and runs == 5
+    for step in plain:
+        assert_state_equal(overlapped[step]["models"], plain[step]["models"])
+        assert_state_equal(overlapped[step]["optimizers"], plain[step]["optimizers"])

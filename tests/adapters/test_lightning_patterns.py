@@ -336,3 +336,26 @@ def test_links_to_checkpoints_a_branch_set_aside_are_removed_not_left_dangling(t
     assert set(links) == {f"epoch=0-step={s}.ckpt" for s in (1, 2, 3, 4)} | {"epoch=0-step=4-v1.ckpt", "last.ckpt"}
     assert all(p.exists() for p in links.values())  # every path that exists loads
     assert [a.step for a in CheckpointReader(d).abandoned()] == [4, 5, 6]
+
+
+def test_overlapped_saves_hold_the_same_state_as_plain_ones_step_for_step(tmp_path):
+    fences = []
+
+    def run(d, overlap: bool) -> dict[int, dict]:
+        io = PersistCheckpointIO(local_dir=d)
+        extra = [io.overlap()] if overlap else []
+        fences.extend(extra)
+        trainer = Trainer(max_steps=5, plugins=[io], accelerator="cpu", devices=1, logger=False,
+                          enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[checkpoint_callback(d, save_top_k=-1), *extra])
+        torch.manual_seed(0)
+        trainer.fit(Net())
+        with CheckpointReader(d) as reader:
+            return {c.step: reader.load(c.step) for c in reader.list()}
+
+    plain, overlapped = run(tmp_path / "plain", False), run(tmp_path / "overlap", True)
+    assert sorted(plain) == sorted(overlapped) == [1, 2, 3, 4, 5]
+    for step in plain:  # every checkpoint is the state at its save, though the next step ran during its copy
+        assert_state_equal(overlapped[step]["state_dict"], plain[step]["state_dict"])
+        assert_state_equal(overlapped[step]["optimizer_states"], plain[step]["optimizer_states"])
+    assert fences[0].overlapped == 5  # each save's parameters were copied in the background
