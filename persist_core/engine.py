@@ -93,7 +93,12 @@ class CheckpointEngine:
             (``replica_check``); values that differ per rank on purpose go in :class:`PerRank`.
         save_policy: when :meth:`maybe_save` saves (``Continuous(min_interval_s=30)``, ...).
         preemption: a :class:`PreemptionNotice`; once set, the next ``maybe_save`` saves, waits
-            up to ``preemption_grace_s`` for the commit and upload, and :attr:`preempted` is True.
+            up to ``preemption_grace_s`` for the commit and upload, and :attr:`preempted` is True
+            (the loop stops on it). By default, with a ``save_policy``, the engine installs its own
+            SIGTERM notice (on the main thread; elsewhere a log line says why not): once the step the
+            signal arrived at is committed and flushed, the signal's previous disposition runs — by
+            default the process ends as SIGTERM ends it, so a loop that never looks at
+            :attr:`preempted` still stops. ``None``: no notice.
         remote_timeout_s: how long ``wait()``/``close()`` wait for uploads that keep failing before
             they raise one ``RemoteError`` naming the un-synced steps (default 300 s).
         max_unsynced_bytes: the most bytes of checkpoints not yet uploaded that may pile up locally
@@ -136,7 +141,7 @@ class CheckpointEngine:
         keep_remote: RetentionPolicy | None = None,
         collectives: Collectives | None = None,
         save_policy: SavePolicy | None = None,
-        preemption: PreemptionNotice | None = None,
+        preemption: PreemptionNotice | None | str = "default",
         preemption_grace_s: float = 120.0,
         remote_timeout_s: float = 300.0,
         max_unsynced_bytes: int | None = None,
@@ -182,6 +187,11 @@ class CheckpointEngine:
                                   remote_timeout_s=settings.remote_timeout_s,
                                   max_unsynced_bytes=settings.max_unsynced_bytes, run_id=run_id)
         self._writer = self._pipeline.writer
+        if isinstance(preemption, str):
+            if preemption != "default":
+                raise ConfigError(f"preemption={preemption!r} must be a PreemptionNotice, None, or 'default'")
+            preemption = _default_notice(save_policy)
+        self._own_notice = preemption if preemption is not None and preemption.exit_after else None
         self._scheduler = SaveScheduler(policy=save_policy, preemption=preemption,
                                         grace_s=check_grace(preemption_grace_s), coll=self._coll,
                                         history=self._history, clock=clock, in_flight=self._writer.in_flight,
@@ -346,8 +356,11 @@ class CheckpointEngine:
         return self._scheduler.preemption_pending()
 
     def finish_preemption(self) -> None:
-        """Wait up to ``preemption_grace_s`` for pending commits and uploads; set :attr:`preempted`."""
+        """Wait up to ``preemption_grace_s`` for pending commits and uploads; set :attr:`preempted`. With the
+        engine's own (default) notice, the signal's previous disposition then runs (by default: the process ends)."""
         self._scheduler.finish_preemption()
+        if self._own_notice is not None:
+            self._own_notice.exit_as_signal()
 
     @property
     def preempted(self) -> bool:
@@ -413,6 +426,8 @@ class CheckpointEngine:
             self.wait()
         finally:
             self._closed = True
+            if self._own_notice is not None:
+                self._own_notice.restore()
             self._overlap.close()
             self._pipeline.close()
             if self._tier is not None:
@@ -498,6 +513,18 @@ class CheckpointEngine:
         if self._reader.loaded_from_remote:  # a fresh machine: this run continues the one that wrote it
             self._pipeline.adopt_remote_run()
         return state
+
+
+def _default_notice(save_policy: SavePolicy | None) -> PreemptionNotice | None:
+    """With a save policy, the engine's own SIGTERM notice (it ends the process once the checkpoint is
+    handled); none without one, or off the main thread (where signals cannot be caught)."""
+    if save_policy is None:
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        log.info("no SIGTERM notice installed: the engine was created off the main thread; pass "
+                 "preemption=PreemptionNotice() from the main thread to save at a preemption")
+        return None
+    return PreemptionNotice(exit_after=True)
 
 
 def check_collectives(value: Any) -> Collectives:

@@ -61,7 +61,9 @@ class PreemptionNotice:
         ConfigError: not on the main thread, or a signal that cannot be caught.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,), *, exit_after: bool = False) -> None:
+        self.exit_after = exit_after  # the engine's default notice: once handled, the signal's own disposition runs
+        self._signals = tuple(signals)
         self._event = threading.Event()
         self._previous: dict[int, Any] = {}
         self.signum: int | None = None
@@ -90,6 +92,19 @@ class PreemptionNotice:
     def trigger(self) -> None:
         """Set the flag without a signal (a cloud's preemption notice polled by the job, tests)."""
         self._event.set()
+
+    def exit_as_signal(self) -> None:
+        """The checkpoint is handled: let the signal do what it did before this notice (by default end the
+        process as it ends it, so schedulers see the right status). A previous Python handler already ran
+        when the signal came; an ignored signal stays ignored."""
+        sig = self.signum if self.signum is not None else self._signals[0]
+        previous = self._previous.get(sig, signal.SIG_DFL)
+        self.restore()
+        if previous == signal.SIG_DFL:
+            log.warning("preempted: the checkpoint is handled; ending the process as %s does", signal.Signals(sig).name)
+            logging.shutdown()
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
 
     def restore(self) -> None:
         """Put the previous handlers back (those still ours)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -150,6 +151,43 @@ def test_a_preemption_notice_saves_the_step_it_arrived_at_and_syncs_it(tmp_path)
     fresh = CheckpointEngine(tmp_path / "fresh", remote_url=remote)
     assert [c.step for c in fresh.list("remote")] == [37]  # committed and uploaded before the exit
     assert_state_equal(fresh.load(37), {"w": torch.full((256, 256), 37.0), "step": 37})
+
+
+DEFAULT_CHILD = """
+import os, signal, sys, torch
+sys.path.insert(0, {root!r})
+from persist_core import CheckpointEngine, EveryNSteps
+engine = CheckpointEngine({local!r}, remote_url={remote!r}, save_policy=EveryNSteps(1000))  # no notice passed
+for step in range(1, 10_000):  # a loop that never looks at engine.preempted
+    w = torch.full((256, 256), float(step))
+    if step == 37:
+        os.kill(os.getpid(), signal.SIGTERM)
+    engine.maybe_save(lambda: {{"w": w, "step": step}}, step=step)
+    print(step, flush=True)
+print("never here", flush=True)
+"""
+
+
+def test_with_a_save_policy_sigterm_saves_that_step_syncs_it_and_ends_the_process_as_sigterm_would(tmp_path):
+    local, remote = tmp_path / "ckpt", (tmp_path / "remote").as_uri()
+    child = subprocess.run([sys.executable, "-c", DEFAULT_CHILD.format(root=str(ROOT), local=str(local), remote=remote)],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGTERM, child.stderr[-3000:]  # what a scheduler expects to see
+    assert child.stdout.split()[-1] == "36"  # step 37's maybe_save saved, flushed, then the process ended
+    fresh = CheckpointEngine(tmp_path / "fresh", remote_url=remote)
+    assert [c.step for c in fresh.list("remote")] == [37]
+    assert_state_equal(fresh.load(37), {"w": torch.full((256, 256), 37.0), "step": 37})
+
+
+def test_the_default_notice_is_installed_only_with_a_policy_and_put_back_at_close(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    with CheckpointEngine(tmp_path / "a"):
+        assert signal.getsignal(signal.SIGTERM) is before  # no policy: nothing installed
+    with CheckpointEngine(tmp_path / "b", save_policy=EveryNSteps(10)):
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
+    with CheckpointEngine(tmp_path / "c", save_policy=EveryNSteps(10), preemption=None):
+        assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_summary_reports_intervals_and_the_stall_fraction(tmp_path):
