@@ -32,9 +32,15 @@ def listing(local_dir: Path) -> str:
     return ", ".join(f"{p.name} -> {os.readlink(p)}" if p.is_symlink() else p.name for p in sorted(local_dir.iterdir()))
 
 
-def run_machine(cmd: list[str]) -> dict | None:
-    """Run one machine's training process: its last JSON line, or ``None`` when it was SIGKILLed."""
-    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+def run_machine(cmd: list[str], run_id: str | None = None) -> dict | None:
+    """Run one machine's training process: its last JSON line, or ``None`` when it was SIGKILLed.
+
+    ``run_id``: the job's id, as a scheduler gives each restart of one job (``SLURM_JOB_ID``,
+    ``TORCHELASTIC_RUN_ID``; here ``PERSIST_RUN_ID``): the machine that takes over continues that run's
+    lease on the remote even when the first was killed before any upload committed.
+    """
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **({"PERSIST_RUN_ID": run_id} if run_id else {})}
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if run.returncode == -signal.SIGKILL:
         return None
     if run.returncode != 0:

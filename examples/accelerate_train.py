@@ -95,7 +95,7 @@ def machine(local_dir: Path | None, remote: str, endpoint: str | None, kill_afte
     cmd += ["--kill-after", str(kill_after)] if kill_after else []
     from examples._common import run_machine
 
-    return run_machine(cmd)
+    return run_machine(cmd, run_id='demo-run-8' if local_dir is not None else None)
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from persist_core import (  # noqa: E402
-    AnyOf, CheckpointEngine, CheckpointNotFoundError, EveryNSteps, KeepEveryNSteps, KeepLastN)
+    AnyOf, CheckpointEngine, CheckpointNotFoundError, CheckpointReader, EveryNSteps, KeepEveryNSteps, KeepLastN)
 from persist_core.history import describe_summary  # noqa: E402
 
 TOTAL_STEPS, SAVE_EVERY, KILL_AFTER_SAVE_AT = 60, 5, 35
@@ -131,9 +131,9 @@ def show(events: list[dict]) -> None:
 
 
 def tiers(ckpt: Path, remote: str, peek: Path) -> str:
-    local = [i.step for i in CheckpointEngine(ckpt).list()]
-    far = [i.step for i in CheckpointEngine(peek, remote_url=remote).list(tier="remote")]
-    return f"local {local}, remote {far}"
+    """What each tier holds, read with CheckpointReader (it takes no writer lock: the job may still hold one)."""
+    with CheckpointReader(ckpt) as local, CheckpointReader(peek, remote_url=remote) as far:
+        return f"local {[i.step for i in local.list()]}, remote {[i.step for i in far.list('remote')]}"
 
 
 def main() -> None:

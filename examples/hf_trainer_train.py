@@ -56,6 +56,8 @@ def train(local_dir: str | None, remote: str, endpoint: str | None, kill_at: int
 
     class KillAt(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == kill_at - 1:
+                callback.wait()  # the checkpoints so far are on the remote: the kill lands mid-run, not mid-upload
             if state.global_step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -84,7 +86,7 @@ def machine(local_dir: Path | None, remote: str, endpoint: str | None, out: Path
     cmd += ["--kill-at", str(kill_at)] if kill_at else []
     from examples._common import run_machine
 
-    return run_machine(cmd)
+    return run_machine(cmd, run_id='demo-run-9' if local_dir is not None else None)
 
 
 def main() -> None:
@@ -103,8 +105,12 @@ def main() -> None:
         print(f"  on the remote: steps {remote_steps(out / 'peek', remote, endpoint)}")
         print("== machine 2: empty local_dir, same script: trainer.train(resume_from_checkpoint=callback.resume_path())")
         resumed = machine(out / "machine-2", remote, endpoint, out / "out-2")
-        print(f"  resumed from step {resumed['resumed_from']} (downloaded, verified, written as the Trainer's files) "
-              f"and finished at step {TOTAL_STEPS}")
+        if resumed["resumed_from"] is None:  # killed before its first upload committed: the same run starts over
+            print(f"  nothing on the remote yet: the same run (PERSIST_RUN_ID) started over and finished at step "
+                  f"{TOTAL_STEPS}")
+        else:
+            print(f"  resumed from step {resumed['resumed_from']} (downloaded, verified, written as the Trainer's "
+                  f"files) and finished at step {TOTAL_STEPS}")
         reference = machine(None, remote, endpoint, out / "out-ref")
         same = resumed["digest"] == reference["digest"]
         print(f"== resumed weights bit-identical to an uninterrupted run: {same}")

@@ -98,7 +98,7 @@ def machine(local_dir: Path, remote: str, endpoint: str | None, kill_at: int | N
     cmd += [] if checkpoint else ["--no-checkpoint"]
     from examples._common import run_machine
 
-    return run_machine(cmd)
+    return run_machine(cmd, run_id='demo-run-7' if local_dir is not None else None)
 
 
 def main() -> None:
