@@ -6,6 +6,7 @@ bad value is a :class:`~persist_core.errors.ConfigError` naming the variable and
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -179,3 +180,16 @@ def run_id_from_env() -> str | None:
         if value and value != "none":
             return value
     return None
+
+
+def check_metadata(value: object) -> None:
+    """``value`` must be ``None`` or a dict of JSON-able values (it goes into the manifest as JSON)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ConfigError(f"metadata={value!r} must be a dict of JSON-able values (or None)")
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"metadata={value!r} cannot be written as JSON ({e}); keep str, number, bool, None, list "
+                          "and dict values") from e

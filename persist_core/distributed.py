@@ -10,6 +10,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
+from persist_core.errors import ConfigError
+
 
 @runtime_checkable
 class Collectives(Protocol):
@@ -120,3 +122,14 @@ class TorchCollectives:
 
     def __repr__(self) -> str:
         return f"TorchCollectives(rank={self._rank}, world_size={self._world})"
+
+
+def check_collectives(value: Any) -> Collectives:
+    """``value`` if it has the :class:`Collectives` calls (``None``: one process); else a ConfigError."""
+    if value is None:
+        return SingleProcess()
+    missing = [n for n in ("rank", "world_size", "broadcast", "all_gather") if not hasattr(value, n)]
+    if missing:
+        raise ConfigError(f"collectives={value!r} lacks {', '.join(missing)}; pass TorchCollectives.new_group() "
+                          "(after torch.distributed is initialized), or None for one process")
+    return value

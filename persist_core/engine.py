@@ -16,7 +16,6 @@ Call order (one process):
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -31,7 +30,7 @@ import torch
 
 from persist_core import _knobs
 from persist_core._knobs import WriteSettings
-from persist_core.distributed import Collectives, SingleProcess
+from persist_core.distributed import Collectives, check_collectives
 from persist_core.errors import ConfigError, PersistError, RemoteError
 from persist_core.fileio import FileOps, OsFileOps
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
@@ -41,7 +40,7 @@ from persist_core.planning.save import plan_rank
 from persist_core.planning.sharding import check_replica_mode
 from persist_core.policies.retention import RetentionPolicy, check_policy
 from persist_core.policies.save import Clock, DecisionContext, SavePolicy, check_save_policy
-from persist_core.preemption import PreemptionNotice, check_grace
+from persist_core.preemption import PreemptionNotice, check_grace, default_notice
 from persist_core.reader import CheckpointReader
 from persist_core.scheduler import SaveScheduler
 from persist_core.staging import StagingPool, stage_into
@@ -190,7 +189,7 @@ class CheckpointEngine:
         if isinstance(preemption, str):
             if preemption != "default":
                 raise ConfigError(f"preemption={preemption!r} must be a PreemptionNotice, None, or 'default'")
-            preemption = _default_notice(save_policy)
+            preemption = default_notice(save_policy)
         self._own_notice = preemption if preemption is not None and preemption.exit_after else None
         self._scheduler = SaveScheduler(policy=save_policy, preemption=preemption,
                                         grace_s=check_grace(preemption_grace_s), coll=self._coll,
@@ -229,7 +228,7 @@ class CheckpointEngine:
         self._ledger.raise_first()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int (the training step)")
-        check_metadata(metadata)
+        _knobs.check_metadata(metadata)
         resumed_at = self.resumed_step
         self._pipeline.timeline.check(step, resumed_at)
         replace = step == resumed_at  # the step resumed from, saved again (Lightning does, with accumulation)
@@ -513,42 +512,6 @@ class CheckpointEngine:
         if self._reader.loaded_from_remote:  # a fresh machine: this run continues the one that wrote it
             self._pipeline.adopt_remote_run()
         return state
-
-
-def _default_notice(save_policy: SavePolicy | None) -> PreemptionNotice | None:
-    """With a save policy, the engine's own SIGTERM notice (it ends the process once the checkpoint is
-    handled); none without one, or off the main thread (where signals cannot be caught)."""
-    if save_policy is None:
-        return None
-    if threading.current_thread() is not threading.main_thread():
-        log.info("no SIGTERM notice installed: the engine was created off the main thread; pass "
-                 "preemption=PreemptionNotice() from the main thread to save at a preemption")
-        return None
-    return PreemptionNotice(exit_after=True)
-
-
-def check_collectives(value: Any) -> Collectives:
-    """``value`` if it has the :class:`Collectives` calls (``None``: one process); else a ConfigError."""
-    if value is None:
-        return SingleProcess()
-    missing = [n for n in ("rank", "world_size", "broadcast", "all_gather") if not hasattr(value, n)]
-    if missing:
-        raise ConfigError(f"collectives={value!r} lacks {', '.join(missing)}; pass TorchCollectives.new_group() "
-                          "(after torch.distributed is initialized), or None for one process")
-    return value
-
-
-def check_metadata(value: Any) -> None:
-    """``value`` must be ``None`` or a dict of JSON-able values (it goes into the manifest as JSON)."""
-    if value is None:
-        return
-    if not isinstance(value, dict):
-        raise ConfigError(f"metadata={value!r} must be a dict of JSON-able values (or None)")
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"metadata={value!r} cannot be written as JSON ({e}); keep str, number, bool, None, list "
-                          "and dict values") from e
 
 
 def _close_at_exit(engine: CheckpointEngine) -> None:

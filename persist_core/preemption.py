@@ -224,3 +224,15 @@ def install_sigterm_flush(wait: Drain, grace_s: float) -> Callable[[], None] | N
     """
     flush = SignalFlush(wait, grace_s)
     return flush.restore if flush.install() else None
+
+
+def default_notice(save_policy: Any) -> PreemptionNotice | None:
+    """With a save policy, the engine's own SIGTERM notice (it ends the process once the checkpoint is
+    handled); none without one, or off the main thread (where signals cannot be caught)."""
+    if save_policy is None:
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        log.info("no SIGTERM notice installed: the engine was created off the main thread; pass "
+                 "preemption=PreemptionNotice() from the main thread to save at a preemption")
+        return None
+    return PreemptionNotice(exit_after=True)
