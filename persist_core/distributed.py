@@ -7,10 +7,13 @@ a null object whose collectives return at once.
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from persist_core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -119,6 +122,17 @@ class TorchCollectives:
         out: list[Any] = [None] * self._world
         self._dist.all_gather_object(out, obj, group=self._group)
         return out
+
+    def barrier(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every rank is here (gloo's monitored barrier: a missing rank ends the wait after
+        ``timeout_s``, logged, instead of hanging). Adapters call it when they close, so no rank tears the
+        process groups down while another still uses them (gloo aborts a process then, at times)."""
+        try:
+            self._dist.monitored_barrier(group=self._group, timeout=timedelta(seconds=timeout_s))
+        except Exception as e:  # a rank that left early, or a group already torn down: closing goes on
+            log.warning("ranks did not all reach the closing barrier (%s: %s)", type(e).__name__, e)
+            return False
+        return True
 
     def __repr__(self) -> str:
         return f"TorchCollectives(rank={self._rank}, world_size={self._world})"

@@ -355,6 +355,9 @@ class PersistSession:
             self.report(sink)
             if summary is not None:
                 (announce or _log_info)(f"torch-persist: {describe_summary(summary)}")
+            barrier = getattr(self._collectives, "barrier", None)
+            if barrier is not None and self._collectives.world_size > 1:
+                barrier()  # every rank done with our groups before any tears them down
 
 
 def _log_info(text: str) -> None:
