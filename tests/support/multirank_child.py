@@ -63,6 +63,7 @@ def run(rank: int, world: int, port: int, root: str, scenario: str, out: str) ->
         [replicated_state(loaded["step"])["model"]["w"], replicated_state(loaded["step"])["model"]["emb"],
          *replicated_state(loaded["step"])["optim"]])), loaded["model"]["w"].data_ptr() == loaded["model"]["tied"].data_ptr()))
     torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.barrier()  # every rank done before any tears its groups down (gloo aborts otherwise, at times)
     dist.destroy_process_group()
 
 
@@ -94,4 +95,5 @@ def run_decisions(rank: int, world: int, port: int, root: str, out: str) -> None
         results["mismatch"] = str(e)
     engine.close()
     torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.barrier()  # every rank done before any tears its groups down (gloo aborts otherwise, at times)
     dist.destroy_process_group()
