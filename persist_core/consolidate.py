@@ -15,7 +15,7 @@ import torch
 
 from persist_core import _knobs
 from persist_core.errors import ConfigError
-from persist_core.format.shard_file import dtype_from_name, encode_header, safetensors_dtype
+from persist_core.format.shard_file import dtype_from_name, encode_header, itemsize, safetensors_dtype
 from persist_core.format.tree import tensor_paths
 from persist_core.layout import checkpoint_dirname
 from persist_core.planning.load import iter_tensors
@@ -45,7 +45,7 @@ def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, l
         n = 1
         for d in rec["shape"]:
             n *= d
-        size = n * torch.empty(0, dtype=dtype).element_size()
+        size = n * itemsize(dtype)
         entries[path] = {"dtype": name, "shape": rec["shape"], "data_offsets": [pos, pos + size]}
         pos += size
     values, skipped = {}, []

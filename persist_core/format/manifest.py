@@ -219,7 +219,7 @@ def _check_schema(m: Manifest, where: str) -> None:
     """Every field a reader uses has the type and range it must (a crafted manifest carrying its own
     checksum is corrupt here, by name, instead of crashing a reader with a raw error or loading wrong
     values); the tree is walked without recursion, whatever its depth."""
-    from persist_core.format.shard_file import dtype_from_name
+    from persist_core.format.shard_file import dtype_from_name, itemsize
 
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: {what}; the manifest is corrupt or crafted")
@@ -282,7 +282,7 @@ def _check_schema(m: Manifest, where: str) -> None:
         stride = rec.get("stride")
         if stride is not None and not _ints(stride, len(shape)):
             raise bad(f"tensor record {i} has stride {stride!r} for shape {shape}")
-        size = _itemsize(dtype)
+        size = itemsize(dtype)
         if rec.get("offset", 0) % size:
             raise bad(f"tensor record {i}'s offset {rec['offset']} is not a multiple of its {size}-byte elements")
 
@@ -305,12 +305,6 @@ def _check_chunks(rec: dict[str, Any], i: int, shape: list[int], bad: Any) -> No
             if all(max(x, y) < min(x + n, y + m) for x, n, y, m in zip(oa, na, ob, nb)) and math.prod(na) \
                     and math.prod(nb):
                 raise bad(f"sharded tensor record {i} has overlapping chunks")
-
-
-def _itemsize(dtype: Any) -> int:
-    import torch
-
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _checked(raw: bytes, *, where: str) -> bytes:

@@ -79,6 +79,23 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def whole_entry_mismatch(header_dtype: str | None, nbytes: int, dtype: torch.dtype, numel: int) -> str | None:
+    """Why a record of ``numel`` elements of ``dtype`` that fills a whole entry does not fit it (its header
+    names ``header_dtype``, its data is ``nbytes``): a dtype swapped for another of the same size, or the
+    wrong size; ``None`` when it fits. Both load paths ask this."""
+    named = safetensors_dtype(dtype) or "U8"
+    if header_dtype != named:
+        return f"the record says {dtype_name(dtype)} but its shard entry holds {header_dtype}"
+    if numel * itemsize(dtype) != nbytes:
+        return f"{numel} x {itemsize(dtype)} bytes do not make the entry's {nbytes}"
+    return None
+
+
 def safetensors_dtype(dtype: torch.dtype) -> str | None:
     """The safetensors name of ``dtype`` (``"F32"``), or ``None`` when it has none (stored as bytes)."""
     return _SAFETENSORS_DTYPES.get(dtype)

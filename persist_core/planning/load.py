@@ -29,8 +29,8 @@ from persist_core import _knobs
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format import unpickle
 from persist_core.format.manifest import FileEntry, Manifest
-from persist_core.format.shard_file import (OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, entry_dtypes, parse_header,
-                                            safetensors_dtype)
+from persist_core.format.shard_file import (OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, entry_dtypes, itemsize,
+                                            parse_header, whole_entry_mismatch)
 from persist_core.format.tree import flatten, is_dtensor, tensor_paths, unflatten
 from persist_core.planning.partition import contiguous_strides
 
@@ -200,10 +200,9 @@ class _Plan:
         """The entry ``name`` holds exactly ``numel`` elements of ``dtype``, as its header says (a record whose
         dtype was swapped for another of the same size is caught here)."""
         begin, end = self.entry(fname, name)
-        header = self._headers[fname][1].get(name)
-        if header != (safetensors_dtype(dtype) or "U8") or end - begin != numel * _itemsize(dtype):
-            raise CorruptCheckpointError(f"{where}: entry {name!r} of {fname} holds {header} x {end - begin} bytes, "
-                                         f"its record says {numel} x {dtype}")
+        problem = whole_entry_mismatch(self._headers[fname][1].get(name), end - begin, dtype, numel)
+        if problem is not None:
+            raise CorruptCheckpointError(f"{where}: entry {name!r} of {fname}: {problem}")
 
     def _file(self, fname: str) -> FileEntry:
         try:
@@ -283,10 +282,6 @@ class _Plan:
             r.done(view)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 def _direct(dst: torch.Tensor, dtype: torch.dtype, span_is_box: bool) -> bool:
     """Whether the saved bytes can be read straight into ``dst``: same dtype, host memory, both sides one
     contiguous run of the same elements in the same order."""
@@ -343,7 +338,6 @@ def load_into(manifest: Manifest, into: Any, *, read_blocks: ReadBlocks, pool: E
     device = torch.device("cpu") if options.map_location is None else torch.device(options.map_location)
     targets = dict(flatten(into).tensors)
     objects_raw: list[bytes | None] = [None] * len(manifest.objects)
-    per_rank_raw: list[bytes | None] = []
     plan = _Plan(manifest, read_blocks, pool, stats)
 
     def keep(store: list[bytes | None], k: int) -> Callable[[memoryview], None]:
@@ -355,7 +349,7 @@ def load_into(manifest: Manifest, into: Any, *, read_blocks: ReadBlocks, pool: E
         b, _ = plan.entry(fname, OBJECTS_ENTRY)
         plan.request(fname, b + begin, b + begin + length, keep(objects_raw, k))
     mine = manifest.per_rank[rank] if rank < len(manifest.per_rank) else ()
-    per_rank_raw = [None] * len(mine)
+    per_rank_raw: list[bytes | None] = [None] * len(mine)
     for k, (fname, begin, length) in enumerate(mine):
         b, _ = plan.entry(fname, PER_RANK_ENTRY)
         plan.request(fname, b + begin, b + begin + length, keep(per_rank_raw, k))
@@ -440,7 +434,7 @@ def _plan_tensor(plan: _Plan, path: str, rec: dict[str, Any], target: torch.Tens
         result = target
     if box is None or math.prod(box[1]) == 0:
         return result
-    es = torch.empty(0, dtype=dtype).element_size()
+    es = itemsize(dtype)
     for c in chunks:
         c_box = (tuple(c["offsets"]), tuple(c["sizes"]))
         if len(c_box[0]) != len(shape):

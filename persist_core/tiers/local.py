@@ -23,8 +23,8 @@ import torch
 
 from persist_core import _knobs
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
-from persist_core.format.shard_file import (OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, entry_dtypes, parse_header,
-                                            safetensors_dtype)
+from persist_core.format.shard_file import (OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, entry_dtypes, itemsize,
+                                            parse_header, whole_entry_mismatch)
 from persist_core.format.torch_zip import image_offset
 from persist_core.format.tree import unflatten
 from persist_core.fileio import fsync_dir
@@ -213,14 +213,12 @@ def _check_entry(rec: dict[str, Any], header_dtype: str | None, nbytes: int, dty
     Raises:
         RuntimeError: they disagree (the caller makes it a CorruptCheckpointError naming the record).
     """
-    es = torch.empty(0, dtype=dtype).element_size()
+    es = itemsize(dtype)
     shape = rec["shape"]
     if rec["stride"] is None:
-        named = safetensors_dtype(dtype) or "U8"
-        if header_dtype != named:
-            raise RuntimeError(f"the record says {rec['dtype']} but its shard entry holds {header_dtype}")
-        if math.prod(shape) * es != nbytes:
-            raise RuntimeError(f"{math.prod(shape)} x {es} bytes do not make the entry's {nbytes}")
+        problem = whole_entry_mismatch(header_dtype, nbytes, dtype, math.prod(shape))
+        if problem is not None:
+            raise RuntimeError(problem)
         return
     if math.prod(shape) == 0:
         return
@@ -290,7 +288,7 @@ def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, options: 
             if rec["stride"] is None:
                 t = (entry.view(dtype) if dtype != torch.uint8 else entry).view(shape)
             else:
-                es = torch.empty(0, dtype=dtype).element_size()
+                es = itemsize(dtype)
                 if rec["offset"] % es:
                     raise RuntimeError(f"offset {rec['offset']} is not a multiple of {es}")
                 t = torch.empty(0, dtype=dtype, device=entry.device).set_(
