@@ -74,8 +74,9 @@ class PersistHook:
 
     Limits: DDP/multi-CPU/single device, and FSDP2 (``fsdp_version=2``: sharded, each process writes
     and reads its own parts; it needs GPUs, so ``benchmarks/gpu_check.sh`` checks it). FSDP1,
-    DeepSpeed, Megatron-LM and XLA save through their own machinery and are refused at ``register``. ``local_dir`` must be one directory all
-    processes of a node share; with several nodes, use a shared file system.
+    DeepSpeed, Megatron-LM and XLA save through their own machinery and are refused at ``register``. ``local_dir`` is one directory per node
+    (node-local disks: each node commits its processes' files, the remote assembles the checkpoint) or
+    one shared by all.
 
     Args:
         local_dir: the local tier (created if missing), ideally on NVMe.

@@ -35,7 +35,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning_persist._links import Links, keep_linked
 from lightning_persist._strategies import check_strategy
 from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
-from persist_core import RetentionPolicy, SaveStats
+from persist_core import PersistError, RetentionPolicy, SaveStats
+from persist_core.distributed import decision_channel
 from persist_core.layout import FULL, MANIFEST_NAME, WEIGHTS_ONLY, shard_filename
 from persist_core.reader import checkpoint_of
 from persist_core.policies import SavePolicy
@@ -211,7 +212,7 @@ class PersistCheckpointIO(CheckpointIO):
         and optimizers' state dicts on the new mesh); each rank reads only what its parts need.
 
         ``path`` may be a path this plugin saved (a link), a ``local_dir/step-N`` directory, a
-        ``remote_url/step-N`` URL (downloaded into ``local_dir`` and verified), or a plain
+        ``remote_url/step-N`` URL (streamed and verified; a local copy lands in ``local_dir``), or a plain
         ``torch.save`` file (loaded with ``torch.load``, for runs started with another IO).
         Non-tensor values (hyper-parameters, loop state) are unpickled as ``torch.load`` does by default:
         only the types training states hold (``weights_only=None`` or ``True``); a checkpoint holding
@@ -224,6 +225,12 @@ class PersistCheckpointIO(CheckpointIO):
         """
         self._strategy_seen = check_strategy(_find_trainer(), self._strategy_seen)
         text = os.fspath(path)
+        agreed = self._agreed_step(text)
+        if agreed is not None:  # several ranks: every one loads the step rank 0's path names, from its own tiers
+            kind, step = agreed
+            reader = self._get_reader() if kind == FULL else self._get_engine(kind).reader
+            return reader.load(step, map_location=_device(map_location), into=into, rank=self._rank,
+                               weights_only=_weights_only(weights_only))
         if not _is_url(text):
             text = self._path_key(text)
             key = self._links.intended(text)
@@ -251,6 +258,39 @@ class PersistCheckpointIO(CheckpointIO):
     @property
     def _rank(self) -> int:
         return self._session.collectives.rank
+
+    def _agreed_step(self, text: str) -> tuple[str, int] | None:
+        """With several ranks writing (``PersistDDPStrategy``, ``PersistModelParallelStrategy``): the checkpoint
+        rank 0's ``path`` names, on every rank (a collective call on the training thread's channel).
+
+        Lightning resolves ``ckpt_path`` on each rank; on node-local disks each rank's ``io.latest_path()``
+        and ``last.ckpt`` are its own node's, and may name another step, or another node's copy. Rank 0
+        decides; each rank then reads that step from its own ``local_dir`` and the remote. ``None``: one
+        rank, or ``path`` is not one of this plugin's checkpoints (each rank loads what it names).
+        """
+        chan = decision_channel(self._session.collectives)
+        if chan is None or chan.world_size == 1:
+            return None
+        mine: tuple[str, int] | None = None
+        try:
+            key = None if _is_url(text) else self._links.intended(self._path_key(text))
+            if key is not None:
+                handle = self._session.handle(key[1], key[0])
+                if handle is not None:
+                    handle.wait_local()
+                mine = (key[0], key[1])
+            else:
+                reader = self._get_reader()
+                real = None if _is_url(text) else checkpoint_of(Path(os.path.realpath(text)))
+                if real is None or real.parent == Path(os.path.realpath(reader.local_dir)):
+                    mine = (FULL, reader.step_of(text))
+        except (PersistError, OSError):
+            mine = None  # not ours (a plain torch.save file, another run's directory): rank 0's say decides
+        agreed = chan.broadcast(mine)
+        if agreed is not None and agreed != mine:
+            log.info("[rank=%d] loading step=%d, the checkpoint rank 0's ckpt_path names (this rank's %r names %s)",
+                     self._rank, agreed[1], text, mine)
+        return agreed
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove the path; its directory goes when no path links to it and retention lets it.

@@ -25,8 +25,9 @@ class PersistDDPStrategy(DDPStrategy):
         io = PersistCheckpointIO(local_dir="/nvme/ckpt", remote_url="s3://bucket/run-7")
         trainer = Trainer(strategy=PersistDDPStrategy(), devices=8, plugins=[io])
 
-    Takes DDPStrategy's arguments. ``local_dir`` must be one directory all ranks share (one
-    node, or a shared file system). Without a :class:`PersistCheckpointIO` it is plain DDP.
+    Takes DDPStrategy's arguments. ``local_dir`` may be node-local (each node commits its ranks' files
+    on its own disk; the remote assembles the whole checkpoint) or one directory all ranks share.
+    Without a :class:`PersistCheckpointIO` it is plain DDP.
 
     Args:
         commit_timeout_s: how long a rank waits for the others to finish writing one checkpoint

@@ -423,8 +423,11 @@ def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_
     report = []
     nbytes, t0 = 0, time.perf_counter()
     for s in steps:
+        elsewhere: list[str] = []
         try:
-            total = loc.manifest(s).nbytes
+            manifest = loc.manifest(s)
+            total = sum(f.size for f in manifest.held())
+            elsewhere = [f.name for f in manifest.elsewhere()]
         except PersistError as e:  # an unreadable manifest, a missing or short file
             total, problems = 0, [str(e)]
         else:
@@ -432,9 +435,12 @@ def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_
                 problems = loc.tier.verify(s, advance)
         nbytes += total
         bad.extend(problems)
-        report.append({"step": s, "ok": not problems, "bytes": total, "problems": problems})
+        report.append({"step": s, "ok": not problems, "bytes": total, "problems": problems,
+                       "held_elsewhere": elsewhere})
         if not quiet and not as_json:
-            click.echo(f"step {s}: {'OK' if not problems else 'BAD'}")
+            also = (f" (this node's files; {len(elsewhere)} held on other nodes and the remote: "
+                    f"{', '.join(elsewhere[:4])}{' ...' if len(elsewhere) > 4 else ''})") if elsewhere else ""
+            click.echo(f"step {s}: {'OK' if not problems else 'BAD'}{also}")
     elapsed = time.perf_counter() - t0
     failed = sum(1 for r in report if not r["ok"])
     if as_json:

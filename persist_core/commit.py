@@ -14,29 +14,99 @@ and the protocol is the classic one: shard, fsync, manifest, fsync, rename, fsyn
     any failure on any rank: no manifest, the temporary directory removed, every rank's save fails
 
 Every rank makes every collective call even after a failure of its own, so none waits forever.
-``local_dir`` must be one directory all ranks share (one node, or a shared file system); rank 0
-finds out, and says so, when another rank's file is not there.
+
+Several nodes, each with its own ``local_dir`` (found out at the first save, :func:`discover_nodes`):
+each node's leader claims the temporary name on its own disk and its ranks write there; rank 0
+decides as above and broadcasts the merged manifest (which records the ranks of each node); each
+leader checks its node's files, writes its node's copy of the manifest and renames; if any node
+cannot, the others take theirs back, so nothing is committed anywhere (a kill between two nodes'
+renames leaves a step some node lacks: restore agreement never picks it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
+import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from persist_core.distributed import Collectives
 from persist_core.errors import CorruptCheckpointError, PersistError
-from persist_core.layout import checkpoint_dirname
-from persist_core.fileio import FileOps, commit_dir
+from persist_core.layout import checkpoint_dirname, node_probe_filename
+from persist_core.fileio import FileOps, commit_dir, exchange_dirs
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.format.tree import tensor_paths
-from persist_core.ownership import claim_tmp
+from persist_core.ownership import claim_tmp, discard
 from persist_core.tiers.local import check_files
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Which ranks share one ``local_dir`` (found out by :func:`discover_nodes`, never configured).
+
+    Attributes:
+        groups: the ranks of each node, each ascending, ordered by their first rank (the node's leader).
+        mine: the index of this rank's node.
+        rank: this rank.
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    mine: int
+    rank: int
+
+    @property
+    def shared(self) -> bool:
+        """Every rank writes into one directory (one node, or a shared file system)."""
+        return len(self.groups) == 1
+
+    @property
+    def leader(self) -> bool:
+        """This rank commits its node's copy (the first rank of its node)."""
+        return self.groups[self.mine][0] == self.rank
+
+
+def discover_nodes(root: Path, coll: Collectives) -> Nodes:
+    """Find out which ranks see the same ``root`` (a collective call: every rank makes it, in order).
+
+    Each rank writes a probe file named by a token rank 0 draws; once all have written, each lists the
+    probes it sees; ranks that see the same set share a directory (a node, or a shared file system).
+
+    Raises:
+        PersistError: the ranks' views do not split into groups (a directory some ranks share only in
+            part): ``local_dir`` must be one per node or one for all.
+    """
+    if coll.world_size == 1:
+        return Nodes(groups=((0,),), mine=0, rank=0)
+    token = coll.broadcast(secrets.token_hex(8) if coll.rank == 0 else None)
+    probe = root / node_probe_filename(token, coll.rank)
+    error: str | None = None
+    try:
+        probe.write_bytes(b"")
+    except OSError as e:
+        error = f"rank {coll.rank} could not write {probe}: {e}"
+    coll.all_gather(error)  # every rank has written its probe (or failed to)
+    try:
+        seen = tuple(r for r in range(coll.world_size) if (root / node_probe_filename(token, r)).exists())
+    except OSError:
+        seen = ()
+    views = coll.all_gather(seen)  # every rank has looked
+    probe.unlink(missing_ok=True)
+    problems = [f"rank {r} sees the probes of ranks {list(v)}" for r, v in enumerate(views)
+                if r not in v or any(views[o] != v for o in v)]
+    if problems:
+        raise PersistError(f"the ranks' local_dir={str(root)!r} do not split into nodes: {'; '.join(problems[:4])}. "
+                           "Give every node its own local_dir (node-local disks), or all ranks one shared directory")
+    groups = tuple(sorted(set(views), key=lambda g: g[0]))
+    return Nodes(groups=groups, mine=next(i for i, g in enumerate(groups) if coll.rank in g), rank=coll.rank)
 
 
 def commit_checkpoint(
@@ -50,6 +120,7 @@ def commit_checkpoint(
     release: Callable[[], None],
     ops: FileOps,
     replace: bool = False,
+    nodes: Nodes | None = None,
 ) -> Manifest:
     """Write this rank's shard of ``base.step`` and commit the checkpoint with the other ranks.
 
@@ -66,9 +137,12 @@ def commit_checkpoint(
         ops: file calls for the manifest.
         replace: ``step-N`` may be committed already (a re-save after a resume): the new one takes its
             name atomically and the old one is removed after (:func:`~persist_core.fileio.commit_dir`).
+        nodes: which ranks share ``root`` (:func:`discover_nodes`); ``None``: all of them. With
+            several nodes each node's leader commits its node's copy on its own disk.
 
     Returns:
-        The committed manifest (on rank 0; the other ranks get ``base``).
+        The committed manifest (on rank 0, and on every rank with several nodes: its node's copy;
+        the other ranks of one directory get ``base``).
 
     Raises:
         The exception of this rank's own failure, or :class:`PersistError` naming the rank
@@ -81,13 +155,14 @@ def commit_checkpoint(
                 tmp = owned.enter_context(claim_tmp(root, base.step))
             except OSError as e:  # still make every collective call below, so no rank waits forever
                 error = e
+        split = nodes is not None and not nodes.shared
         return _commit(root, base, signature, digests or [], coll=coll, write_shard=write_shard, release=release,
-                       ops=ops, tmp=tmp, error=error, replace=replace)
+                       ops=ops, tmp=tmp, error=error, replace=replace, nodes=nodes if split else None, owned=owned)
 
 
 def _commit(root: Path, base: Manifest, signature: str, digests: list[int | None], *, coll: Collectives, write_shard: Callable[[Path], FileEntry],
             release: Callable[[], None], ops: FileOps, tmp: Path | None, error: BaseException | None,
-            replace: bool) -> Manifest:
+            replace: bool, nodes: Nodes | None, owned: contextlib.ExitStack) -> Manifest:
     step = base.step
     leader = coll.rank == 0
     name: str | None = None
@@ -98,7 +173,9 @@ def _commit(root: Path, base: Manifest, signature: str, digests: list[int | None
             error = error or PersistError(f"rank 0 could not create a temporary directory in {root}")
         else:
             try:
-                if not leader:
+                if not leader and nodes is not None and nodes.leader:  # its node's copy: owned here
+                    owned.enter_context(claim_tmp(root, step, name))
+                elif not leader:
                     os.makedirs(root / name, exist_ok=True)
                 entry = write_shard(root / name)
             except BaseException as e:  # reported to rank 0 below, then raised here
@@ -134,20 +211,28 @@ def _commit(root: Path, base: Manifest, signature: str, digests: list[int | None
         if not problems:
             try:
                 manifest = _merge(base, reports)
-                try:
-                    check_files(root / name, manifest)
-                except CorruptCheckpointError as e:
-                    raise PersistError(
-                        f"{e}: local_dir={str(root)!r} must be one directory every rank shares (one node or a "
-                        "shared file system) for all ranks to write"
-                    ) from None
-                commit_dir(root / name, root / checkpoint_dirname(step), manifest.to_bytes(), ops=ops,
-                           replace=replace)  # the old one, if any, is left at the temporary name: removed below
+                if nodes is not None:  # each node's leader checks and commits its own copy, below
+                    manifest = dataclasses.replace(manifest, nodes=nodes.groups)
+                else:
+                    try:
+                        check_files(root / name, manifest)
+                    except CorruptCheckpointError as e:
+                        raise PersistError(
+                            f"{e}: rank 0 does not see a file another rank wrote into local_dir={str(root)!r}"
+                        ) from None
+                    commit_dir(root / name, root / checkpoint_dirname(step), manifest.to_bytes(), ops=ops,
+                               replace=replace)  # the old one, if any, is left at the temporary name: removed below
             except BaseException as e:
                 error = error or e
                 problems.append(f"rank 0: {type(e).__name__}: {e}")
         outcome = "; ".join(problems) or None
-    outcome = coll.broadcast(outcome)
+    if nodes is None:
+        outcome = coll.broadcast(outcome)
+    else:
+        outcome, merged = coll.broadcast((outcome, manifest if outcome is None else None))
+        if outcome is None:
+            manifest, outcome = _commit_node(root, name, merged.placed(nodes.mine), coll=coll, nodes=nodes, ops=ops,
+                                             replace=replace)
     if outcome is not None and name is not None:
         shutil.rmtree(root / name, ignore_errors=True)
     if error is not None:
@@ -157,6 +242,38 @@ def _commit(root: Path, base: Manifest, signature: str, digests: list[int | None
     if outcome is not None:
         raise PersistError(f"checkpoint step={step} was not committed: {outcome}")
     return manifest
+
+
+def _commit_node(root: Path, name: str, manifest: Manifest, *, coll: Collectives, nodes: Nodes, ops: FileOps,
+                 replace: bool) -> tuple[Manifest, str | None]:
+    """Each node's leader commits its node's copy; if any node cannot, the others take theirs back.
+
+    Returns ``(this node's manifest, None)``, or ``(…, what failed)`` with nothing left committed.
+    """
+    final = root / checkpoint_dirname(manifest.step)
+    failure: str | None = None
+    committed = exchanged = False
+    if nodes.leader:
+        try:
+            check_files(root / name, manifest)
+            exchanged = replace and os.path.lexists(final)
+            commit_dir(root / name, final, manifest.to_bytes(), ops=ops, replace=replace)
+            committed = True
+        except BaseException as e:
+            failure = f"node {nodes.mine} (ranks {list(nodes.groups[nodes.mine])}): {type(e).__name__}: {e}"
+    failures = [f for f in coll.all_gather(failure) if f]
+    if not failures:
+        return manifest, None
+    if committed:  # another node could not commit: take this node's copy back (the old one back in place)
+        try:
+            if exchanged:
+                exchange_dirs(root / name, final)
+            else:
+                discard(root, final)
+        except OSError as e:
+            log.error("[step=%d] could not take back this node's copy %s after another node failed: %s",
+                      manifest.step, final, e)
+    return manifest, "; ".join(failures)
 
 
 class Report(NamedTuple):

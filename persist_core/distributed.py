@@ -77,13 +77,16 @@ class TorchCollectives:
     at once, after ``torch.distributed`` is initialized.
     """
 
-    def __init__(self, group: Any, decisions: Any = None) -> None:
+    def __init__(self, group: Any, decisions: Any = None, uploads: Any = None) -> None:
         import torch.distributed as dist
 
         self._dist = dist
         #: collectives over a second group, for the training thread's save decisions
-        #: (``maybe_save``); ``None`` when built from one group only
+        #: (``maybe_save``) and restore agreement; ``None`` when built from one group only
         self.decisions: TorchCollectives | None = None if decisions is None else TorchCollectives(decisions)
+        #: collectives over a third group, for the sync threads assembling a remote copy from several
+        #: nodes (:mod:`persist_core.assembly`); ``None`` when not built by :meth:`new_group`
+        self.uploads: TorchCollectives | None = None if uploads is None else TorchCollectives(uploads)
         self._group = group
         self._rank = dist.get_rank(group)
         self._world = dist.get_world_size(group)
@@ -91,10 +94,12 @@ class TorchCollectives:
 
     @classmethod
     def new_group(cls, timeout_s: float = 1800.0) -> TorchCollectives:
-        """Two gloo groups over all ranks (a collective call: every rank must make it).
+        """Three gloo groups over all ranks (a collective call: every rank must make it).
 
-        One carries the commit (the engine's writer thread), the other the training thread's
-        save decisions (:attr:`decisions`, used by ``maybe_save``), so the two never interleave.
+        One carries the commit (the engine's writer thread), one the training thread's save
+        decisions and restore agreement (:attr:`decisions`), one the sync threads' upload rounds
+        on several nodes (:attr:`uploads`, which wait for rank 0 as long as a run lasts), so none
+        interleave.
 
         Args:
             timeout_s: how long a rank waits for the others in one commit before the save fails
@@ -103,7 +108,8 @@ class TorchCollectives:
         import torch.distributed as dist
 
         timeout = timedelta(seconds=timeout_s)
-        return cls(dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout))
+        return cls(dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout),
+                   dist.new_group(backend="gloo", timeout=timedelta(days=7)))
 
     @property
     def rank(self) -> int:

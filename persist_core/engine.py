@@ -30,7 +30,7 @@ import torch
 
 from persist_core import _knobs
 from persist_core._knobs import WriteSettings
-from persist_core.distributed import Collectives, check_collectives
+from persist_core.distributed import Collectives, check_collectives, decision_channel
 from persist_core.errors import ConfigError, PersistError, RemoteError
 from persist_core.fileio import FileOps, OsFileOps
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
@@ -41,7 +41,7 @@ from persist_core.planning.sharding import check_replica_mode
 from persist_core.policies.retention import RetentionPolicy, check_policy
 from persist_core.policies.save import Clock, DecisionContext, SavePolicy, check_save_policy
 from persist_core.preemption import PreemptionNotice, check_grace, default_notice
-from persist_core.reader import CheckpointReader
+from persist_core.reader import CheckpointReader, agreed_load
 from persist_core.scheduler import SaveScheduler
 from persist_core.staging import StagingPool, stage_into
 from persist_core.tiers.local import open_local_dir
@@ -493,7 +493,8 @@ class CheckpointEngine:
         """Load the newest committed checkpoint that verifies, or the one for ``step``.
 
         The local copy is used when it is there and verifies; otherwise the remote copy is
-        downloaded into ``local_dir`` (verified) and loaded, so a fresh machine with an empty
+        streamed into the tensors (ranged reads, verified; a local copy is written alongside and committed
+        after the load, for the next restore), so a fresh machine with an empty
         ``local_dir`` resumes with ``engine.load()`` alone. With ``into`` (targets on this run's
         mesh, e.g. ``{"model": msd, "optim": osd}`` from ``get_state_dict``) each rank fills its
         tensors and ``DTensor`` s in place, reading only the byte ranges they need (resharding to
@@ -507,8 +508,13 @@ class CheckpointEngine:
             CorruptCheckpointError: no copy of ``step`` verifies (names the file).
         """
         self._check_open()
-        state = self._reader.load(step, into=into, map_location=map_location, verify=verify, rank=self._coll.rank,
-                                  weights_only=weights_only)
+        kwargs = dict(into=into, map_location=map_location, verify=verify, rank=self._coll.rank,
+                      weights_only=weights_only)
+        chan = decision_channel(self._coll)
+        if step is None and chan is not None and chan.world_size > 1:
+            state = agreed_load(self._reader, chan, **kwargs)
+        else:
+            state = self._reader.load(step, **kwargs)
         if self._reader.loaded_from_remote:  # a fresh machine: this run continues the one that wrote it
             self._pipeline.adopt_remote_run()
         return state

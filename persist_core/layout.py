@@ -42,6 +42,7 @@ OWNER_SUFFIX = ".owner"
 LEASE_NAME = ".lease.json"  # on the remote: which run writes there, until when
 RUN_ID_NAME = ".run-id"  # in local_dir: the run id a restart on this directory keeps
 UNSYNCED_NAME = ".unsynced.json"
+NODE_PROBE_PREFIX = ".node-probe-"  # in local_dir, for a moment at the first save: which ranks share it
 
 
 FULL = "full"
@@ -128,3 +129,8 @@ def parse_abandoned_dirname(name: str) -> tuple[int, int] | None:
     """``(step, at)`` of a set-aside checkpoint's name, or ``None`` for any other name."""
     m = _ABANDONED_RE.match(name)
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def node_probe_filename(token: str, rank: int) -> str:
+    """The file rank ``rank`` writes in ``local_dir`` so the ranks find out which of them share it."""
+    return f"{NODE_PROBE_PREFIX}{token}-rank-{rank:05d}"

@@ -182,18 +182,20 @@ def _new_mark(mark: Path) -> int:
 
 
 @contextlib.contextmanager
-def claim_tmp(root: Path, step: int) -> Iterator[Path]:
+def claim_tmp(root: Path, step: int, name: str | None = None) -> Iterator[Path]:
     """A new temporary directory under ``root`` for ``step``, owned (marked) while the block runs.
 
     The mark is created and locked before the directory exists and unlinked after the block, by
     which time the directory was renamed into place or removed; whatever the block leaves under
-    the temporary name is dead once it ends, and removed now.
+    the temporary name is dead once it ends, and removed now. ``name``: the one rank 0 chose (a
+    node's leader claims it on its own disk; the node's other ranks may have made it already).
     """
-    name = tmp_dirname(step, os.getpid(), secrets.token_hex(3))
+    shared = name is not None
+    name = name or tmp_dirname(step, os.getpid(), secrets.token_hex(3))
     mark = root / owner_filename(name)
     fd = _new_mark(mark)
     try:
-        os.mkdir(root / name)
+        os.makedirs(root / name, exist_ok=shared)
         try:
             yield root / name
         finally:

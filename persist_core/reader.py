@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +19,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from persist_core import _knobs
-from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RemoteError
+from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, PersistError, RemoteError
 from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname, parse_shard_filename
 from persist_core.ownership import claim_tmp, discard
 from persist_core.fileio import fsync_dir
@@ -33,7 +34,9 @@ from persist_core.tiers.local import (
     load_checkpoint,
     read_blocks,
     read_manifest,
+    read_shard,
 )
+from persist_core.tiers.tee import LocalCopy
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,7 @@ class CheckpointReader:
         self._tier = tier if tier is not None else (RemoteTier(remote_url, storage_options) if remote_url else None)
         self._pool = ThreadPoolExecutor(_knobs.write_threads(), thread_name_prefix="persist-read")
         self._downloads = 0
+        self._copies: list[threading.Thread] = []  # committing the local copies of streamed restores
         self.loaded_step: int | None = None  # the step the last successful load() returned (a resume point)
         self.loaded_from_remote = False  # ... and it was downloaded (a fresh machine resuming the remote's run)
         self.last_load = LoadStats()  # what the last load(into=...) needed and read
@@ -93,7 +97,9 @@ class CheckpointReader:
         return None if self._tier is None else self._tier.url
 
     def close(self) -> None:
-        """Release threads (and the remote tier if this reader opened it). Idempotent."""
+        """Release threads (and the remote tier if this reader opened it), once the local copies that
+        streamed restores write are committed. Idempotent."""
+        self.wait_copies()
         self._pool.shutdown(wait=True)
         if self._owns_tier and self._tier is not None:
             self._tier.close()
@@ -170,7 +176,8 @@ class CheckpointReader:
         """Load the newest committed checkpoint that verifies, or the one for ``step``.
 
         Without ``into``, the whole state: the local copy when it is there and verifies; otherwise
-        the remote copy is downloaded into ``local_dir`` (parallel ranged reads, checksums verified)
+        the remote copy is streamed straight into the tensors (parallel ranged reads, checksums verified; the
+        bytes read are written into a local copy alongside, committed into ``local_dir`` after the load)
         and loaded. Sharded tensors come back whole (consolidated).
 
         With ``into`` (a state shaped like the saved one, e.g. ``{"model": msd, "optim": osd}`` from
@@ -231,6 +238,31 @@ class CheckpointReader:
                 f"no committed checkpoint for step={step} in {where}; committed steps: {sorted(local | remote)}")
         return ([step] if step is not None else sorted(local | remote, reverse=True)), local, remote
 
+    def gettable(self) -> list[int]:
+        """The committed steps this process can load: in ``local_dir``, or on the remote (restore agreement
+        across ranks takes the newest that every rank can get)."""
+        _, local, remote = self._candidates(None)
+        return sorted(local | remote)
+
+    def _blocks(self, ckpt: Path, manifest: Manifest, opts: LoadOptions) -> Callable[..., None]:
+        """``read_blocks`` for a local copy: the files it holds from disk, the others' (a node's copy: the
+        other nodes' files) by ranged reads from the remote, counted in ``last_load.remote_bytes``."""
+        held = {f.name for f in manifest.held()}
+        tier, stats = self._tier, self.last_load
+
+        def read(f: Any, first: int, views: list[memoryview]) -> None:
+            if f.name in held:
+                read_blocks(ckpt / f.name, f, first, views, verify=opts.verify)
+                return
+            if tier is None:
+                raise CorruptCheckpointError(
+                    f"{ckpt}: {f.name} is held on another node (this directory holds node {manifest.node}'s files) and "
+                    "there is no remote_url to read it from; pass the remote_url the run uploaded to")
+            tier.read_blocks(manifest.step, f, first, views, verify=opts.verify)
+            stats.count_remote(sum(len(v) * v.itemsize for v in views), f.name)
+
+        return read
+
     def _read_into(self, step: int, in_local: bool, in_remote: bool, into: Any,
                    opts: LoadOptions) -> tuple[Any, bool]:
         """``(the state, whether it was read from the remote)``."""
@@ -240,8 +272,7 @@ class CheckpointReader:
             try:
                 manifest = read_manifest(ckpt)
                 return load_into(manifest, into, pool=self._pool, options=opts, where=str(ckpt), stats=self.last_load,
-                                 read_blocks=lambda f, a, v: read_blocks(ckpt / f.name, f, a, v,
-                                                                         verify=opts.verify)), False
+                                 read_blocks=self._blocks(ckpt, manifest, opts)), False
             except CorruptCheckpointError as e:
                 if not in_remote:
                     raise
@@ -250,22 +281,69 @@ class CheckpointReader:
         assert self._tier is not None
         tier = self._tier
         manifest = tier.read_manifest(step)
+        stats = self.last_load
+
+        def remote_blocks(f: Any, first: int, views: list[memoryview]) -> None:
+            tier.read_blocks(step, f, first, views, verify=opts.verify)
+            stats.count_remote(sum(len(v) * v.itemsize for v in views), f.name)
+
         return load_into(manifest, into, pool=self._pool, options=opts, where=f"{tier.url}/{checkpoint_dirname(step)}",
-                         stats=self.last_load,
-                         read_blocks=lambda f, a, v: tier.read_blocks(step, f, a, v, verify=opts.verify)), True
+                         stats=stats, read_blocks=remote_blocks), True
 
     def _read_step(self, step: int, in_local: bool, in_remote: bool, opts: LoadOptions) -> Any:
         ckpt = checkpoint_dir(self._root, step)
+        self.last_load = LoadStats()
         if in_local:
             try:
-                return load_checkpoint(ckpt, read_manifest(ckpt), pool=self._pool, options=opts)
+                manifest = read_manifest(ckpt)
+                if manifest.elsewhere():  # a node's copy: this node's files from disk, the others' streamed
+                    return load_into(manifest, {}, pool=self._pool, options=opts, where=str(ckpt),
+                                     stats=self.last_load, read_blocks=self._blocks(ckpt, manifest, opts))
+                return load_checkpoint(ckpt, manifest, pool=self._pool, options=opts)
             except CorruptCheckpointError as e:
                 if not in_remote:
                     raise
                 log.warning("[step=%d] local copy does not verify (%s); downloading from %s", step, e, self._tier.url)
                 self._set_aside(ckpt)
-        manifest = self._download(step)
-        return load_checkpoint(ckpt, manifest, pool=self._pool, options=opts)
+        return self._stream(step, opts)
+
+    def _stream(self, step: int, opts: LoadOptions) -> Any:
+        """A checkpoint only the remote holds: ranged, verified reads straight into the state's tensors (no
+        file written and read back first), each run of blocks also written into a local copy, which a thread
+        commits into ``local_dir`` afterwards (fsync, manifest last, rename) for the next restore."""
+        assert self._tier is not None
+        tier, stats = self._tier, self.last_load
+        manifest = tier.read_manifest(step)
+        name = f"{tier.url}/{checkpoint_dirname(step)}"
+        self._downloads += 1
+        copy = LocalCopy(self._root, manifest)
+
+        def shard(f: Any) -> Any:
+            def fill(blocks: list[tuple[list[memoryview], int, int | None, int]]) -> None:
+                views = [v for vs, _, _, _ in blocks for v in vs]
+                tier.read_blocks(step, f, blocks[0][3], views, verify=opts.verify)
+                stats.count_remote(sum(len(v) for v in views), f.name)
+                copy.write(f, blocks[0][3], views)
+
+            return read_shard(f, head=lambda n: tier.read_range(step, f, 0, n), fill=fill, pool=requests,
+                              verify=opts.verify, where=f"{name}/{f.name}", span_bytes=_knobs.remote_read_bytes())
+
+        try:  # as many requests in flight as the tier's uploads and downloads have
+            with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="persist-stream") as requests:
+                state = load_checkpoint(name, manifest, pool=self._pool, options=opts, shard=shard)
+        except BaseException:
+            copy.abandon()
+            raise
+        log.info("[step=%d] streamed from %s (%d bytes)", step, tier.url, stats.remote_bytes)
+        thread = threading.Thread(target=copy.finish, name="persist-local-copy", daemon=True)
+        thread.start()
+        self._copies.append(thread)
+        return state
+
+    def wait_copies(self) -> None:
+        """Wait until the local copies that streamed restores write are committed (``close()`` does)."""
+        while self._copies:
+            self._copies.pop().join()
 
     def fetch(self, step: int, progress: Callable[[int], None] | None = None) -> Path:
         """Make ``local_dir`` hold checkpoint ``step``, downloading it (verified) if it is not there.
@@ -335,6 +413,45 @@ class CheckpointReader:
     def _set_aside(self, ckpt: Path) -> None:
         """Move a copy that failed verification out of the way with one rename (then delete it)."""
         discard(self._root, ckpt)
+
+
+def agreed_load(reader: CheckpointReader, chan: Any, **kwargs: Any) -> Any:
+    """The newest checkpoint every rank can get, loaded on every rank (a collective call on ``chan``, the
+    training thread's channel: every rank makes it).
+
+    Each rank says which steps it can get (its node's ``local_dir`` or the remote); they take the newest
+    all have; each loads it (its own files from disk, what it lacks from the remote); if any rank cannot,
+    all move on to the next one, so every rank resumes from the same step.
+
+    Raises:
+        CheckpointNotFoundError: no step every rank can load (each rank's steps named).
+    """
+    views = chan.all_gather(reader.gettable())
+    common = sorted(set.intersection(*(set(v) for v in views)), reverse=True)
+    for step in common:
+        state, error, mine = None, None, None
+        try:
+            state = reader.load(step, **kwargs)
+        except Exception as e:  # said to every rank first, so none waits for this one in the next round
+            mine = e
+            error = (isinstance(e, (CorruptCheckpointError, CheckpointNotFoundError)), f"{type(e).__name__}: {e}")
+        said = chan.all_gather(error)
+        failures = [f"rank {r}: {e[1]}" for r, e in enumerate(said) if e]
+        if not failures:
+            return state
+        if any(not e[0] for e in said if e):  # not a copy that fails: the same call fails on the next step too
+            if mine is not None:
+                raise mine
+            raise PersistError(f"the restore of step={step} failed on other ranks: {'; '.join(failures[:3])}")
+        log.warning("[step=%d] not every rank could load it (%s); trying the next older one", step,
+                    "; ".join(failures[:3]))
+    if any(views):
+        raise CheckpointNotFoundError(
+            "no checkpoint that every rank can load: the ranks can get steps "
+            + "; ".join(f"rank {r}: {v[-3:]}" for r, v in enumerate(views[:8]))
+            + " (a node's local_dir lost its files and there is no remote copy?)")
+    raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {reader.local_dir}"
+                                  + (f" nor {reader.remote_url}" if reader.remote_url else ""))
 
 
 def checkpoint_of(real: Path) -> Path:

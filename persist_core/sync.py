@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from persist_core.assembly import Coordinator
 from persist_core.errors import CorruptCheckpointError, DirectoryInUseError, PersistError, RemoteError
 from persist_core.format.manifest import Manifest
 from persist_core.layout import MANIFEST_NAME
@@ -110,6 +111,9 @@ class RemoteSync:
                  lease: RemoteLease | None = None,
                  abandoned: Callable[[], list[tuple[int, int, Manifest, str]]] | None = None) -> None:
         self._tier = tier
+        #: rank 0's side of the upload rounds with the other ranks (several nodes), set once they are found
+        self.peers: Coordinator | None = None
+        self._waiting: dict[int, SyncJob] = {}  # node copies an earlier run left, until peers are set
         self._lease = lease
         self._abandoned = abandoned
         self._unmoved: list[tuple[int, int, Manifest, str]] = []
@@ -154,9 +158,19 @@ class RemoteSync:
         return self._listed
 
     def _unsynced(self) -> dict[int, SyncJob]:
-        """The jobs not uploaded yet: queued, uploading or failed, by step."""
+        """The jobs not uploaded yet: queued, uploading, failed or waiting for the other nodes, by step."""
         with self._cond:
-            return {j.step: j for j in [*self._queue, *self._failed.values(), *([self._active] if self._active else [])]}
+            return {j.step: j for j in [*self._queue, *self._failed.values(), *self._waiting.values(),
+                                        *([self._active] if self._active else [])]}
+
+    def set_peers(self, peers: Coordinator) -> None:
+        """The other ranks take part in uploads from now on (the first save found them on several nodes):
+        what waited for them is queued."""
+        with self._cond:
+            self.peers = peers
+            self._queue = self._ordered([*self._queue, *self._waiting.values()])
+            self._waiting.clear()
+            self._cond.notify_all()
 
     def known_steps(self) -> set[int]:
         """The remote's committed steps as this thread knows them (empty until it is listed)."""
@@ -301,6 +315,11 @@ class RemoteSync:
         if self._lease is not None:
             self._lease.release()
 
+    @property
+    def running(self) -> bool:
+        """The sync thread is still alive (stuck in a request after close gave up on it)."""
+        return self._thread.is_alive()
+
     def _stop(self) -> None:
         with self._cond:
             self._stopping = True
@@ -377,9 +396,17 @@ class RemoteSync:
         return [jobs[-1], *[j for j in rest if j.step not in doomed], *[j for j in rest if j.step in doomed]]
 
     def _upload(self, job: SyncJob) -> None:
+        if job.manifest.node is not None and self.peers is None:
+            with self._cond:  # an earlier run's node copy: it waits for this run's ranks (set_peers)
+                self._active = None
+                self._waiting[job.step] = job
+            log.info("[step=%d] checkpoint written on %d nodes: its upload waits for this run's first save (which "
+                     "finds the other nodes' ranks to upload their files); it stays committed and protected",
+                     job.step, len(job.manifest.nodes))
+            return
         t0 = time.perf_counter()
         error: BaseException | None = None
-        uploaded = False
+        uploaded = announced = False
         try:
             if not self._listed:  # the start-up listing failed: try again before this upload
                 self._start()
@@ -387,7 +414,13 @@ class RemoteSync:
                 self._lease.ensure()  # another run's live lease: nothing is written, retried later
             self._set_aside_remote()  # a new branch's first upload waits for the old branch to move aside
             self._finish_set_aside()
-            self._tier.upload(job.local_ckpt, job.manifest)
+            if job.manifest.node is None:  # this directory holds every file
+                self._tier.upload(job.local_ckpt, job.manifest)
+            else:  # a node's copy: every rank uploads its own files, the manifest after all of them
+                assert self.peers is not None
+                self.peers.before(job.step)
+                announced = True
+                self._tier.upload(job.local_ckpt, job.manifest, files=tuple(f for f in job.manifest.held() if f.rank == 0))
             uploaded = True
             with self._known.lock:
                 self._known.infos[job.step] = job.info(self._tier.url)
@@ -411,6 +444,11 @@ class RemoteSync:
                 self._retry_s = self._tier.backoff_s
                 if self._failed and not self._gave_up:  # the remote is back: the newest un-synced next
                     self._requeue_failed()
+        if announced:  # the other ranks learn how it ended (and what is still un-synced)
+            try:
+                self.peers.after(job.step, uploaded=uploaded)
+            except Exception as e:
+                error = error or e
         handle = job.handle
         if uploaded:
             handle._update(upload_s=upload_s, upload_gbps=job.manifest.nbytes / upload_s / 1e9 if upload_s > 0 else None,

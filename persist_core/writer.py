@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from persist_core._knobs import WriteSettings, remote_lease_s, run_id_from_env
-from persist_core.commit import commit_checkpoint
+from persist_core.assembly import Coordinator, Follower, uploads_channel
+from persist_core.commit import Nodes, commit_checkpoint, discover_nodes
 from persist_core.distributed import Collectives
 from persist_core.errors import PersistError, RemoteError, StepExistsError, WriteError
 from persist_core.fileio import CHECKSUM_ALGORITHM, FileOps, write_file
@@ -75,8 +76,12 @@ class Writer:
     """
 
     def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
-                 after_commit: AfterCommit, write_threads: int, chunk_bytes: int, direct_io: str) -> None:
+                 after_commit: AfterCommit, write_threads: int, chunk_bytes: int, direct_io: str,
+                 on_nodes: Callable[[Nodes], None] | None = None) -> None:
         self._root = root
+        #: which ranks share local_dir: found out at the first save (one process: itself alone)
+        self.nodes: Nodes | None = None if coll.world_size > 1 else discover_nodes(root, coll)
+        self._on_nodes = on_nodes  # called once on the writer thread when the ranks turn out to be on several nodes
         self._pool = pool
         self._coll = coll
         self._ops = ops
@@ -191,9 +196,22 @@ class Writer:
             return FileEntry(name=written.name, rank=self._coll.rank, size=written.size, checksum=CHECKSUM_ALGORITHM,
                              chunk_bytes=written.chunk_bytes, chunks=written.chunks)
 
+        if self.nodes is None:
+            try:  # the first save: which ranks share local_dir (a collective call, in save order on every rank)
+                self.nodes = discover_nodes(self._root, self._coll)
+            except BaseException:
+                self._pool.release(buf)
+                raise
+            if not self.nodes.shared:
+                log.info("[rank=%d] local_dir %s is node %d of %d (ranks %s); each node commits its own ranks' "
+                         "files", self._coll.rank, self._root, self.nodes.mine, len(self.nodes.groups),
+                         list(self.nodes.groups[self.nodes.mine]))
+                if self._on_nodes is not None:
+                    self._on_nodes(self.nodes)
         manifest = commit_checkpoint(self._root, job.base, job.signature, digests=list(job.digests), coll=self._coll,
                                      write_shard=write_shard,
-                                     release=lambda: self._pool.release(buf), ops=self._ops, replace=job.replace)
+                                     release=lambda: self._pool.release(buf), ops=self._ops, replace=job.replace,
+                                     nodes=self.nodes)
         write_s = timing["write_s"]
         handle._update(write_s=write_s, write_gbps=handle.stats.nbytes / write_s / 1e9 if write_s > 0 else None,
                        commit_s=time.perf_counter() - job.staged_at, direct_io=timing["direct_io"])
@@ -243,11 +261,14 @@ class Pipeline:
         self._gave_up = False  # the last drain gave up on the remote
         self.closing = False  # set by close(): a drain right after giving up waits no second remote_timeout_s
         leader = coll.rank == 0
+        self._coll = coll
+        self._tier = tier
+        self.follower: Follower | None = None  # every other rank's part in the upload rounds (several nodes)
         self.writer = Writer(root, pool=pool, coll=coll, ops=ops, ledger=ledger, after_commit=self._after_commit,
                              write_threads=settings.write_threads, chunk_bytes=settings.chunk_bytes,
-                             direct_io=settings.direct_io)
+                             direct_io=settings.direct_io, on_nodes=self._on_nodes)
         local = LocalTier(root)
-        self.local = Retainer(local, keep_local if leader else None, protected=self.protected)
+        self.local = Retainer(local, keep_local, protected=self.protected)
         self._url = None if tier is None else tier.url  # before RemoteSync: its thread may upload a backlog at once
         self._record_lock = threading.Lock()
         self.sync = None if tier is None or not leader else RemoteSync(
@@ -264,14 +285,44 @@ class Pipeline:
         if self.sync is not None:
             self.sync.adopt_lease(self._root)
 
+    def _on_nodes(self, nodes: Nodes) -> None:
+        """Writer thread, at the first save, when the ranks turn out to be on several nodes: the upload
+        rounds that assemble each checkpoint's remote copy start."""
+        if self._tier is None:
+            log.warning("[rank=%d] local_dir is node-local (%d nodes) and there is no remote_url: each node holds "
+                        "its own ranks' files only, so a restore that needs another node's bytes cannot find them; "
+                        "pass remote_url", self._coll.rank, len(nodes.groups))
+            return
+        channel = uploads_channel(self._coll)
+        if channel is None:
+            log.error("[rank=%d] local_dir is node-local (%d nodes) but the collectives have no uploads channel "
+                      "(build them with TorchCollectives.new_group()): these checkpoints cannot be uploaded",
+                      self._coll.rank, len(nodes.groups))
+            return
+        if self.sync is not None:
+            self.sync.set_peers(Coordinator(channel, self.sync.unsynced_steps))
+        else:
+            self.follower = Follower(self._root, channel, self._tier, after_round=self._retain_local)
+
+    def _retain_local(self) -> None:
+        """Local retention, where this rank applies it: rank 0, and the leader of each other node (the same
+        policy over the same committed steps, keeping what rank 0 says is not uploaded: the same steps go)."""
+        nodes = self.writer.nodes
+        if self._coll.rank == 0 or (nodes is not None and not nodes.shared and nodes.leader):
+            self.local.apply()
+
     def protected(self) -> set[int]:
         """Steps local retention must keep: pending here, or not uploaded yet (queued, uploading, failed).
 
         Until the remote has been listed once (a job restarted during an outage), nobody knows what it
-        lacks: every local checkpoint is kept.
+        lacks: every local checkpoint is kept. On another node's leader: what rank 0 says is not uploaded.
         """
         pending = self.writer.pending_steps()  # first: a step leaves it only once the upload queue has it
+        if self.follower is not None:
+            return pending | self.follower.protected()
         if self.sync is None:
+            if self._tier is not None and self._coll.rank != 0:  # several nodes, no upload rounds: keep all
+                return pending | set(self.local.tier.committed_steps())
             return pending
         if not self.sync.listed:
             return pending | set(self.local.tier.committed_steps())
@@ -285,12 +336,12 @@ class Pipeline:
             self.sync.submit(SyncJob(local_ckpt=checkpoint_dir(self._root, handle.step), manifest=manifest,
                                      handle=handle, committed_at=time.monotonic()))
             self._record_unsynced()
-        self.local.apply()
+        self._retain_local()
 
     def _after_upload(self) -> None:
         """Sync thread, after each upload: the record first, then local retention (what waited may go)."""
         self._record_unsynced()
-        self.local.apply()
+        self._retain_local()
 
     def _record_unsynced(self) -> None:
         """Rewrite ``local_dir``'s record of what is not uploaded yet, for ``persist gc`` (best effort)."""
@@ -310,7 +361,7 @@ class Pipeline:
                 if info.step not in remote_steps and info.step not in ours]
 
     def prune(self) -> None:
-        self.local.apply()
+        self._retain_local()
         if self.sync is not None:
             self.sync.apply_retention()
 
@@ -372,3 +423,7 @@ class Pipeline:
         self.writer.close()
         if self.sync is not None:  # after giving up on the remote, do not upload the queue at close
             self.sync.close(give_up=self._gave_up, give_up_after_s=max(5.0, self._remote_timeout_s))
+            if self.sync.peers is not None and not self.sync.running:
+                self.sync.peers.stop()  # the other ranks' upload rounds end
+        if self.follower is not None:  # rank 0 says stop once its queue is done
+            self.follower.close(timeout_s=max(60.0, 3 * self._remote_timeout_s))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import crc32c
@@ -103,6 +103,10 @@ class Manifest:
         metadata: the user's JSON-able metadata.
         per_rank: per rank that wrote, ``[file, begin, length]`` of each ``PerRank`` leaf (in tree
             order) in that file's ``__per_rank__`` entry (version 4).
+        nodes: the ranks of each node whose ranks wrote into a ``local_dir`` of their own (version 5);
+            empty when every rank wrote into one directory (one node, a shared file system).
+        node: which of ``nodes`` this copy is (its directory holds that node's ranks' files only);
+            ``None`` for a copy that holds every file (the remote's, one directory, a download).
     """
 
     step: int
@@ -114,11 +118,29 @@ class Manifest:
     files: tuple[FileEntry, ...]
     metadata: dict[str, Any] = field(default_factory=dict)
     per_rank: tuple[tuple[tuple[str, int, int], ...], ...] = ()
+    nodes: tuple[tuple[int, ...], ...] = ()
+    node: int | None = None
 
     @property
     def nbytes(self) -> int:
         """Total bytes of the shard files."""
         return sum(f.size for f in self.files)
+
+    def held(self) -> tuple[FileEntry, ...]:
+        """The files this copy holds: every file, or (a node's copy) those its node's ranks wrote."""
+        if self.node is None:
+            return self.files
+        ranks = set(self.nodes[self.node])
+        return tuple(f for f in self.files if f.rank in ranks)
+
+    def elsewhere(self) -> tuple[FileEntry, ...]:
+        """The files of the checkpoint that this copy does not hold (other nodes hold them, and the remote)."""
+        held = set(self.held())
+        return tuple(f for f in self.files if f not in held)
+
+    def placed(self, node: int | None) -> Manifest:
+        """This manifest as the copy of ``node`` writes it (``None``: the copy holding every file)."""
+        return replace(self, node=node)
 
     def to_bytes(self) -> bytes:
         body = json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, **asdict(self)},
@@ -167,6 +189,8 @@ class Manifest:
                 files=tuple(FileEntry(**{**f, "chunks": tuple(f["chunks"])}) for f in body["files"]),
                 metadata=dict(body.get("metadata") or {}),
                 per_rank=tuple(tuple((str(f), int(b), int(n)) for f, b, n in r) for r in body.get("per_rank", ())),
+                nodes=tuple(tuple(n) for n in body.get("nodes", ())),
+                node=body.get("node"),
             )
             _check_places(manifest, where)
             _check_schema(manifest, where)
@@ -226,6 +250,11 @@ def _check_schema(m: Manifest, where: str) -> None:
 
     if not _whole(m.step) or not _whole(m.world_size, 1):
         raise bad(f"step={m.step!r} / world_size={m.world_size!r} out of range")
+    if m.nodes and sorted(r for n in m.nodes for r in n) != list(range(m.world_size)) \
+            or any(not _whole(r) for n in m.nodes for r in n):
+        raise bad(f"nodes={str(m.nodes)[:80]} do not split its {m.world_size} ranks")
+    if m.node is not None and (not _whole(m.node) or m.node >= len(m.nodes)):
+        raise bad(f"node={m.node!r} is not one of its {len(m.nodes)} nodes")
     if m.per_rank and len(m.per_rank) != m.world_size:
         raise bad(f"per_rank lists {len(m.per_rank)} ranks for a world of {m.world_size}")
     for fname, begin, length in [*m.objects, *(p for r in m.per_rank for p in r)]:

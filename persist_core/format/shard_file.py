@@ -34,7 +34,8 @@ from persist_core.format.torch_zip import image_offset
 FORMAT_NAME = "torch-persist"
 
 
-FORMAT_VERSION = 4  # 2: the manifest's own crc32c; 3: torch-loadable shards; 4: sharded tensors, PerRank values.
+FORMAT_VERSION = 5  # 2: the manifest's own crc32c; 3: torch-loadable shards; 4: sharded tensors, PerRank values;
+# 5: node-local copies (the manifest's nodes and node).
 # Readers take every older one.
 
 

@@ -65,12 +65,20 @@ def check_weights_only(value: Any) -> bool:
 
 @dataclass
 class LoadStats:
-    """What a :func:`load_into` read: the bytes its targets needed and the bytes it read for them."""
+    """What a load read: the bytes its targets needed, the bytes it read for them, and how many came from
+    the remote."""
 
     needed_bytes: int = 0
     read_bytes: int = 0
     requests: int = 0
+    remote_bytes: int = 0  # of which from the remote (ranged reads, or a download), by the reader's count
+    remote_files: dict[str, int] = field(default_factory=dict)  # ... per shard file
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count_remote(self, n: int, name: str) -> None:
+        with self._lock:
+            self.remote_bytes += n
+            self.remote_files[name] = self.remote_files.get(name, 0) + n
 
     def add(self, needed: int, read: int, requests: int) -> None:
         with self._lock:

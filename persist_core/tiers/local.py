@@ -78,8 +78,9 @@ def read_manifest(ckpt: Path) -> Manifest:
 
 
 def check_files(ckpt: Path, manifest: Manifest) -> None:
-    """Raise :class:`CorruptCheckpointError` unless every file of ``manifest`` exists with its size."""
-    for f in manifest.files:
+    """Raise :class:`CorruptCheckpointError` unless every file ``manifest`` places in this directory exists
+    with its size (a node's copy holds its own ranks' files; the other nodes and the remote hold the rest)."""
+    for f in manifest.held():
         try:
             size = os.stat(ckpt / f.name).st_size
         except FileNotFoundError:
@@ -147,63 +148,86 @@ def _read_chunks(fd: int, path: Path, blocks: list[tuple[list[memoryview], int, 
         _read_chunk(fd, path, views, offset, expected, index)
 
 
+#: ``fill(blocks)``: read and (where they carry a checksum) verify a run of consecutive checksum blocks,
+#: each ``(views in file order, file offset, expected crc32c or None, block index)``
+Fill = Callable[[list[tuple[list[memoryview], int, int | None, int]]], None]
+
+
 def _read_shard(path: Path, fe: FileEntry, *, pool: Executor,
                 verify: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Read one shard file into one CPU byte tensor per entry, verifying chunk checksums; and the
+    """Read one local shard file into one CPU byte tensor per entry, verifying chunk checksums; and the
     safetensors dtype its header gives each entry."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         if os.fstat(fd).st_size != fe.size:
             raise CorruptCheckpointError(f"{path} has {os.fstat(fd).st_size} bytes; the manifest says {fe.size}")
-        prefix = os.pread(fd, 1 << 16, 0)
-        skip = image_offset(prefix)  # past the zip local header of a torch-loadable shard
-        if len(prefix) >= skip + 8 and skip + 8 + int.from_bytes(prefix[skip : skip + 8], "little") > len(prefix):
-            prefix = os.pread(fd, min(fe.size, skip + 8 + int.from_bytes(prefix[skip : skip + 8], "little")), 0)
-        try:
-            data_start, entries = parse_header(prefix, file_size=fe.size)
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(f"{path}: {e}") from e
-        header_copy = bytearray(data_start)
-        # regions in file order: (file offset, memoryview to fill)
-        regions: list[tuple[int, memoryview]] = [(0, memoryview(header_copy))]
-        tensors: dict[str, torch.Tensor] = {}
-        for name, begin, end in entries:
-            if name.startswith("__pad__"):
-                regions.append((begin, memoryview(bytearray(end - begin))))
-            else:
-                t = tensors[name] = torch.empty(end - begin, dtype=torch.uint8)
-                if end > begin:
-                    regions.append((begin, _view(t)))
-
-        chunk = fe.chunk_bytes
-        n_chunks = -(-fe.size // chunk)
-        if verify and len(fe.chunks) != n_chunks:
-            raise CorruptCheckpointError(f"{path}: manifest lists {len(fe.chunks)} checksums for {n_chunks} chunks")
-        blocks = []
-        r = 0
-        for i in range(n_chunks):
-            lo, hi = i * chunk, min((i + 1) * chunk, fe.size)
-            views = []
-            while r < len(regions) and regions[r][0] < hi:
-                off, mv = regions[r]
-                a, b = max(lo, off) - off, min(hi, off + len(mv)) - off
-                views.append(mv[a:b])
-                if off + len(mv) <= hi:
-                    r += 1
-                else:
-                    break
-            blocks.append((views, lo, fe.chunks[i] if verify else None, i))
-        per = max(1, _knobs.chunk_bytes() // chunk)  # one job reads about one write's worth of small blocks
-        jobs = [pool.submit(_read_chunks, fd, path, blocks[b : b + per]) for b in range(0, len(blocks), per)]
-        errors = [j.exception() for j in jobs]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
-        if bytes(header_copy) != prefix[:data_start]:
-            raise CorruptCheckpointError(f"{path}: header changed while reading")
-        return tensors, entry_dtypes(prefix)
+        return read_shard(fe, head=lambda n: os.pread(fd, n, 0), fill=lambda blocks: _read_chunks(fd, path, blocks),
+                          pool=pool, verify=verify, where=str(path))
     finally:
         os.close(fd)
+
+
+def read_shard(fe: FileEntry, *, head: Callable[[int], bytes], fill: Fill, pool: Executor, verify: bool,
+               where: str, span_bytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """One shard file, wherever it is, into one CPU byte tensor per entry, every checksum block verified;
+    and the safetensors dtype its header gives each entry.
+
+    Args:
+        fe: the file's manifest entry.
+        head: the first ``n`` bytes of the file (its header).
+        fill: reads runs of blocks straight into the entries' memory (local ``preadv``, remote ranged reads).
+        pool: threads; runs of about one write's worth of blocks are read in parallel.
+        verify: check every block's crc32c.
+        where: the file's name, for messages.
+        span_bytes: about how many bytes one ``fill`` call reads (default: one write's worth).
+    """
+    prefix = head(1 << 16)
+    skip = image_offset(prefix)  # past the zip local header of a torch-loadable shard
+    if len(prefix) >= skip + 8 and skip + 8 + int.from_bytes(prefix[skip : skip + 8], "little") > len(prefix):
+        prefix = head(min(fe.size, skip + 8 + int.from_bytes(prefix[skip : skip + 8], "little")))
+    try:
+        data_start, entries = parse_header(prefix, file_size=fe.size)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{where}: {e}") from e
+    header_copy = bytearray(data_start)
+    # regions in file order: (file offset, memoryview to fill)
+    regions: list[tuple[int, memoryview]] = [(0, memoryview(header_copy))]
+    tensors: dict[str, torch.Tensor] = {}
+    for name, begin, end in entries:
+        if name.startswith("__pad__"):
+            regions.append((begin, memoryview(bytearray(end - begin))))
+        else:
+            t = tensors[name] = torch.empty(end - begin, dtype=torch.uint8)
+            if end > begin:
+                regions.append((begin, _view(t)))
+
+    chunk = fe.chunk_bytes
+    n_chunks = -(-fe.size // chunk)
+    if verify and len(fe.chunks) != n_chunks:
+        raise CorruptCheckpointError(f"{where}: manifest lists {len(fe.chunks)} checksums for {n_chunks} chunks")
+    blocks = []
+    r = 0
+    for i in range(n_chunks):
+        lo, hi = i * chunk, min((i + 1) * chunk, fe.size)
+        views = []
+        while r < len(regions) and regions[r][0] < hi:
+            off, mv = regions[r]
+            a, b = max(lo, off) - off, min(hi, off + len(mv)) - off
+            views.append(mv[a:b])
+            if off + len(mv) <= hi:
+                r += 1
+            else:
+                break
+        blocks.append((views, lo, fe.chunks[i] if verify else None, i))
+    per = max(1, (span_bytes or _knobs.chunk_bytes()) // chunk)  # one job: about one write's worth of blocks
+    jobs = [pool.submit(fill, blocks[b : b + per]) for b in range(0, len(blocks), per)]
+    errors = [j.exception() for j in jobs]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    if bytes(header_copy) != prefix[:data_start]:
+        raise CorruptCheckpointError(f"{where}: header changed while reading")
+    return tensors, entry_dtypes(prefix)
 
 
 def _check_entry(rec: dict[str, Any], header_dtype: str | None, nbytes: int, dtype: torch.dtype) -> None:
@@ -246,21 +270,26 @@ def read_blocks(path: Path, fe: FileEntry, first: int, views: list[memoryview], 
         fe.check_views(views, first, where=str(path))
 
 
-def load_checkpoint(ckpt: Path, manifest: Manifest, *, pool: Executor, options: LoadOptions) -> Any:
+def load_checkpoint(ckpt: Path | str, manifest: Manifest, *, pool: Executor, options: LoadOptions,
+                    shard: Callable[[FileEntry], tuple[dict[str, torch.Tensor], dict[str, str]]] | None = None) -> Any:
     """Load and rebuild the state of the checkpoint directory ``ckpt``: sharded tensors whole.
 
     Args:
-        ckpt: the committed checkpoint directory.
+        ckpt: the committed checkpoint directory (or, with ``shard``, its name for messages).
         manifest: its manifest (from :func:`read_manifest`).
         pool: threads for parallel chunk reads.
         options: verify checksums, the device for the tensors, whose ``PerRank`` values, how to unpickle.
+        shard: reads one file into its entries (:func:`read_shard`); default: from ``ckpt``.
 
     Raises:
         CorruptCheckpointError: a file or checksum does not verify (the message names the file).
         UnsafeCheckpointError: a leaf names a type restricted unpickling does not load.
     """
     device = torch.device("cpu") if options.map_location is None else torch.device(options.map_location)
-    shards = {f.name: _read_shard(ckpt / f.name, f, pool=pool, verify=options.verify) for f in manifest.files}
+    if shard is None:
+        def shard(f: FileEntry) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+            return _read_shard(Path(ckpt) / f.name, f, pool=pool, verify=options.verify)
+    shards = {f.name: shard(f) for f in manifest.files}
     entries = {name: tensors for name, (tensors, _) in shards.items()}
     header_dtypes = {name: dtypes for name, (_, dtypes) in shards.items()}
     objects = []
@@ -315,7 +344,7 @@ def verify_files(ckpt: Path, manifest: Manifest, progress: Callable[[int], None]
         progress: called with the bytes of each chunk checked.
     """
     problems = []
-    for f in manifest.files:
+    for f in manifest.held():
         path = ckpt / f.name
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

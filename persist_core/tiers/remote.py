@@ -176,23 +176,38 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ upload / remove
 
-    def upload(self, local_ckpt: Path, manifest: Manifest) -> None:
+    def upload(self, local_ckpt: Path, manifest: Manifest, *, files: tuple[FileEntry, ...] | None = None) -> None:
         """Upload a committed local checkpoint: shards (size-checked), then the manifest.
+
+        Args:
+            local_ckpt: its local directory.
+            manifest: its manifest (a node's copy: the remote gets the copy that holds every file).
+            files: the shard files to upload from here (default: every file ``local_ckpt`` holds);
+                with several nodes each rank uploads its own and the manifest waits for all of them.
 
         Raises:
             RemoteError: a permanent failure, or retries exhausted; nothing is committed then.
         """
         prefix = self._path(checkpoint_dirname(manifest.step))
+        self.upload_files(local_ckpt, manifest.step, manifest.held() if files is None else files)
+        raw = (local_ckpt / MANIFEST_NAME).read_bytes() if manifest.node is None else manifest.placed(None).to_bytes()
+        self.retry(f"committing {prefix}", lambda: self.fs.pipe_file(f"{prefix}/{MANIFEST_NAME}", raw))
+
+    def upload_files(self, local_ckpt: Path, step: int, files: tuple[FileEntry, ...]) -> None:
+        """Upload shard files of checkpoint ``step`` from ``local_ckpt``, each size-checked (no manifest).
+
+        Raises:
+            RemoteError: a permanent failure, or retries exhausted.
+        """
+        prefix = self._path(checkpoint_dirname(step))
         if "file" in self._protocols:  # a local or mounted file system wants the directory first
             self.retry(f"creating {prefix}", lambda: self.fs.makedirs(prefix, exist_ok=True))
-        for f in manifest.files:
+        for f in files:
             target = f"{prefix}/{f.name}"
             self.retry(f"uploading {target}", lambda f=f, target=target: self._put(local_ckpt / f.name, target))
             size = self.retry(f"checking {target}", lambda target=target: self._size(target))
             if size != f.size:
                 raise RemoteError(f"uploaded {target} has {size} bytes, expected {f.size}; the upload will be redone")
-        raw = (local_ckpt / MANIFEST_NAME).read_bytes()
-        self.retry(f"committing {prefix}", lambda: self.fs.pipe_file(f"{prefix}/{MANIFEST_NAME}", raw))
 
     def _size(self, path: str) -> int:
         self.fs.invalidate_cache(path)
@@ -280,7 +295,7 @@ class RemoteTier:
 
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="persist-verify") as pool:
             futures = [pool.submit(check, f"{prefix}/{f.name}", f, first, stop)
-                       for f in manifest.files for first, stop in f.spans(_knobs.chunk_bytes())]
+                       for f in manifest.files for first, stop in f.spans(_knobs.remote_read_bytes())]
             for fut in futures:
                 fut.result()
         return sorted(problems)
@@ -303,7 +318,7 @@ class RemoteTier:
                 fd = os.open(tmp / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 try:
                     futures = [pool.submit(self._fetch_span, source, fd, f, first, stop, progress)
-                               for first, stop in f.spans(_knobs.chunk_bytes())]
+                               for first, stop in f.spans(_knobs.remote_read_bytes())]
                     wait(futures)
                     for fut in futures:
                         fut.result()
@@ -315,6 +330,15 @@ class RemoteTier:
             os.fsync(fh.fileno())
         fsync_dir(tmp)
         return manifest
+
+    def read_range(self, step: int, f: FileEntry, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of file ``f`` of checkpoint ``step`` (not verified: a header, read to plan).
+
+        Raises:
+            RemoteError: the remote could not be read.
+        """
+        source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
+        return self.retry(f"reading {source}", lambda: self._read_range(source, start, min(end, f.size)))
 
     def read_blocks(self, step: int, f: FileEntry, first: int, views: list[memoryview], *, verify: bool = True) -> None:
         """Fill ``views`` (whole checksum blocks of file ``f`` of checkpoint ``step`` from block ``first`` on,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import os
 import random
 import signal
@@ -186,6 +187,24 @@ def test_two_processes_each_write_half_and_restore_on_two_and_on_one(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert torch.load(tmp_path / "again.pt")["start"] == 6
     assert step_dirs(d)[-1] == "step-000000000009"
+
+
+def test_two_processes_on_two_nodes_with_their_own_disks_and_a_replaced_node_resumes_from_the_remote(tmp_path):
+    base, remote = tmp_path / "nvme", (tmp_path / "remote").as_uri()
+    common = ("--local-dir", str(base), "--width", "1024", "--node-local", "--remote-url", remote)
+    first = launch(*common, "--steps", "6", "--save-every", "6", "--out", str(tmp_path / "two.pt"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    for r in (0, 1):  # each node's disk holds its own rank's file; the remote holds both
+        ckpt = base / f"node{r}" / "step-000000000006"
+        assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", f"rank-{r:05d}.safetensors"]
+        assert json.loads((ckpt / "manifest.json").read_text())["node"] == r
+    assert sorted(p.name for p in (tmp_path / "remote" / "step-000000000006").iterdir()) == [
+        "manifest.json", "rank-00000.safetensors", "rank-00001.safetensors"]
+    shutil.rmtree(base / "node1")  # node 1 is replaced: an empty disk
+    second = launch(*common, "--steps", "9", "--save-every", "3", "--resume", "--out", str(tmp_path / "again.pt"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert torch.load(tmp_path / "again.pt")["start"] == 6
+    assert (base / "node1" / "step-000000000009" / "rank-00001.safetensors").exists()
 
 
 def test_sigkill_mid_save_leaves_the_newest_committed_checkpoint(tmp_path):

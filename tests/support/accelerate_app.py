@@ -111,7 +111,11 @@ def main() -> None:
     parser.add_argument("--term-at", type=int, help="SIGTERM (on the main process) during this step")
     parser.add_argument("--term-signal", default="SIGTERM", help="the signal --term-at sends (the hook takes it)")
     parser.add_argument("--decisions", help="write this process's save decisions here (JSON)")
+    parser.add_argument("--node-local", action="store_true",
+                        help="each process is a node of its own: local_dir is LOCAL_DIR/node<rank>")
     args = parser.parse_args()
+    if args.node_local:
+        args.local_dir = os.path.join(args.local_dir, f"node{os.environ.get('RANK', '0')}")
     endpoint = os.environ.get("PERSIST_TEST_S3_ENDPOINT")
     options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint and args.remote_url else None
     accelerator = Accelerator(cpu=True)

@@ -105,7 +105,11 @@ def main() -> None:
     parser.add_argument("--autosave-every", type=int, help="io.autosave(EveryNSteps(N)) instead of ModelCheckpoint")
     parser.add_argument("--autosave-skewed", action="store_true",
                         help="io.autosave(a policy that answers differently on each rank) instead")
+    parser.add_argument("--node-local", action="store_true",
+                        help="each rank is a node of its own: local_dir (and dirpath) is LOCAL_DIR/node<rank>")
     args = parser.parse_args()
+    if args.node_local:
+        args.local_dir = os.path.join(args.local_dir, f"node{os.environ.get('LOCAL_RANK', '0')}")
     endpoint = os.environ.get("PERSIST_TEST_S3_ENDPOINT")
     options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint and args.remote_url else None
     io = PersistCheckpointIO(local_dir=args.local_dir, remote_url=args.remote_url, storage_options=options)

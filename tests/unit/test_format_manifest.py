@@ -27,14 +27,14 @@ def _place(root: Path, version: str, step: int = 12) -> Path:
     return ckpt
 
 
-@pytest.mark.parametrize("torch_loadable, prefix, shard", [(False, "v4-", "rank-00000.safetensors"),
-                                                           (True, "v4-torch-", "rank-00000.ckpt")])
+@pytest.mark.parametrize("torch_loadable, prefix, shard", [(False, "v5-", "rank-00000.safetensors"),
+                                                           (True, "v5-torch-", "rank-00000.ckpt")])
 def test_a_save_writes_the_golden_bytes_of_the_current_version(tmp_path, torch_loadable, prefix, shard):
     with CheckpointEngine(tmp_path, direct_io="off", chunk_bytes=4096 * 4, wall_clock=lambda: WALL,
                           torch_loadable=torch_loadable) as engine:
         engine.save(golden_state(), step=12, metadata={"note": "golden"}).wait()
     ckpt = tmp_path / "step-000000000012"
-    assert FORMAT_VERSION == 4
+    assert FORMAT_VERSION == 5
     assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", shard]
     assert (ckpt / "manifest.json").read_bytes() == (GOLDEN / f"{prefix}manifest.json").read_bytes()
     assert (ckpt / shard).read_bytes() == (GOLDEN / f"{prefix}{shard}").read_bytes()
@@ -44,12 +44,12 @@ def test_only_the_time_field_and_the_checksum_depend_on_the_clock(tmp_path):
     with CheckpointEngine(tmp_path, direct_io="off", chunk_bytes=4096 * 4, wall_clock=lambda: WALL + 60) as engine:
         engine.save(golden_state(), step=12, metadata={"note": "golden"}).wait()
     got = Manifest.from_bytes((tmp_path / "step-000000000012" / "manifest.json").read_bytes(), where="new")
-    want = Manifest.from_bytes((GOLDEN / "v4-manifest.json").read_bytes(), where="golden")
+    want = Manifest.from_bytes((GOLDEN / "v5-manifest.json").read_bytes(), where="golden")
     assert got.time == WALL + 60 and want.time == WALL
     assert Manifest(**{**got.__dict__, "time": WALL}).to_bytes() == want.to_bytes()
 
 
-@pytest.mark.parametrize("version", ["1", "2", "3", "3-torch", "4", "4-torch"])
+@pytest.mark.parametrize("version", ["1", "2", "3", "3-torch", "4", "4-torch", "5", "5-torch"])
 def test_every_versions_golden_checkpoint_loads(tmp_path, version):
     ckpt = _place(tmp_path, version)
     with CheckpointReader(tmp_path) as reader:
@@ -69,3 +69,23 @@ def test_a_manifest_that_does_not_match_its_checksum_is_corrupt_and_names_it(tmp
     newer = (GOLDEN / "v1-manifest.json").read_bytes().replace(b'"version":1', b'"version":9')
     with pytest.raises(CorruptCheckpointError, match="version 9.*upgrade torch-persist"):
         Manifest.from_bytes(newer, where="m")
+
+
+@pytest.mark.parametrize("nodes, node, problem", [([[0], [2]], 0, "do not split"), ([[0, 1]], 3, "not one of"),
+                                                  ([[0], [1]], True, "not one of"), ([], 0, "not one of")])
+def test_a_node_placement_that_does_not_fit_its_ranks_is_corrupt(nodes, node, problem):
+    import dataclasses
+
+    from persist_core.format.manifest import FileEntry
+
+    files = (FileEntry("rank-00000.safetensors", 0, 4, "crc32c", 4, (1,)),
+             FileEntry("rank-00001.safetensors", 1, 4, "crc32c", 4, (1,)))
+    good = Manifest(step=1, time=0.0, world_size=2, tree={"value": 1}, tensors=(), objects=(), files=files,
+                    nodes=((0,), (1,)), node=1)
+    parsed = Manifest.from_bytes(good.to_bytes(), where="m")
+    assert [f.name for f in parsed.held()] == ["rank-00001.safetensors"]
+    assert [f.name for f in parsed.elsewhere()] == ["rank-00000.safetensors"]
+    assert parsed.placed(None).held() == files
+    bad = dataclasses.replace(good, nodes=tuple(tuple(n) for n in nodes), node=node)
+    with pytest.raises(CorruptCheckpointError, match=problem):
+        Manifest.from_bytes(bad.to_bytes(), where="m")

@@ -64,3 +64,42 @@ def test_a_reader_lists_and_loads_with_read_only_credentials_and_writes_nothing(
     engine = CheckpointEngine(tmp_path / "eval2", remote_url=url)  # constructing an engine writes nothing either
     engine.close()
     assert attempts == []
+
+
+def test_a_fresh_machine_load_streams_into_the_tensors_and_leaves_a_verified_local_copy(tmp_path):
+    from tests.support.golden import golden_state
+
+    url = f"memory:///reader-{uuid.uuid4().hex[:8]}"
+    with CheckpointEngine(tmp_path / "a", remote_url=url, torch_loadable=True) as engine:
+        engine.save(golden_state(), step=12).wait()
+    with CheckpointReader(tmp_path / "fresh", remote_url=url) as reader:
+        state = reader.load()
+        stats = reader.last_load
+        assert reader.loaded_from_remote
+    assert_state_equal(state, golden_state())  # aliasing (tied tensors, views) kept, as from a local copy
+    assert state["tied"]["a"].data_ptr() == state["tied"]["b"].data_ptr()
+    saved = tmp_path / "a" / "step-000000000012"
+    assert set(stats.remote_files) == {"rank-00000.ckpt"} and stats.remote_bytes >= (saved / "rank-00000.ckpt").stat().st_size
+    copy = tmp_path / "fresh" / "step-000000000012"  # committed by close(): byte for byte the saved shard
+    assert (copy / "rank-00000.ckpt").read_bytes() == (saved / "rank-00000.ckpt").read_bytes()
+    assert not [p for p in (tmp_path / "fresh").iterdir() if p.name.startswith(".tmp")]
+    with CheckpointReader(tmp_path / "fresh") as offline:  # the next restore needs no remote
+        assert_state_equal(offline.load(), golden_state())
+
+
+def test_a_streamed_restore_that_fails_verification_leaves_no_local_copy(tmp_path):
+    from persist_core import CorruptCheckpointError
+    from tests.support.golden import golden_state
+
+    url = f"memory:///reader-{uuid.uuid4().hex[:8]}"
+    with CheckpointEngine(tmp_path / "a", remote_url=url) as engine:
+        engine.save(golden_state(), step=12).wait()
+    fs = MemoryFileSystem()
+    path = f"{url.removeprefix('memory://')}/step-000000000012/rank-00000.safetensors"
+    raw = bytearray(fs.cat_file(path))
+    raw[-100] ^= 0xFF  # a flipped bit in the data section
+    fs.pipe_file(path, bytes(raw))
+    with CheckpointReader(tmp_path / "fresh", remote_url=url) as reader:
+        with pytest.raises(CorruptCheckpointError, match="checksum"):
+            reader.load(12)
+    assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == []

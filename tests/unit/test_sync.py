@@ -61,7 +61,8 @@ def test_saves_reach_the_remote_and_a_fresh_machine_resumes(tmp_path, url):
         assert [(i.step, i.tier) for i in engine.list(tier="all")] == [(10, "local"), (10, "remote"), (20, "local"), (20, "remote")]
     fresh = CheckpointEngine(tmp_path / "fresh-machine", remote_url=url)
     assert fresh.list() == []
-    assert_state_equal(fresh.load(), state_for(20))
+    assert_state_equal(fresh.load(), state_for(20))  # streamed into the tensors ...
+    fresh.reader.wait_copies()  # ... with a local copy written alongside, committed after the load
     assert [i.step for i in fresh.list()] == [20]  # now cached locally
     assert_state_equal(fresh.load(10), state_for(10))
     fresh.close()

@@ -1,0 +1,149 @@
+"""Several nodes, each with its own NVMe: 4 real gloo ranks on this machine, 2 simulated nodes (ranks that see
+different ``local_dir`` s), the moto S3 server as the remote. No shared file system anywhere."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.support import nodes_child
+
+STEP30 = "step-000000000030"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(*args) -> None:
+    mp.spawn(nodes_child.run, args=(4, _port(), *args), nprocs=4, join=True)
+
+
+def _results(out: Path, phase: str) -> list[dict]:
+    return [torch.load(out / f"{phase}-rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+def _entries(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if not p.name.startswith("."))
+
+
+@pytest.fixture
+def out(tmp_path):
+    (tmp_path / "out").mkdir()
+    return tmp_path / "out"
+
+
+def test_two_nodes_commit_their_own_files_the_remote_assembles_them_and_a_replaced_node_restores_from_it(
+        tmp_path, out, bucket, s3_endpoint, s3_options, monkeypatch):
+    import s3fs
+
+    monkeypatch.setenv("PERSIST_TEST_S3", s3_endpoint)
+    base, remote = tmp_path / "nvme", f"s3://{bucket}/run"
+    _spawn(str(base), remote, str(out), "save", False)
+    saved = _results(out, "save")
+
+    # each node's disk holds its own ranks' files and a manifest that says which node it is; retention
+    # (keep_last=1) removed the same steps on both nodes
+    for n, ranks in enumerate(([0, 1], [2, 3])):
+        node = base / f"node{n}"
+        assert _entries(node) == [STEP30], _entries(node)
+        assert _entries(node / STEP30) == ["manifest.json", *(f"rank-{r:05d}.safetensors" for r in ranks)]
+        manifest = json.loads((node / STEP30 / "manifest.json").read_text())
+        assert manifest["version"] == 5 and manifest["nodes"] == [[0, 1], [2, 3]] and manifest["node"] == n
+        assert len(manifest["files"]) == 4
+    # the remote holds the whole checkpoint, its manifest placing every file there
+    fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
+    for step in (10, 20, 30):
+        names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/run/step-{step:012d}"))
+        assert names == ["manifest.json", *(f"rank-{r:05d}.safetensors" for r in range(4))], (step, names)
+    remote_manifest = json.loads(fs.cat(f"{bucket}/run/{STEP30}/manifest.json"))
+    assert remote_manifest["node"] is None and remote_manifest["nodes"] == [[0, 1], [2, 3]]
+
+    # every rank restored step 30 whole: its node's files from disk, the other node's from the remote
+    for r, res in enumerate(saved):
+        assert res["step"] == 30 and res["equal"], (r, res)
+        assert torch.equal(res["rng"], torch.tensor([r * 10 + 30]))
+        assert res["remote_bytes"] > 0  # the other node's part of the replicated tensors and of the DTensor
+
+    # persist verify on one node's directory: its files verify, the other node's are named, not "corrupt"
+    done = subprocess.run([sys.executable, "-m", "persist_core.cli", "verify", str(base / "node1")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step 30: OK" in done.stdout and "rank-00000.safetensors" in done.stdout and "other nodes" in done.stdout
+
+    # node 1 is replaced (its disk is empty): its ranks stream what they need from the remote, node 0's
+    # ranks read their own shards from disk; all resume from the same step
+    shutil.rmtree(base / "node1")
+    _spawn(str(base), remote, str(out), "resume", False)
+    resumed = _results(out, "resume")
+    for r, res in enumerate(resumed):
+        assert res["step"] == 30 and res["equal"] and res["in_place"], (r, res)
+        assert torch.equal(res["rng"], torch.tensor([r * 10 + 30]))
+    names = [f"rank-{r:05d}.safetensors" for r in range(4)]
+    for r, res in enumerate(resumed):
+        fetched = res["remote_files"]
+        if r < 2:  # node 0's ranks: their own node's files from disk; only node 1's from the remote
+            assert set(fetched) <= set(names[2:]) and res["remote_bytes"] > 0, (r, fetched)
+        else:  # node 1's ranks: everything they needed from the remote, their own part included
+            assert names[r] in fetched and fetched[names[r]] >= nodes_child.ROWS * nodes_child.COLS, (r, fetched)
+    assert not (base / "node1" / STEP30).exists()  # streamed into the targets, nothing downloaded whole
+
+    # the remote lost step 30 (say its upload never finished): node 0 still has it, node 1 cannot get it, so
+    # every rank resumes from step 20, the newest all of them can get
+    fs.rm(f"{bucket}/run/{STEP30}/manifest.json")
+    _spawn(str(base), remote, str(out), "resume", False)
+    for r, res in enumerate(_results(out, "resume")):
+        assert res["step"] == 20 and res["equal"], (r, res)
+        assert torch.equal(res["rng"], torch.tensor([r * 10 + 20]))
+
+
+def test_a_failure_on_one_node_commits_nothing_on_any_node(tmp_path, out):
+    base = tmp_path / "nvme"
+    _spawn(str(base), "", str(out), "fail", False)
+    results = _results(out, "fail")
+    for r, res in enumerate(results):
+        assert res["outcome"].startswith(("WriteError", "PersistError")), (r, res)
+    assert "rank 3" in results[0]["outcome"] and "No space left" in results[0]["outcome"]
+    for n in (0, 1):
+        assert _entries(base / f"node{n}") == ["step-000000000010"], _entries(base / f"node{n}")
+
+
+def test_a_rank_sigkilled_mid_save_commits_nothing_anywhere_and_the_others_do_not_hang(tmp_path, out):
+    base = tmp_path / "nvme"
+    ctx = multiprocessing.get_context("spawn")
+    port = _port()
+    procs = [ctx.Process(target=nodes_child.kill, args=(r, 4, port, str(base), str(out))) for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0, 0, -9]
+    for r in range(3):
+        outcome = torch.load(out / f"kill-rank{r}.pt")["outcome"]
+        assert "step=20 was not committed" in outcome, (r, outcome)
+    for n in (0, 1):
+        node = base / f"node{n}"
+        committed = [p.name for p in node.iterdir() if (p / "manifest.json").exists()]
+        assert committed == ["step-000000000010"], committed
+
+
+def test_one_shared_local_dir_for_every_rank_still_commits_one_checkpoint(tmp_path, out):
+    base = tmp_path / "nvme"
+    _spawn(str(base), "", str(out), "save", True)
+    for r, res in enumerate(_results(out, "save")):
+        assert res["step"] == 30 and res["equal"] and res["remote_bytes"] == 0, (r, res)
+    node = base / "node0"
+    assert _entries(node) == [STEP30]
+    manifest = json.loads((node / STEP30 / "manifest.json").read_text())
+    assert manifest["nodes"] == [] and manifest["node"] is None and len(manifest["files"]) == 4
