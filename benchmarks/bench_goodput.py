@@ -1,27 +1,30 @@
-"""Goodput under failures: fixed intervals against ``Continuous`` and ``OptimalInterval``.
+"""Goodput under failures, in two settings: fixed intervals around the Young/Daly optimum against
+``Continuous`` and ``OptimalInterval``.
 
-A training job (CPU, a 4 x Linear(--width) model with Adam) must reach ``--steps`` steps. It
-is SIGKILLed at random times — exponential inter-arrival with mean ``--mtbf`` seconds, the same
-failure times for every policy — and restarted, resuming from the newest committed checkpoint
-with ``engine.maybe_save`` deciding when to save (``keep_local=KeepLastN(2)``). Each policy
-runs once per failure sequence (``--seeds``). Per policy:
+A training job (a 4 x Linear(--width) model) must reach ``--steps`` steps. It is SIGKILLed at random
+times — exponential inter-arrival with mean MTBF, the same failure times for every policy — and
+restarted, resuming from the newest committed checkpoint, ``engine.maybe_save`` deciding when to save
+(``keep_local=KeepLastN(2)``), the optimizer guarded (``engine.guard``: ``save()`` returns after
+planning, the copy overlaps the next step, the update waits for it). Settings (``--settings``):
 
-* goodput: steps / total wall time over all sequences, restarts included (higher is better);
-* work lost per failure: steps done after the last committed checkpoint, redone after a restart;
-* from ``engine.summary()`` of the last, uninterrupted, run: the P50 checkpoint interval, the
-  fraction of time stalled by saves, the median save duration (call to committed), and how much
-  slower training runs while a save is being written than while none is.
+* ``accel`` (accelerator-like, the setting of the Orbax and FastPersist results): each step waits
+  ``--step-ms`` of "device time" with the host cores free (a GIL-releasing sleep), then an in-place
+  update (SGD with momentum on fixed gradients) mutates the state;
+* ``cpu`` (CPU-bound): real forward/backward matmuls and Adam on the host cores.
 
-Bars (issue 6): continuous reaches a P50 interval no longer than 2x the save's own duration,
-and goodput at least as good as the best fixed interval tried.
+Per setting: two uninterrupted calibration runs (no saves; saving continuously) measure the step time,
+a save's cost to training ``C`` (the wall time saving adds per save, at least its stall plus the fence's
+waits) and its duration ``D``; then per MTBF the fixed intervals ``EveryNSteps`` at 0.5x, 1x and 2x the
+Young/Daly interval ``sqrt(2 C MTBF)`` (so the best fixed interval tried is a strong one), ``Continuous()``
+and ``OptimalInterval(mtbf_s=MTBF)``, each on the same failure sequences. Reported: goodput (steps / wall
+time, restarts included), failures, work lost per failure, the P50 interval and its ratio to D, the
+stalled fraction and the fence's waits (of the last, uninterrupted run of each job).
 
-The run also prints the Young/Daly view of the result: with ``C`` the cost of one save to
-training (its stall plus the slowdown of the steps it overlaps) and ``D`` its duration, saving
-every ``T`` costs about ``C/T + (T/2 + D)/MTBF`` of the run; continuous (``T = D``) is the best
-interval only when ``sqrt(2 C MTBF) <= D``, i.e. when failures come at least every ``D^2 / 2C``.
+Bars (issue 17): accel — continuous's P50 interval <= 2x D and its goodput >= the best fixed interval at
+every MTBF; cpu — reported as it is, and OptimalInterval >= 0.95x the best fixed interval.
 
-Usage: ``python benchmarks/bench_goodput.py [--steps 300] [--mtbf 30] [--seeds 2] [--width 1536]
-[--dir bench-out]``
+Usage: ``python benchmarks/bench_goodput.py [--quick] [--steps 300] [--mtbfs 10,30,120] [--seeds 1]
+[--width 1536] [--step-ms 80] [--settings accel,cpu] [--dir bench-out]``
 """
 
 from __future__ import annotations
@@ -45,7 +48,15 @@ sys.path.insert(0, str(ROOT))
 from persist_core.tiers.local import committed_steps  # noqa: E402
 
 
-def child(local_dir: str, policy_text: str, steps: int, width: int) -> None:
+def child(local_dir: str, policy_text: str, steps: int, width: int, setting: str, step_ms: float) -> None:
+    """One training process: resume from the newest checkpoint, train to ``steps``, ``maybe_save`` deciding.
+
+    ``setting="accel"``: each step is device time — the host waits ``step_ms`` (a GIL-releasing sleep, the
+    host cores free, as while a GPU computes), then an in-place optimizer update (SGD with momentum on fixed
+    gradients) mutates the state. ``"cpu"``: real forward/backward matmuls on the host cores, then Adam.
+    Either way the optimizer is guarded (``engine.guard``): ``save()`` returns after planning, the copy runs
+    during the next step, and the update waits for it.
+    """
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -54,7 +65,12 @@ def child(local_dir: str, policy_text: str, steps: int, width: int) -> None:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    if setting == "accel":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)  # fixed gradients: the device's backward, done
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     engine = CheckpointEngine(local_dir, save_policy=eval(policy_text), keep_local=KeepLastN(2))
     start = 0
     try:
@@ -64,20 +80,26 @@ def child(local_dir: str, policy_text: str, steps: int, width: int) -> None:
         start = state["step"]
     except CheckpointNotFoundError:
         pass
+    guard = engine.guard(opt)
     print(json.dumps({"event": "start", "step": start}), flush=True)
     x = torch.randn(64, width)
     for step in range(start + 1, steps + 1):
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+        if setting == "accel":
+            time.sleep(step_ms / 1000)
+            opt.step()
+        else:
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
         engine.maybe_save(lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step)
         print(json.dumps({"event": "step", "step": step}), flush=True)
+    guard.remove()
     engine.wait()
-    print(json.dumps({"event": "done", "summary": engine.summary()}), flush=True)
+    print(json.dumps({"event": "done", "summary": engine.summary(), "fence_s": engine._overlap.fence_s}), flush=True)
     engine.close()
 
 
-def run_policy(policy: str, args: argparse.Namespace, failures: list[float], local: Path) -> dict:
+def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: list[float], local: Path) -> dict:
     """One job to ``--steps`` under ``policy``, killed at ``failures`` (seconds after each start)."""
     shutil.rmtree(local, ignore_errors=True)
     t0 = time.perf_counter()
@@ -86,7 +108,8 @@ def run_policy(policy: str, args: argparse.Namespace, failures: list[float], loc
     while done is None:
         deadline = time.perf_counter() + next(failure_iter, 1e9)
         proc = subprocess.Popen([sys.executable, __file__, "--child", str(local), "--policy", policy, "--steps",
-                                 str(args.steps), "--width", str(args.width)], stdout=subprocess.PIPE, text=True)
+                                 str(args.steps), "--width", str(args.width), "--setting", setting,
+                                 "--step-ms", str(args.step_ms)], stdout=subprocess.PIPE, text=True)
         reached = None
         # read progress until the failure time; the child prints one line per step
         sel = selectors.DefaultSelector()
@@ -97,7 +120,7 @@ def run_policy(policy: str, args: argparse.Namespace, failures: list[float], loc
                 proc.send_signal(signal.SIGKILL)
                 kills += 1
                 break
-            if not sel.select(timeout=left):
+            if not sel.select(timeout=min(left, 3600.0)):
                 continue
             line = proc.stdout.readline()
             if not line:
@@ -116,84 +139,118 @@ def run_policy(policy: str, args: argparse.Namespace, failures: list[float], loc
     return {"wall_s": wall, "failures": kills, "lost": lost, "done": done}
 
 
+def _med(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def calibrate(args: argparse.Namespace, setting: str, out: Path) -> dict:
+    """Uninterrupted runs: without saves (the step time), and saving continuously (C and D)."""
+    bare = run_policy("EveryNSteps(10**9)", args, setting, [], out / "calibrate-bare")
+    cont = run_policy("Continuous()", args, setting, [], out / "calibrate-continuous")
+    summary = cont["done"]["summary"]
+    stall, save = summary["stall_p50_s"] or 0.0, summary["save_p50_s"] or 0.0
+    step_s = bare["wall_s"] / args.steps  # restart included: what a step costs a job
+    saves = max(summary["saves"], 1)
+    # C, a save's cost to training: the wall time saving adds per save (stall, fence waits, slower steps), at
+    # least what the engine measured directly (its stall and the fence's waits); never 0 (the grid needs one)
+    cost = max((cont["wall_s"] - bare["wall_s"]) / saves, stall + cont["done"]["fence_s"] / saves, 1e-3)
+    return {"step_s": step_s, "C": cost, "D": save, "stall": stall, "saves": summary["saves"],
+            "fence_s": cont["done"]["fence_s"]}
+
+
+def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[float]) -> list[str]:
+    cal = calibrate(args, setting, out / setting)
+    lines = [f"### {setting}: {SETTINGS[setting]}", "",
+             f"Calibration (uninterrupted, {args.steps} steps): {cal['step_s'] * 1e3:.0f} ms a step without saves; "
+             f"saving continuously ({cal['saves']} saves) costs C = {cal['C'] * 1e3:.0f} ms of training per save "
+             f"(the wall time it adds: stall P50 {cal['stall'] * 1e3:.1f} ms, fence waits {cal['fence_s']:.2f} s in "
+             f"all, slower steps), a save takes D = {cal['D']:.2f} s from save() to committed.", ""]
+    print("\n".join(lines), flush=True)
+    for mtbf in mtbfs:
+        best = math.sqrt(2 * cal["C"] * mtbf)  # Young/Daly: seconds between saves
+        grid = sorted({max(1, round(k * best / cal["step_s"])) for k in (0.5, 1.0, 2.0)})
+        policies = [(f"every {n} steps", f"EveryNSteps({n})") for n in grid]
+        policies += [("continuous", "Continuous()"), (f"optimal (mtbf {mtbf:g} s)", f"OptimalInterval(mtbf_s={mtbf})")]
+        rng = random.Random(args.seed + int(mtbf))
+        sequences = [[rng.expovariate(1 / mtbf) for _ in range(500)] for _ in range(args.seeds)]
+        runs: dict[str, list[dict]] = {name: [] for name, _ in policies}
+        for k, failures in enumerate(sequences):  # interleaved: drift on a shared machine hits every policy alike
+            for name, policy in policies:
+                r = run_policy(policy, args, setting, failures, out / setting / name.replace(" ", "-"))
+                runs[name].append(r)
+                print(f"  {setting} mtbf {mtbf:g}: sequence {k}: {name}: {r['wall_s']:.1f} s, {r['failures']} "
+                      "failures", flush=True)
+        table = [f"MTBF {mtbf:g} s — Young/Daly: sqrt(2 C MTBF) = {best:.2f} s = {best / cal['step_s']:.0f} steps; "
+                 f"continuous is the best policy when D <= that ({cal['D']:.2f} s): "
+                 f"{'yes' if cal['D'] <= best else 'no'}", "",
+                 "| policy | goodput (steps/s) | failures | work lost / failure | P50 interval | P50 interval / D "
+                 "| stalled | fence waits |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        rows = {}
+        for name, _ in policies:
+            rs = runs[name]
+            lost = [x for r in rs for x in r["lost"]]
+            summaries = [r["done"]["summary"] for r in rs]  # engine.summary() of each last, uninterrupted run
+            row = {"goodput": args.steps * len(rs) / sum(r["wall_s"] for r in rs),
+                   "failures": sum(r["failures"] for r in rs), "lost": statistics.mean(lost) if lost else 0.0,
+                   "p50": _med([x["interval_p50_s"] for x in summaries]),
+                   "save": _med([x["save_p50_s"] for x in summaries]),
+                   "stalled": _med([x["stall_fraction"] for x in summaries]),
+                   "fence": _med([r["done"]["fence_s"] for r in rs])}
+            rows[name] = row
+            ratio = "-" if not row["p50"] or not row["save"] else f"{row['p50'] / row['save']:.2f}x"
+            table.append(f"| {name} | {row['goodput']:.2f} | {row['failures']} | {row['lost']:.1f} steps | "
+                         f"{'-' if row['p50'] is None else format(row['p50'], '.2f') + ' s'} | {ratio} | "
+                         f"{'-' if row['stalled'] is None else format(row['stalled'], '.1%')} | "
+                         f"{'-' if row['fence'] is None else format(row['fence'], '.2f') + ' s'} |")
+        fixed = max(rows[n]["goodput"] for n, _ in policies[: len(grid)])
+        cont, optimal = rows["continuous"], rows[policies[-1][0]]
+        p50 = "-" if not cont["p50"] or not cont["save"] else f"{cont['p50'] / cont['save']:.2f}x"
+        table += ["", f"continuous: P50 interval / save duration {p50}; goodput / best fixed "
+                  f"{cont['goodput'] / fixed:.2f}x; optimal / best fixed {optimal['goodput'] / fixed:.2f}x", ""]
+        print("\n".join(table), flush=True)
+        lines += table
+    return lines
+
+
+SETTINGS = {"accel": "accelerator-like (each step waits --step-ms of device time with the host cores free, then "
+                     "an in-place update)",
+            "cpu": "CPU-bound (forward/backward matmuls and Adam on the host cores)"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--mtbf", type=float, default=30.0, help="mean seconds between failures")
-    parser.add_argument("--seeds", type=int, default=2, help="failure sequences; every policy runs each")
+    parser.add_argument("--mtbfs", default="10,30,120", help="mean seconds between failures, comma-separated")
+    parser.add_argument("--seeds", type=int, default=1, help="failure sequences; every policy runs each")
     parser.add_argument("--width", type=int, default=1536)
+    parser.add_argument("--step-ms", type=float, default=80.0, help="device time of a step (accel setting)")
+    parser.add_argument("--settings", default="accel,cpu")
+    parser.add_argument("--quick", action="store_true", help="one MTBF (30 s), 150 steps: a few minutes")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--dir", default="bench-out")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--policy", help=argparse.SUPPRESS)
+    parser.add_argument("--setting", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.policy, args.steps, args.width)
+        child(args.child, args.policy, args.steps, args.width, args.setting, args.step_ms)
         return
+    if args.quick:
+        args.mtbfs, args.steps = "30", min(args.steps, 150)
+    mtbfs = [float(m) for m in args.mtbfs.split(",")]
     out = Path(args.dir).absolute() / "goodput"
     out.mkdir(parents=True, exist_ok=True)
-    sequences = []
-    for k in range(args.seeds):
-        rng = random.Random(args.seed + k)
-        sequences.append([rng.expovariate(1 / args.mtbf) for _ in range(200)])
-    policies = [("every 10 steps", "EveryNSteps(10)"), ("every 40 steps", "EveryNSteps(40)"),
-                ("every 120 steps", "EveryNSteps(120)"), ("continuous", "Continuous()"),
-                (f"optimal (mtbf {args.mtbf:g} s)", f"OptimalInterval(mtbf_s={args.mtbf})")]
     state_gb = 4 * (args.width * args.width + args.width) * 4 * 3 / 1e9
-    print(f"{args.steps} steps of 4 x Linear({args.width}) + Adam (state {state_gb:.2f} GB); SIGKILL with MTBF "
-          f"{args.mtbf:g} s; {args.seeds} failure sequences, the same for every policy (policies interleaved)")
-    runs: dict[str, list[dict]] = {name: [] for name, _ in policies}
-    for k, failures in enumerate(sequences):  # interleaved, so drift on a shared machine hits every policy alike
-        for name, policy in policies:
-            r = run_policy(policy, args, failures, out / name.replace(" ", "-"))
-            runs[name].append(r)
-            print(f"  sequence {k}: {name}: {r['wall_s']:.1f} s, {r['failures']} failures", flush=True)
-    print("\n| policy | goodput (steps/s) | failures | work lost / failure (steps) | P50 interval | save duration "
-          "| stalled | step slower while writing |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-
-    def secs(v: float | None) -> str:
-        return "-" if v is None else f"{v:.2f} s"
-
-    def pct(v: float | None, spec: str) -> str:
-        return "-" if v is None else format(v, spec)
-
-    def med(values: list) -> float | None:
-        values = [v for v in values if v is not None]
-        return statistics.median(values) if values else None
-
-    rows = {}
-    for name, _ in policies:
-        rs = runs[name]
-        lost = [x for r in rs for x in r["lost"]]
-        summaries = [r["done"]["summary"] for r in rs]  # engine.summary() of each last, uninterrupted run
-        row = {
-            "goodput": args.steps * len(rs) / sum(r["wall_s"] for r in rs),
-            "failures": sum(r["failures"] for r in rs),
-            "lost": statistics.mean(lost) if lost else 0.0,
-            "p50": med([s["interval_p50_s"] for s in summaries]),
-            "stalled": med([s["stall_fraction"] for s in summaries]),
-            "save_s": med([s["save_p50_s"] for s in summaries]),
-            "stall_s": med([s["stall_p50_s"] for s in summaries]),
-            "slowdown": med([s["write_slowdown"] for s in summaries]),
-        }
-        rows[name] = row
-        print(f"| {name} | {row['goodput']:.2f} | {row['failures']} | {row['lost']:.1f} | {secs(row['p50'])} | "
-              f"{secs(row['save_s'])} | {pct(row['stalled'], '.1%')} | "
-              f"{pct(row['slowdown'], '+.0%')} |")
-    names = [n for n, _ in policies]
-    best_fixed = max(rows[n]["goodput"] for n in names[:3])
-    cont = rows["continuous"]
-    ratio = "-" if not cont["p50"] or not cont["save_s"] else f"{cont['p50'] / cont['save_s']:.2f}x"
-    print(f"\ncontinuous: P50 interval / save duration = {ratio} (bar <= 2x); "
-          f"goodput / best fixed = {cont['goodput'] / best_fixed:.2f}x (bar >= 1x)")
-    slow = med([r["slowdown"] for r in rows.values()]) or 0.0  # continuous has few steps without a write
-    if cont["stall_s"] and cont["save_s"]:
-        cost = cont["stall_s"] + slow * cont["save_s"]
-        print(f"Young/Daly: one save costs training C = {cont['stall_s']:.3f} s stall + {slow:.0%} slower steps over "
-              f"its {cont['save_s']:.2f} s = {cost:.3f} s; the best interval sqrt(2 C MTBF) = "
-              f"{math.sqrt(2 * cost * args.mtbf):.2f} s; continuous (every {cont['save_s']:.2f} s) is the best "
-              f"policy only when failures come at least every D^2/2C = {cont['save_s'] ** 2 / (2 * cost):.2f} s")
+    lines = [f"{args.steps} steps of 4 x Linear({args.width}) (state with optimizer up to {state_gb:.2f} GB), "
+             f"SIGKILL at exponential times, MTBF {args.mtbfs} s, {args.seeds} sequence(s), the same for every policy; "
+             "restarts (importing torch, loading) included", ""]
+    print(lines[0], flush=True)
+    t0 = time.perf_counter()
+    for setting in args.settings.split(","):
+        lines += run_setting(setting, args, out, mtbfs)
+    lines.append(f"(the whole run: {time.perf_counter() - t0:.0f} s)")
+    print("\n" + "\n".join(lines))
 
 
 if __name__ == "__main__":
