@@ -182,8 +182,8 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
                 print(f"  {setting} mtbf {mtbf:g}: sequence {k}: {name}: {r['wall_s']:.1f} s, {r['failures']} "
                       "failures", flush=True)
         table = [f"MTBF {mtbf:g} s — Young/Daly: sqrt(2 C MTBF) = {best:.2f} s = {best / cal['step_s']:.0f} steps; "
-                 f"continuous is the best policy when D <= that ({cal['D']:.2f} s): "
-                 f"{'yes' if cal['D'] <= best else 'no'}", "",
+                 f"continuous (a save every D = {cal['D']:.2f} s, at most one a step) is the best interval only when "
+                 f"that is <= D: {'yes' if best <= cal['D'] else 'no'}", "",
                  "| policy | goodput (steps/s) | failures | work lost / failure | P50 interval | P50 interval / D "
                  "| stalled | fence waits |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         rows = {}

@@ -302,13 +302,24 @@ class Pipeline:
         if self.sync is not None:
             self.sync.set_peers(Coordinator(channel, self.sync.unsynced_steps))
         else:
-            self.follower = Follower(self._root, channel, self._tier, after_round=self._retain_local)
+            self.follower = Follower(self._root, channel, self._tier, after_round=self._after_round)
+
+    def _node_leader(self) -> bool:
+        """This rank looks after its node's directory: rank 0, and the first rank of each other node."""
+        nodes = self.writer.nodes
+        return self._coll.rank == 0 or (nodes is not None and not nodes.shared and nodes.leader)
 
     def _retain_local(self) -> None:
         """Local retention, where this rank applies it: rank 0, and the leader of each other node (the same
         policy over the same committed steps, keeping what rank 0 says is not uploaded: the same steps go)."""
-        nodes = self.writer.nodes
-        if self._coll.rank == 0 or (nodes is not None and not nodes.shared and nodes.leader):
+        if self._node_leader():
+            self.local.apply()
+
+    def _after_round(self) -> None:
+        """Follower thread, after each upload round: this node's record of what is not uploaded (for
+        ``persist gc`` on this node's directory), then its retention."""
+        if self._node_leader():
+            self._record_unsynced()
             self.local.apply()
 
     def protected(self) -> set[int]:
@@ -332,6 +343,8 @@ class Pipeline:
         """Writer thread: hand the checkpoint to the upload queue first, then apply local retention."""
         if self.sync is None:
             handle._set_remote_done()
+            if self.follower is not None and self._node_leader():  # another node's directory: its own record
+                self._record_unsynced()
         else:
             self.sync.submit(SyncJob(local_ckpt=checkpoint_dir(self._root, handle.step), manifest=manifest,
                                      handle=handle, committed_at=time.monotonic()))

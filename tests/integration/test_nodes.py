@@ -62,6 +62,8 @@ def test_two_nodes_commit_their_own_files_the_remote_assembles_them_and_a_replac
         manifest = json.loads((node / STEP30 / "manifest.json").read_text())
         assert manifest["version"] == 5 and manifest["nodes"] == [[0, 1], [2, 3]] and manifest["node"] == n
         assert len(manifest["files"]) == 4
+        # each node's record of what is not uploaded yet, for persist gc there: nothing, at the end
+        assert json.loads((node / ".unsynced.json").read_text())["steps"] == []
     # the remote holds the whole checkpoint, its manifest placing every file there
     fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
     for step in (10, 20, 30):
