@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from persist_core._knobs import PAGE_BYTES
+from persist_core.errors import PersistError
 from persist_core.planning.save import EntryCopy, ShardPlan
 
 log = logging.getLogger(__name__)
@@ -192,17 +193,48 @@ def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch
     for device in {c.source.device for c in later if isinstance(c.source, torch.Tensor) and c.source.is_cuda}:
         events[device] = torch.cuda.Event()
         events[device].record(torch.cuda.current_stream(device))
-    return waited, lambda: _copy_all(later, data, base, streams, wait_free, events=events)
+    versions = [_version(c.source) for c in later]  # the moment of save(): an in-place change bumps them
+    return waited, lambda: _copy_all(later, data, base, streams, wait_free, events=events, versions=versions)
+
+
+def _version(source: torch.Tensor | bytes) -> int | None:
+    """The tensor's version counter (autograd's: every in-place op bumps it), or ``None``."""
+    return getattr(source, "_version", None) if isinstance(source, torch.Tensor) else None
 
 
 def _copy_all(copies: list[EntryCopy], data: torch.Tensor, base: int, streams: dict[torch.device, torch.cuda.Stream],
-              wait_free: Callable[[int], float], *, events: dict[torch.device, torch.cuda.Event]) -> float:
-    """Copy each of ``copies`` into ``data`` (CUDA ones on side streams, waited for); seconds in ``wait_free``."""
+              wait_free: Callable[[int], float], *, events: dict[torch.device, torch.cuda.Event],
+              versions: list[int | None] | None = None) -> float:
+    """Copy each of ``copies`` into ``data`` (CUDA ones on side streams, waited for); seconds in ``wait_free``.
+
+    With ``versions`` (each source's version counter at ``save()``), a source changed in place since then —
+    before its copy, or while it ran — fails the copy: the checkpoint would mix two moments.
+
+    Raises:
+        PersistError: a source was changed in place after ``save()``, before the guard's fence.
+    """
     used: list[torch.cuda.Stream] = []
-    waited = sum(_copy(c, data, base, streams, wait_free, used, events=events) for c in copies)
+    waited = 0.0
+    for i, c in enumerate(copies):
+        if versions is not None:
+            _check_unchanged(c, versions[i])
+        waited += _copy(c, data, base, streams, wait_free, used, events=events)
     for stream in used:
         stream.synchronize()
+    if versions is not None:  # and none changed while its copy ran
+        for c, v in zip(copies, versions):
+            _check_unchanged(c, v)
     return waited
+
+
+def _check_unchanged(c: EntryCopy, version: int | None) -> None:
+    if version is not None and _version(c.source) != version:
+        raise PersistError(
+            f"state entry {c.name or '?'} was changed in place after save() and before its background copy "
+            f"(version {version} -> {_version(c.source)}): the checkpoint would mix two steps, so it is not "
+            "written. Only the guarded optimizers' step waits for the copy (engine.guard(...)); call "
+            "engine.fence() (or handle.wait_staged()) before anything else changes parameters or optimizer "
+            "state in place")
 
 
 def _copy(c: EntryCopy, data: torch.Tensor, base: int, streams: dict[torch.device, torch.cuda.Stream],

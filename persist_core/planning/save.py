@@ -44,6 +44,7 @@ class EntryCopy:
     source: torch.Tensor | bytes
     dtype: torch.dtype
     shape: tuple[int, ...]
+    name: str = ""  # the shard entry it fills (for messages)
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
             pos = start
         header_entries[name] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + nbytes]}
         if nbytes:
-            copies.append(EntryCopy(pos, pos + nbytes, source, dtype, tshape))
+            copies.append(EntryCopy(pos, pos + nbytes, source, dtype, tshape, name))
         pos += nbytes
     if zipped is None:
         pad_to(PAGE_BYTES)

@@ -79,3 +79,25 @@ def test_guarded_saves_stay_in_order_and_all_commit(tmp_path):
         engine.wait()
         for step, weights in expected.items():
             assert_state_equal(engine.load(step)["model"], weights)
+
+
+def test_a_parameter_changed_in_place_before_the_background_copy_fails_that_save_and_commits_nothing(tmp_path):
+    from persist_core import PersistError
+
+    model, opt = _model_and_optimizer()
+    gate = threading.Event()
+    with CheckpointEngine(tmp_path) as engine:
+        engine.guard(opt)
+        engine.save({"model": model.state_dict(), "optim": opt.state_dict()["state"]}, step=1).wait()
+        _gate_the_copy(engine, gate)
+        handle = engine.save({"model": model.state_dict(), "optim": opt.state_dict()["state"]}, step=2)
+        with torch.no_grad():  # not the guarded step: e.g. an EMA or a manual update, before any fence
+            model[0].weight.mul_(0.5)
+        gate.set()
+        with pytest.raises(PersistError, match=r"state entry model/0\.weight was changed in place after save\(\)"):
+            handle.wait()
+        assert [c.step for c in engine.list()] == [1]  # nothing committed for step 2; step 1 intact
+        handle = engine.save({"model": model.state_dict(), "optim": opt.state_dict()["state"]}, step=3)
+        opt.step()  # the guarded step: waits for the copy, so this save is one consistent moment
+        handle.wait()
+        assert [c.step for c in engine.list()] == [1, 3]
