@@ -223,13 +223,59 @@ class _Group(click.Group):
             click.echo(f"error: {e}", err=True)
             ctx.exit(2)
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Global options are taken after the subcommand too (``persist ls s3://b/run --endpoint-url URL``),
+        as the AWS tools take theirs."""
+        return super().parse_args(ctx, _globals_first(args))
 
-@click.group(cls=_Group)
+
+_GLOBAL_VALUED = ("--storage-options", "--endpoint-url", "--profile", "--region")
+_GLOBAL_FLAGS = ("--debug",)
+
+
+def _globals_first(args: list[str]) -> list[str]:
+    """``args`` with the global options (and their values) moved in front of the subcommand."""
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            rest += args[i:]
+            break
+        if a in _GLOBAL_FLAGS or any(a.startswith(f"{o}=") for o in _GLOBAL_VALUED):
+            front.append(a)
+        elif a in _GLOBAL_VALUED and i + 1 < len(args):
+            front += [a, args[i + 1]]
+            i += 1
+        else:
+            rest.append(a)
+        i += 1
+    return front + rest
+
+
+@click.group(cls=_Group, epilog="Shell completion (bash): eval \"$(_PERSIST_COMPLETE=bash_source persist)\" "
+                                "(zsh_source, fish_source for the others).")
+@click.version_option(package_name="torch-persist", prog_name="persist")
 @click.option("--storage-options", default=None, help="fsspec options as JSON, e.g. '{\"client_kwargs\": {...}}'")
+@click.option("--endpoint-url", default=None, help="S3: the endpoint (MinIO, a moto server, another cloud), as aws "
+                                                    "--endpoint-url")
+@click.option("--profile", default=None, help="S3: the AWS profile whose credentials to use, as aws --profile")
+@click.option("--region", default=None, help="S3: the region, as aws --region")
 @click.option("--debug", is_flag=True, help="show tracebacks")
 @click.pass_context
-def main(ctx: click.Context, storage_options: str | None, debug: bool) -> None:
-    """See, verify, move and prune torch-persist checkpoints on a local directory or any fsspec URL."""
+def main(ctx: click.Context, storage_options: str | None, endpoint_url: str | None, profile: str | None,
+         region: str | None, debug: bool) -> None:
+    """See, verify, move and prune torch-persist checkpoints on a local directory or any fsspec URL.
+
+    Global options may come before or after the command.
+
+    \b
+    Examples:
+      persist ls s3://bucket/run-7 --endpoint-url http://127.0.0.1:9000
+      persist verify /nvme/ckpt
+      persist pull s3://bucket/run-7 /nvme/ckpt --profile training
+    """
     try:
         options = json.loads(storage_options) if storage_options else None
     except json.JSONDecodeError as e:
@@ -239,6 +285,17 @@ def main(ctx: click.Context, storage_options: str | None, debug: bool) -> None:
         raise click.UsageError(f"--storage-options holds a JSON {type(options).__name__}; it must be a JSON object of "
                                "fsspec options (its value is not shown: it may hold credentials), e.g. "
                                "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:9000\"}}'")
+    if endpoint_url or profile or region:  # as s3fs spells them
+        options = dict(options or {})
+        client = dict(options.get("client_kwargs") or {})
+        if endpoint_url:
+            client["endpoint_url"] = endpoint_url
+        if region:
+            client["region_name"] = region
+        if client:
+            options["client_kwargs"] = client
+        if profile:
+            options["profile"] = profile
     ctx.obj = options
 
 
@@ -252,7 +309,12 @@ def _open(ctx: click.Context, location: str) -> _Location:
 @click.option("--milestones", type=int, default=None, help="mark steps that are multiples of N")
 @click.pass_context
 def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None) -> None:
-    """Committed checkpoints: step, time, size, files (sizes checked; `verify` reads every byte)."""
+    """Committed checkpoints: step, time, size, files (sizes checked; `verify` reads every byte).
+
+    \b
+    Example:
+      persist ls s3://bucket/run-7 --json
+    """
     rows = []
     for kind in KINDS:  # full ones in LOCATION, weights-only ones in LOCATION/weights-only
         sub = kind_subdir(kind)
@@ -262,8 +324,7 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None)
             loc = _open(ctx, f"{location.rstrip('/')}/{sub}")
         else:
             continue
-        for info in loc.list():
-            m = loc.manifest(info.step)
+        for info, m in loc.tier.listing():  # one listing, each manifest read once
             rows.append({"step": info.step, "kind": kind, "time": info.time, "bytes": info.nbytes,
                          "files": len(m.files), "ranks": m.world_size, "path": info.path,
                          "milestone": bool(milestones) and info.step % milestones == 0, "abandoned": False})
@@ -411,7 +472,12 @@ def _summed_below(rows: list[dict[str, Any]], depth: int) -> list[dict[str, Any]
 @click.option("--json", "as_json", is_flag=True, help="one JSON report: each checkpoint, bytes, seconds")
 @click.pass_context
 def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_json: bool) -> None:
-    """Read every byte and check every checksum of every directory that holds a manifest; exit 1 naming what is bad."""
+    """Read every byte and check every checksum of every directory that holds a manifest; exit 1 naming what is bad.
+
+    \b
+    Example:
+      persist verify /nvme/ckpt --step 1200
+    """
     loc = _open(ctx, location)
     claimed = loc.tier.committed_steps()  # not list(): that skips the very checkpoints verify must name
     if step is not None and step not in claimed:
@@ -461,7 +527,12 @@ def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_
 @click.option("--quiet", is_flag=True)
 @click.pass_context
 def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: bool) -> None:
-    """Download a checkpoint into LOCAL_DIR (parallel ranged reads, every chunk verified)."""
+    """Download a checkpoint into LOCAL_DIR (parallel ranged reads, every chunk verified).
+
+    \b
+    Example:
+      persist pull s3://bucket/run-7 /nvme/ckpt --step 1200
+    """
     loc = _open(ctx, url)
     s = loc.step_or_latest(step)
     nbytes, t0 = loc.manifest(s).nbytes, time.perf_counter()
@@ -479,7 +550,12 @@ def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: 
 @click.option("--quiet", is_flag=True)
 @click.pass_context
 def push(ctx: click.Context, local_dir: str, url: str, quiet: bool) -> None:
-    """Upload the committed local checkpoints the remote does not have (manifest last)."""
+    """Upload the committed local checkpoints the remote does not have (manifest last).
+
+    \b
+    Example:
+      persist push /nvme/ckpt s3://bucket/run-7
+    """
     local, remote = _open(ctx, local_dir), _open(ctx, url)
     if local.remote is not None or remote.remote is None:
         raise click.UsageError("push takes a local directory, then a remote URL")
@@ -566,6 +642,84 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
 
 @main.command()
 @click.argument("location")
+@click.option("--step", "steps", type=int, multiple=True, required=True, help="the step to remove (repeatable)")
+@click.option("--force", is_flag=True, help="also the newest committed checkpoint, or one not uploaded yet")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def rm(ctx: click.Context, location: str, steps: tuple[int, ...], force: bool, as_json: bool) -> None:
+    """Remove committed checkpoints by step (a local one by one durable rename first, as retention does).
+
+    The newest committed checkpoint, and a local one not yet uploaded to its remote, are refused unless
+    --force: they may be the only good copy.
+
+    \b
+    Example:
+      persist rm /nvme/ckpt --step 1200 --step 1300
+    """
+    loc = _open(ctx, location)
+    committed = loc.tier.committed_steps()
+    missing = [s for s in steps if s not in committed]
+    if missing:
+        raise _Error(f"no committed checkpoint for step(s) {missing} in {location}; steps: {committed}")
+    if not force:
+        if committed and committed[-1] in steps:
+            raise _Error(f"step {committed[-1]} is the newest committed checkpoint in {location}; pass --force to "
+                         "remove it anyway")
+        if loc.root is not None:
+            remote, unsynced = read_unsynced(loc.root)
+            held = [s for s in steps if unsynced is None or s in unsynced]
+            if held:
+                raise _Error(f"step(s) {held} are not uploaded to {remote or 'the remote'} yet (.unsynced.json); "
+                             "pass --force to remove them anyway")
+    for s_ in steps:
+        loc.tier.remove(s_)
+        if not as_json:
+            click.echo(f"removed step {s_} from {location}")
+    if as_json:
+        click.echo(json.dumps({"location": location, "removed": list(steps)}))
+
+
+@main.command()
+@click.argument("location")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def du(ctx: click.Context, location: str, as_json: bool) -> None:
+    """Bytes held: committed checkpoints per kind, set-aside branches, and what has no manifest.
+
+    \b
+    Example:
+      persist du s3://bucket/run-7
+    """
+    report: dict[str, Any] = {"location": location}
+    total = 0
+    for kind in KINDS:
+        sub = kind_subdir(kind)
+        if sub and not (_is_url(location) or os.path.isdir(os.path.join(location.removeprefix("file://"), sub))):
+            continue
+        loc = _open(ctx, f"{location.rstrip('/')}/{sub}" if sub else location)
+        infos = loc.tier.list()
+        nbytes = sum(i.nbytes for i in infos)
+        report[kind] = {"checkpoints": len(infos), "bytes": nbytes}
+        total += nbytes
+        aside = loc.tier.abandoned()
+        if aside:
+            report.setdefault("abandoned", {"checkpoints": 0, "bytes": 0})
+            report["abandoned"]["checkpoints"] += len(aside)
+            report["abandoned"]["bytes"] += sum(i.nbytes for i in aside)
+            total += sum(i.nbytes for i in aside)
+    report["bytes"] = total
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    for key in (*KINDS, "abandoned"):
+        if key in report:
+            r = report[key]
+            click.echo(f"{key}: {r['checkpoints']} checkpoint{'s' * (r['checkpoints'] != 1)}, {_size(r['bytes'])}")
+    click.echo(f"total: {_size(total)}")
+
+
+@main.command()
+@click.argument("location")
 @click.option("--step", type=int, default=None, help="default: the newest")
 @click.option("--to", "target", required=True, help="the file (torch) or directory (accelerate) to write")
 @click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", *_exporters()]), default="torch",
@@ -579,7 +733,12 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
 @click.pass_context
 def export(ctx: click.Context, location: str, step: int | None, target: str, fmt: str, unsafe_pickle: bool) -> None:
     """Write a checkpoint as one torch.save file (Lightning loads it), one safetensors file, or a plain
-    Accelerate directory. Sharded checkpoints come out whole (consolidated)."""
+    Accelerate directory. Sharded checkpoints come out whole (consolidated).
+
+    \b
+    Example:
+      persist export s3://bucket/run-7 --format safetensors --to model.safetensors
+    """
     parent = Path(target).expanduser().absolute().parent
     if fmt in ("torch", "safetensors") and not parent.is_dir():
         raise click.UsageError(f"--to {target}: its directory {parent} does not exist; create it or choose another")

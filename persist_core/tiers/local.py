@@ -389,6 +389,10 @@ class LocalTier:
     def read_manifest(self, step: int) -> Manifest:
         return read_manifest(checkpoint_dir(self.root, step))
 
+    def listing(self) -> list[tuple[CheckpointInfo, Manifest]]:
+        """Committed checkpoints whose manifest and file sizes check, with their manifests, oldest first."""
+        return discover(self.root)
+
     def list(self) -> list[CheckpointInfo]:
         return [info for info, _ in discover(self.root)]
 

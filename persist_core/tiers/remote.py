@@ -129,17 +129,21 @@ class RemoteTier:
 
     def committed_steps(self) -> list[int]:
         """Steps whose prefix holds a manifest, ascending (nothing verified)."""
+        return sorted(self._objects())
+
+    def _objects(self) -> dict[int, dict[str, int | None]]:
+        """One recursive listing (no glob: the URL may hold glob characters): per step whose prefix holds a
+        manifest, the size of each object in it."""
         self.fs.invalidate_cache(self.root)
-        # one recursive listing (no glob: the URL may hold glob characters)
-        found = self.retry("listing", lambda: self.fs.find(self.root))
-        steps = []
-        for path in found:
+        found = self.retry("listing", lambda: self.fs.find(self.root, detail=True))
+        by_step: dict[int, dict[str, int | None]] = {}
+        for path, entry in found.items():
             parts = path.rstrip("/").split("/")
-            if len(parts) >= 2 and parts[-1] == MANIFEST_NAME and "/".join(parts[:-2]).strip("/") == self.root.strip("/"):
+            if len(parts) >= 2 and "/".join(parts[:-2]).strip("/") == self.root.strip("/"):
                 step = parse_checkpoint_dirname(parts[-2])
                 if step is not None:
-                    steps.append(step)
-        return sorted(steps)
+                    by_step.setdefault(step, {})[parts[-1]] = entry.get("size")
+        return {step: objects for step, objects in by_step.items() if MANIFEST_NAME in objects}
 
     def read_manifest(self, step: int) -> Manifest:
         """The manifest of ``step``, with every file it names checked for presence and size.
@@ -148,12 +152,17 @@ class RemoteTier:
             CorruptCheckpointError: unreadable manifest, or a file missing or of the wrong size.
             RemoteError: the remote could not be read.
         """
+        return self._read_manifest(step, None)
+
+    def _read_manifest(self, step: int, sizes: dict[str, int | None] | None) -> Manifest:
+        """:meth:`read_manifest`, the object sizes taken from ``sizes`` (a listing made already) if given."""
         prefix = self._path(checkpoint_dirname(step))
         raw = self.retry(f"reading {prefix}/{MANIFEST_NAME}", lambda: self.fs.cat_file(f"{prefix}/{MANIFEST_NAME}"))
         manifest = Manifest.from_bytes(raw, where=f"{self.url}/{checkpoint_dirname(step)}/{MANIFEST_NAME}", step=step)
-        self.fs.invalidate_cache(prefix)
-        listing = self.retry(f"listing {prefix}", lambda: self.fs.ls(prefix, detail=True))
-        sizes = {entry["name"].rstrip("/").split("/")[-1]: entry.get("size") for entry in listing}
+        if sizes is None:
+            self.fs.invalidate_cache(prefix)
+            listing = self.retry(f"listing {prefix}", lambda: self.fs.ls(prefix, detail=True))
+            sizes = {entry["name"].rstrip("/").split("/")[-1]: entry.get("size") for entry in listing}
         for f in manifest.files:
             if sizes.get(f.name) != f.size:
                 raise CorruptCheckpointError(
@@ -163,16 +172,21 @@ class RemoteTier:
 
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints whose manifest and sizes check, oldest first."""
-        infos = []
-        for step in self.committed_steps():
+        return [info for info, _ in self.listing()]
+
+    def listing(self) -> list[tuple[CheckpointInfo, Manifest]]:
+        """Committed checkpoints whose manifest and sizes check, with their manifests, oldest first: one
+        recursive listing (every object's size) and one read per manifest."""
+        found = []
+        for step, sizes in sorted(self._objects().items()):
             try:
-                m = self.read_manifest(step)
+                m = self._read_manifest(step, sizes)
             except CorruptCheckpointError as e:
                 log.warning("skipping remote step %d: %s", step, e)
                 continue
-            infos.append(CheckpointInfo(step=step, time=m.time, nbytes=m.nbytes,
-                                        path=f"{self.url}/{checkpoint_dirname(step)}", tier="remote"))
-        return infos
+            found.append((CheckpointInfo(step=step, time=m.time, nbytes=m.nbytes,
+                                         path=f"{self.url}/{checkpoint_dirname(step)}", tier="remote"), m))
+        return found
 
     # ------------------------------------------------------------------ upload / remove
 

@@ -251,3 +251,75 @@ def test_inspect_shows_scalars_bytes_subtree_totals_depth_and_filter(tmp_path):
     assert [e["name"] for e in only] == ["model/w", "model/b"]
     table = run("inspect", str(d)).output
     assert "600" in table and "bytes" in table and "400 B" in table
+
+
+def test_ls_on_the_remote_makes_one_listing_and_reads_each_manifest_once(tmp_path, monkeypatch):
+    import uuid
+
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    url = f"memory:///cli-{uuid.uuid4().hex[:8]}"
+    with CheckpointEngine(tmp_path / "a", remote_url=url) as engine:
+        for step in (1, 2, 3):
+            engine.save({"w": torch.full((64,), float(step))}, step=step).wait()
+    calls: list[str] = []
+    for name in ("ls", "find", "cat_file", "info"):
+        real = getattr(MemoryFileSystem, name)
+        monkeypatch.setattr(MemoryFileSystem, name,
+                            lambda self, *a, _n=name, _r=real, **k: (calls.append(_n), _r(self, *a, **k))[1])
+    done = CliRunner().invoke(main, ["ls", "--json", url])
+    assert done.exit_code == 0, done.output
+    assert [r["step"] for r in json.loads(done.output)] == [1, 2, 3]
+    manifests = calls.count("cat_file")
+    assert manifests == 3, calls  # one read per manifest, none twice
+    assert calls.count("ls") <= 1, calls  # no listing per checkpoint (the weights-only prefix may be listed once)
+
+
+def test_version_global_options_after_the_command_and_s3_options_as_the_aws_tools_spell_them(
+        tmp_path, bucket, s3_endpoint):
+    persist = Path(sys.executable).with_name("persist")
+    done = subprocess.run([persist, "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("persist, version "), done.stdout + done.stderr
+    url = f"s3://{bucket}/run"
+    with CheckpointEngine(tmp_path / "a", remote_url=url,
+                          storage_options={"client_kwargs": {"endpoint_url": s3_endpoint}}) as engine:
+        engine.save({"w": torch.ones(8)}, step=5).wait()
+    for args in (["--endpoint-url", s3_endpoint, "ls", "--json", url],  # before the command, as usual
+                 ["ls", url, "--json", "--endpoint-url", s3_endpoint, "--region", "us-east-1"],  # after it, as aws
+                 ["du", "--json", url, f"--endpoint-url={s3_endpoint}"]):
+        done = subprocess.run([persist, *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (args, done.stdout + done.stderr)
+        out = json.loads(done.stdout)
+        if args[0] == "du":
+            assert out["full"]["checkpoints"] == 1 and out["bytes"] > 0
+        else:
+            assert [r["step"] for r in out] == [5]
+    done = subprocess.run([persist, "ls", "--help"], capture_output=True, text=True)
+    assert "Example:" in done.stdout and "persist ls s3://bucket/run-7" in done.stdout
+
+
+def test_rm_refuses_the_newest_and_what_is_not_uploaded_unless_forced(tmp_path):
+    import uuid
+
+    url = f"memory:///cli-{uuid.uuid4().hex[:8]}"
+    d = tmp_path / "ckpt"
+    with CheckpointEngine(d, remote_url=url) as engine:
+        for step in (1, 2, 3):
+            engine.save({"w": torch.full((8,), float(step))}, step=step).wait()
+    runner = CliRunner()
+    done = runner.invoke(main, ["rm", str(d), "--step", "3"])
+    assert done.exit_code == 2 and "newest committed" in done.output and "--force" in done.output
+    done = runner.invoke(main, ["rm", str(d), "--step", "9"])
+    assert done.exit_code == 2 and "no committed checkpoint for step(s) [9]" in done.output
+    (d / ".unsynced.json").write_text(json.dumps({"remote": url, "steps": [2], "updated": 0}))  # say 2 waits
+    done = runner.invoke(main, ["rm", str(d), "--step", "2"])
+    assert done.exit_code == 2 and "not uploaded" in done.output
+    done = runner.invoke(main, ["rm", str(d), "--step", "1", "--json"])
+    assert done.exit_code == 0 and json.loads(done.output)["removed"] == [1]
+    with CheckpointReader(d) as reader:
+        assert [c.step for c in reader.list()] == [2, 3]
+    done = runner.invoke(main, ["rm", url, "--step", "3", "--force"])  # the remote's, forced
+    assert done.exit_code == 0, done.output
+    with CheckpointReader(tmp_path / "other", remote_url=url) as reader:
+        assert [c.step for c in reader.list("remote")] == [1, 2]
+    assert not [p for p in d.iterdir() if p.name.startswith(".tmp")]
