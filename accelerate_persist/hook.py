@@ -408,7 +408,7 @@ class PersistHook:
         acc = self._accelerator
         if acc is None or not getattr(acc, "trackers", None):
             return None
-        return lambda stats: acc.log(stats.metrics(), step=stats.step)
+        return lambda metrics, step: acc.log(metrics, step=step)
 
     def _report(self) -> None:
         """Report finished saves through ``accelerator.log`` (when trackers are set) and the log."""

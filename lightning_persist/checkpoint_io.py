@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_persist._links import Links, keep_linked
 from lightning_persist._strategies import check_strategy
 from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
-from persist_core import PersistError, RetentionPolicy, SaveStats
+from persist_core import PersistError, RetentionPolicy
 from persist_core.distributed import decision_channel
 from persist_core.layout import FULL, MANIFEST_NAME, WEIGHTS_ONLY, shard_filename
 from persist_core.reader import checkpoint_of
@@ -416,9 +416,9 @@ class PersistCheckpointIO(CheckpointIO):
         if trainer is None:
             return None
 
-        def to_loggers(stats: SaveStats) -> None:
+        def to_loggers(metrics: dict[str, float], step: int) -> None:
             for logger in trainer.loggers:
-                logger.log_metrics(stats.metrics(), step=stats.step)
+                logger.log_metrics(metrics, step=step)
 
         return to_loggers
 

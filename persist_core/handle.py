@@ -55,8 +55,12 @@ class SaveStats:
     superseded: bool = False
 
     def metrics(self, prefix: str = "persist/") -> dict[str, float]:
-        """The numbers adapters report to loggers: stall, and write/upload speed and lag once known."""
-        out = {f"{prefix}stall_s": self.stall_s}
+        """The numbers adapters report to loggers: stall, bytes, save -> durable, write/upload speed and lag
+        once known, and whether its upload was superseded."""
+        out = {f"{prefix}stall_s": self.stall_s, f"{prefix}bytes": float(self.nbytes),
+               f"{prefix}superseded": float(self.superseded)}
+        if self.commit_s is not None:
+            out[f"{prefix}durable_s"] = self.stall_s + self.commit_s  # save() called -> committed and durable
         for name in ("write_gbps", "upload_gbps", "lag_s"):
             value = getattr(self, name)
             if value is not None:

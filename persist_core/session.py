@@ -274,17 +274,28 @@ class PersistSession:
         """The state was restored from ``step``: saving it again is a no-op."""
         self._saved.setdefault((FULL, step), None)
 
-    def report(self, sink: Callable[[SaveStats], None] | None = None) -> list[SaveStats]:
-        """Log each save that finished since the last call, once, and hand its stats to ``sink``."""
+    def report(self, sink: Sink | None = None) -> list[SaveStats]:
+        """Log each save that finished since the last call, once, and hand ``sink`` its metrics
+        (:meth:`SaveStats.metrics`, and the engine's gauges: upload queue depth, failed upload attempts,
+        slowdown of the steps a write overlaps) with its step."""
         done = [h for h in self._unreported if h.done()]
         self._unreported = [h for h in self._unreported if not h.done()]
         stats = [h.stats for h in done]
+        gauges = self._gauges() if stats and sink is not None else {}
         for s in stats:
             log.info("[step=%d] stall %.3f s, write %.2f GB/s, upload %s GB/s, lag %s s", s.step, s.stall_s,
                      s.write_gbps or 0.0, _fmt(s.upload_gbps), _fmt(s.lag_s))
             if sink is not None:
-                sink(s)
+                sink({**s.metrics(), **gauges}, s.step)
         return stats
+
+    def _gauges(self) -> dict[str, float]:
+        engine = self._engine
+        if engine is None:
+            return {}
+        return _numbers(engine.summary(), {"remote_behind_steps": "persist/upload_queue",
+                                           "upload_failures": "persist/upload_failures",
+                                           "write_slowdown": "persist/write_slowdown"})
 
     # ---- signals
 
@@ -311,7 +322,7 @@ class PersistSession:
 
     # ---- the end
 
-    def close(self, *, preempted: bool = False, sink: Callable[[SaveStats], None] | None = None,
+    def close(self, *, preempted: bool = False, sink: Sink | None = None,
               announce: Callable[[str], None] | None = None) -> None:
         """Drain, prune, report each save, then the one summary line, and close; puts signal handlers
         back. Raises a failure once.
@@ -355,9 +366,22 @@ class PersistSession:
             self.report(sink)
             if summary is not None:
                 (announce or _log_info)(f"torch-persist: {describe_summary(summary)}")
+                if sink is not None and self.newest_saved() >= 0:  # the run's summary, as final values
+                    sink(_numbers(summary, {k: f"persist/summary/{k}" for k in (
+                        "saves", "interval_p50_s", "interval_p90_s", "stall_fraction", "save_p50_s",
+                        "write_slowdown", "upload_lag_p50_s")}), self.newest_saved())
             barrier = getattr(self._collectives, "barrier", None)
             if barrier is not None and self._collectives.world_size > 1:
                 barrier()  # every rank done with our groups before any tears them down
+
+
+#: ``sink(metrics, step)``: where an adapter sends the numbers (a Trainer's loggers, an Accelerator's trackers)
+Sink = Callable[[dict[str, float], int], None]
+
+
+def _numbers(summary: dict[str, Any], names: dict[str, str]) -> dict[str, float]:
+    """``summary``'s values under their metric names, those that are measured (not ``None``)."""
+    return {name: float(summary[key]) for key, name in names.items() if summary.get(key) is not None}
 
 
 def _log_info(text: str) -> None:

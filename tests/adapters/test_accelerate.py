@@ -280,7 +280,12 @@ def test_save_stats_reach_the_accelerators_trackers(tmp_path):
         train(acc, *parts, start=0, stop=9, save_every=3)
     steps = [step for values, step in recorder.logged if "persist/stall_s" in values]
     assert steps == [3, 6, 9]  # each save reported once (the last at close)
-    assert all(values["persist/write_gbps"] > 0 for values, _ in recorder.logged if "persist/stall_s" in values)
+    saves = [values for values, _ in recorder.logged if "persist/stall_s" in values]
+    assert all(v["persist/write_gbps"] > 0 and v["persist/bytes"] > 0 and v["persist/durable_s"] >= v["persist/stall_s"]
+               and v["persist/superseded"] == 0.0 for v in saves)
+    final = [(values, step) for values, step in recorder.logged if "persist/summary/saves" in values]
+    assert len(final) == 1 and final[0][1] == 9 and final[0][0]["persist/summary/saves"] == 3
+    assert final[0][0]["persist/summary/interval_p50_s"] > 0
 
 
 def test_persist_export_format_accelerate(tmp_path):

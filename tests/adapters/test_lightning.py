@@ -216,9 +216,18 @@ def test_save_stats_reach_the_trainers_loggers(tmp_path):
     fit(PersistCheckpointIO(local_dir=d), d, max_steps=5, logger=CSVLogger(tmp_path / "logs", name="run"))
     metrics = (tmp_path / "logs" / "run" / "version_0" / "metrics.csv").read_text().splitlines()
     header = metrics[0].split(",")
-    assert {"persist/stall_s", "persist/write_gbps"} <= set(header)
-    stall = [row.split(",")[header.index("persist/stall_s")] for row in metrics[1:]]
+    assert {"persist/stall_s", "persist/write_gbps", "persist/bytes", "persist/durable_s",
+            "persist/superseded"} <= set(header)  # (and write_slowdown once steps without a write measured it)
+    rows = [dict(zip(header, row.split(","))) for row in metrics[1:]]
+    stall = [r["persist/stall_s"] for r in rows]
     assert sum(1 for v in stall if v) == 5  # one per checkpoint, each logged once
+    saved = [r for r in rows if r["persist/stall_s"]]
+    assert all(float(r["persist/bytes"]) > 0 and float(r["persist/durable_s"]) >= float(r["persist/stall_s"])
+               for r in saved)
+    # and the run's summary once at the end, as final values
+    final = [r for r in rows if r.get("persist/summary/saves")]
+    assert len(final) == 1 and float(final[0]["persist/summary/saves"]) == 5
+    assert float(final[0]["persist/summary/interval_p50_s"]) > 0 and final[0]["persist/summary/stall_fraction"]
 
 
 def run_app(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
