@@ -642,6 +642,141 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
 
 @main.command()
 @click.argument("location")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object: every checkpoint's numbers and the verdict")
+@click.option("--plot", "plot_to", default=None, help="draw the series into this PNG (needs matplotlib: "
+                                                      "pip install 'torch-persist[plot]')")
+@click.option("--last", type=int, default=20, show_default=True, help="rows of the table (the plot shows all)")
+@click.pass_context
+def stats(ctx: click.Context, location: str, as_json: bool, plot_to: str | None, last: int) -> None:
+    """What the checkpoints cost, over time: interval, stall, save -> durable, bytes, upload lag, and a verdict.
+
+    A local directory has the engine's record of each save (.history.jsonl); a remote URL has its
+    manifests only (when each was saved, its bytes).
+
+    \b
+    Example:
+      persist stats /nvme/ckpt --plot ckpt.png
+    """
+    rows = _stats_rows(ctx, location)
+    if not rows:
+        raise _Error(f"no checkpoints (nor a save history) under {location}")
+    verdict = _verdict(rows)
+    if plot_to:
+        _plot(rows, plot_to, title=location)
+    if as_json:
+        click.echo(json.dumps({"location": location, "checkpoints": rows, "verdict": verdict}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=location)
+    for col in ("step", "saved (UTC)", "interval", "stall", "save -> durable", "size", "upload lag"):
+        table.add_column(col, justify="left" if col == "saved (UTC)" else "right")
+
+    def sec(v: Any) -> str:
+        return "" if v is None else f"{v:.3f} s" if v < 10 else f"{v:.0f} s"
+
+    for r in rows[-last:]:
+        table.add_row(str(r["step"]), time.strftime("%m-%d %H:%M:%S", time.gmtime(r["time"])), sec(r["interval_s"]),
+                      sec(r.get("stall_s")), sec(r.get("durable_s")), _size(r["bytes"]) if r.get("bytes") else "",
+                      sec(r.get("lag_s")))
+    console = Console()
+    console.print(table)
+    for name, key in (("interval", "interval_s"), ("stall", "stall_s"), ("save -> durable", "durable_s"),
+                      ("upload lag", "lag_s")):
+        values = [r.get(key) for r in rows]
+        if any(v is not None for v in values):
+            console.print(f"{name:>16} {_spark(values)}  (max {max(v for v in values if v is not None):.3f} s)")
+    click.echo(verdict)
+    if plot_to:
+        click.echo(f"plot: {plot_to}")
+
+
+def _stats_rows(ctx: click.Context, location: str) -> list[dict[str, Any]]:
+    """Per committed checkpoint (and per save the history remembers), oldest first: its numbers."""
+    from persist_core.history import read_history
+
+    loc = _open(ctx, location)
+    by_step: dict[int, dict[str, Any]] = {}
+    for info in loc.tier.list():
+        by_step[info.step] = {"step": info.step, "time": info.time, "bytes": info.nbytes}
+    if loc.root is not None:
+        for h in read_history(loc.root):
+            row = by_step.setdefault(h["step"], {"step": h["step"], "time": h.get("time", h["wall"]), "bytes": None})
+            row.update({k: h[k] for k in ("stall_s", "durable_s", "lag_s", "write_gbps", "upload_gbps", "bytes")
+                        if k in h})
+    rows = [by_step[s] for s in sorted(by_step)]
+    for prev, row in zip([None, *rows], rows):
+        row["interval_s"] = None if prev is None else row["time"] - prev["time"]
+    return rows
+
+
+def _verdict(rows: list[dict[str, Any]]) -> str:
+    """One line: how often it saves, what a save costs, and whether that is too often for this state."""
+    import statistics
+
+    intervals = [r["interval_s"] for r in rows if r["interval_s"] is not None]
+    durable = [r["durable_s"] for r in rows if r.get("durable_s") is not None]
+    stalls = [r["stall_s"] for r in rows if r.get("stall_s") is not None]
+    if not intervals:
+        return f"{len(rows)} checkpoint: nothing to compare yet"
+    every = statistics.median(intervals)
+    text = f"{len(rows)} checkpoints, one every {every:.1f} s (median)"
+    if durable:
+        d = statistics.median(durable)
+        text += f"; a save takes {d:.2f} s to be durable"
+        if stalls:
+            text += f" and stalls training {statistics.median(stalls) * 1e3:.0f} ms"
+        if every < 2 * d:
+            return text + (f". Saves are too frequent for this state: a new one starts before the last is "
+                           f"{every / d:.1f}x its own duration old, so writes overlap most steps; save at most every "
+                           f"{2 * d:.1f} s, or use OptimalInterval(mtbf_s=...) to let the measured cost decide")
+        share = statistics.median(stalls) / every if stalls else 0.0
+        return text + (f": stalls take {share:.1%} of training time" + (
+            ", well under 1%: saving more often would lose less work per failure" if share < 0.01 else ""))
+    return text + " (no save history here: run stats on the job's local_dir for stall and durability)"
+
+
+_SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def _spark(values: list[float | None]) -> str:
+    """``values`` as one line of block characters (the last 60), blank where missing."""
+    values = values[-60:]
+    known = [v for v in values if v is not None]
+    top = max(known) if known else 0.0
+    return "".join(" " if v is None else _SPARKS[min(7, int(v / top * 7.999))] if top > 0 else _SPARKS[0]
+                   for v in values)
+
+
+def _plot(rows: list[dict[str, Any]], path: str, *, title: str) -> None:
+    """Interval, stall, save -> durable and upload lag against step, into ``path`` (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise _Error("--plot needs matplotlib: pip install 'torch-persist[plot]'") from None
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
+    steps = [r["step"] for r in rows]
+    for key, label in (("interval_s", "interval"), ("durable_s", "save -> durable"), ("stall_s", "stall"),
+                       ("lag_s", "upload lag")):
+        points = [(s, r[key]) for s, r in zip(steps, rows) if r.get(key) is not None]
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"what checkpoints cost: {title}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@main.command()
+@click.argument("location")
 @click.option("--step", "steps", type=int, multiple=True, required=True, help="the step to remove (repeatable)")
 @click.option("--force", is_flag=True, help="also the newest committed checkpoint, or one not uploaded yet")
 @click.option("--json", "as_json", is_flag=True)

@@ -9,13 +9,21 @@ may be called from any thread.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import statistics
 import threading
+import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
+from persist_core.layout import HISTORY_NAME
 from persist_core.policies.save import Clock, DecisionContext
 from persist_core.handle import SaveHandle, SaveStats
+
+log = logging.getLogger(__name__)
 
 _RECENT = 5  # the last saves measure what a save costs now
 
@@ -143,3 +151,61 @@ def describe_summary(summary: dict[str, Any]) -> str:
             f"{'' if slow is None else f' and ran {slow:.0%} slower while a save was written'}, upload lag P50 "
             f"{sec(summary['upload_lag_p50_s'])}")
 
+
+
+class HistoryLog:
+    """``local_dir``'s record of what each save cost: one JSON line per event (``committed``, ``uploaded``),
+    appended by rank 0's writer and sync threads, read by ``persist stats``. Best effort: a failed append is
+    logged and costs nothing else.
+
+    Args:
+        root: ``local_dir``.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self._path = root / HISTORY_NAME
+        self._lock = threading.Lock()
+
+    def record(self, event: str, stats: SaveStats, **extra: Any) -> None:
+        line = {"event": event, "step": stats.step, "wall": time.time(), **extra}
+        for name in ("stall_s", "staging_s", "write_gbps", "upload_gbps", "lag_s", "lag_steps"):
+            value = getattr(stats, name)
+            if value is not None:
+                line[name] = value
+        if event == "committed":
+            line["bytes"] = stats.nbytes
+            if stats.commit_s is not None:
+                line["durable_s"] = stats.stall_s + stats.commit_s
+        data = (json.dumps(line) + "\n").encode()
+        with self._lock:
+            try:
+                fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                try:
+                    os.write(fd, data)  # one write of one line: appends never interleave
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                log.warning("could not append to %s: %s", self._path, e)
+
+
+def read_history(root: Path) -> list[dict[str, Any]]:
+    """Per step (ascending), what ``local_dir``'s history says of its save: the ``committed`` line's numbers
+    and, once uploaded, the ``uploaded`` line's (``lag_s``, ``upload_gbps``). Unreadable lines are skipped."""
+    by_step: dict[int, dict[str, Any]] = {}
+    try:
+        text = (root / HISTORY_NAME).read_text()
+    except FileNotFoundError:
+        return []
+    for raw in text.splitlines():
+        try:
+            line = json.loads(raw)
+            step = int(line["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        row = by_step.setdefault(step, {"step": step})
+        if line.get("event") == "committed":
+            row.update({k: v for k, v in line.items() if k != "event"})
+        elif line.get("event") == "uploaded":
+            row.update({k: line[k] for k in ("lag_s", "upload_gbps", "lag_steps") if k in line})
+            row["uploaded_wall"] = line.get("wall")
+    return [by_step[s] for s in sorted(by_step) if "wall" in by_step[s]]

@@ -42,6 +42,7 @@ OWNER_SUFFIX = ".owner"
 LEASE_NAME = ".lease.json"  # on the remote: which run writes there, until when
 RUN_ID_NAME = ".run-id"  # in local_dir: the run id a restart on this directory keeps
 UNSYNCED_NAME = ".unsynced.json"
+HISTORY_NAME = ".history.jsonl"  # in local_dir: one JSON line per save committed or uploaded (persist stats)
 NODE_PROBE_PREFIX = ".node-probe-"  # in local_dir, for a moment at the first save: which ranks share it
 
 

@@ -100,14 +100,14 @@ class RemoteSync:
         keep_remote: the remote's retention policy (``None`` keeps everything).
         ledger: where failures go (raised once by the engine).
         backlog: called once on the sync thread with the remote's steps; its jobs are queued.
-        after_upload: called after each job ends (the engine's local retention); may raise.
+        after_upload: called with each job that ends uploaded (the engine's record, local retention); may raise.
         latest_step: the newest step saved so far (for ``lag_steps``).
         lease: this run's lease on the remote, taken or renewed before every write there.
         abandoned: the local set-aside checkpoints (their remote copies are set aside too, at start).
     """
 
     def __init__(self, tier: RemoteTier, *, keep_remote: RetentionPolicy | None, ledger: ErrorLedger,
-                 backlog: Backlog, after_upload: Callable[[], None], latest_step: Callable[[], int],
+                 backlog: Backlog, after_upload: Callable[[SyncJob], None], latest_step: Callable[[], int],
                  lease: RemoteLease | None = None,
                  abandoned: Callable[[], list[tuple[int, int, Manifest, str]]] | None = None) -> None:
         self._tier = tier
@@ -456,7 +456,7 @@ class RemoteSync:
                            lag_steps=max(0, self._latest_step() - job.step))
         if error is None:
             try:
-                self._after_upload()
+                self._after_upload(job)
             except BaseException as e:
                 error = e
         if error is not None:

@@ -30,6 +30,7 @@ from persist_core.errors import PersistError, RemoteError, StepExistsError, Writ
 from persist_core.fileio import CHECKSUM_ALGORITHM, FileOps, write_file
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
+from persist_core.history import HistoryLog
 from persist_core.layout import shard_filename
 from persist_core.ownership import write_unsynced
 from persist_core.policies.retention import RetentionPolicy
@@ -264,6 +265,7 @@ class Pipeline:
         self._coll = coll
         self._tier = tier
         self.follower: Follower | None = None  # every other rank's part in the upload rounds (several nodes)
+        self.history = HistoryLog(root)  # what each save cost, for persist stats (rank 0 writes it)
         self.writer = Writer(root, pool=pool, coll=coll, ops=ops, ledger=ledger, after_commit=self._after_commit,
                              write_threads=settings.write_threads, chunk_bytes=settings.chunk_bytes,
                              direct_io=settings.direct_io, on_nodes=self._on_nodes)
@@ -341,6 +343,8 @@ class Pipeline:
 
     def _after_commit(self, handle: SaveHandle, manifest: Manifest) -> None:
         """Writer thread: hand the checkpoint to the upload queue first, then apply local retention."""
+        if self._coll.rank == 0:
+            self.history.record("committed", handle.stats, time=manifest.time)
         if self.sync is None:
             handle._set_remote_done()
             if self.follower is not None and self._node_leader():  # another node's directory: its own record
@@ -351,8 +355,10 @@ class Pipeline:
             self._record_unsynced()
         self._retain_local()
 
-    def _after_upload(self) -> None:
-        """Sync thread, after each upload: the record first, then local retention (what waited may go)."""
+    def _after_upload(self, job: SyncJob) -> None:
+        """Sync thread, after each upload: the records first, then local retention (what waited may go)."""
+        if job.handle.stats.lag_s is not None:  # this engine's own save (a backlog job's handle has no numbers)
+            self.history.record("uploaded", job.handle.stats)
         self._record_unsynced()
         self._retain_local()
 

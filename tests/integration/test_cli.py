@@ -323,3 +323,43 @@ def test_rm_refuses_the_newest_and_what_is_not_uploaded_unless_forced(tmp_path):
     with CheckpointReader(tmp_path / "other", remote_url=url) as reader:
         assert [c.step for c in reader.list("remote")] == [1, 2]
     assert not [p for p in d.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_stats_shows_what_each_save_cost_plots_it_and_says_when_saves_are_too_frequent(
+        tmp_path, bucket, s3_endpoint):
+    import matplotlib.image
+
+    from persist_core.cli import _verdict
+
+    persist = Path(sys.executable).with_name("persist")
+    url, local = f"s3://{bucket}/run", tmp_path / "ckpt"
+    with CheckpointEngine(local, remote_url=url,
+                          storage_options={"client_kwargs": {"endpoint_url": s3_endpoint}}) as engine:
+        for step in (10, 20, 30, 40, 50):
+            engine.save({"w": torch.randn(256, 256)}, step=step).wait()
+    done = subprocess.run([persist, "stats", str(local), "--json", "--plot", str(tmp_path / "cost.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    rows = report["checkpoints"]
+    assert [r["step"] for r in rows] == [10, 20, 30, 40, 50]
+    assert all(r["stall_s"] > 0 and r["durable_s"] >= r["stall_s"] and r["bytes"] > 0 and r["lag_s"] > 0 for r in rows)
+    assert rows[0]["interval_s"] is None and all(r["interval_s"] > 0 for r in rows[1:])
+    assert report["verdict"].startswith("5 checkpoints, one every")
+    png = matplotlib.image.imread(tmp_path / "cost.png")  # the picture: its size, and its series' colours
+    assert png.shape[:2] == (450, 900)
+    rgb = (png[..., :3] * 255).round()
+    for colour in ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)):  # 4 series: matplotlib's first 4
+        assert ((abs(rgb - colour) < 8).all(axis=-1)).sum() > 50, colour
+    # the remote: its manifests only (when, how big), through the same command
+    done = subprocess.run([persist, "stats", url, "--json", "--endpoint-url", s3_endpoint], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    remote_rows = json.loads(done.stdout)["checkpoints"]
+    assert [r["step"] for r in remote_rows] == [10, 20, 30, 40, 50] and "stall_s" not in remote_rows[0]
+    # the verdict when a new save starts before the last is twice its own duration old
+    frequent = [{"step": s, "time": float(s), "interval_s": None if s == 0 else 1.0, "durable_s": 1.5, "stall_s": 0.1}
+                for s in range(5)]
+    assert "Saves are too frequent for this state" in _verdict(frequent) and "every 3.0 s" in _verdict(frequent)
+    done = subprocess.run([persist, "stats", str(tmp_path / "empty")], capture_output=True, text=True)
+    assert done.returncode == 2
