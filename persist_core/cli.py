@@ -8,12 +8,13 @@ line; ``--debug`` shows the traceback).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from persist_core.ownership import describe, owner_of, read_unsynced, remove_dea
 from persist_core.format.manifest import Manifest
 from persist_core.reader import CheckpointReader
 from persist_core.tiers import CheckpointInfo, LocalTier, RemoteTier, Tier
-from persist_core.tiers.local import discover
+from persist_core.tiers.local import discover, read_manifest
 from persist_core.policies.anyof import policy_from_keywords
 from persist_core.policies.retention import RetentionContext, to_delete
 
@@ -146,7 +147,7 @@ def _runs_below(ctx: click.Context, location: str, depth: int = 2, limit: int = 
     return found
 
 
-def _newest_verified(loc: _Location, steps: list[int]) -> int | None:
+def _newest_verified(loc: _Location, steps: list[int], say: Callable[[str], Any] = click.echo) -> int | None:
     """The newest of ``steps`` whose files verify (every byte against its checksums); says which do not."""
     for step in sorted(steps, reverse=True):
         try:
@@ -155,7 +156,7 @@ def _newest_verified(loc: _Location, steps: list[int]) -> int | None:
             problems = [str(e)]
         if not problems:
             return step
-        click.echo(f"step {step} does not verify: {problems[0]}")
+        say(f"step {step} does not verify: {problems[0]}")
     return None
 
 
@@ -525,8 +526,9 @@ def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_
 @click.argument("local_dir")
 @click.option("--step", type=int, default=None, help="default: the newest")
 @click.option("--quiet", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: bool) -> None:
+def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: bool, as_json: bool) -> None:
     """Download a checkpoint into LOCAL_DIR (parallel ranged reads, every chunk verified).
 
     \b
@@ -537,10 +539,12 @@ def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: 
     s = loc.step_or_latest(step)
     nbytes, t0 = loc.manifest(s).nbytes, time.perf_counter()
     with CheckpointReader(local_dir, remote_url=url, storage_options=ctx.obj) as reader:
-        with _progress(nbytes, f"pull step {s}", quiet) as advance:
+        with _progress(nbytes, f"pull step {s}", quiet or as_json) as advance:
             path = reader.fetch(s, advance)
     elapsed = time.perf_counter() - t0
-    if not quiet:
+    if as_json:
+        click.echo(json.dumps({"step": s, "path": str(path), "bytes": nbytes, "seconds": round(elapsed, 3)}))
+    elif not quiet:
         click.echo(f"step {s} -> {path}: {_took(nbytes, elapsed)}")
 
 
@@ -583,9 +587,11 @@ def push(ctx: click.Context, local_dir: str, url: str, quiet: bool) -> None:
 @click.option("--no-verify", is_flag=True,
               help="do not read checkpoints to find the newest that verifies (then only the newest committed one "
                    "is kept whatever the policy)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON report: removed, kept (and why), incomplete")
 @click.pass_context
 def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_steps: int | None,
-       keep_every_n_seconds: float | None, incomplete_older_than: float, dry_run: bool, no_verify: bool) -> None:
+       keep_every_n_seconds: float | None, incomplete_older_than: float, dry_run: bool, no_verify: bool,
+       as_json: bool) -> None:
     """Prune with the engine's retention policies (e.g. `persist gc /nvme/ckpt --keep-last 3`).
 
     Never removed: the newest committed checkpoint; the newest checkpoint that verifies (gc reads the
@@ -599,6 +605,8 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
     if policy is None:
         raise click.UsageError("say what to keep: --keep-last, --keep-every-n-steps and/or --keep-every-n-seconds")
     loc = _open(ctx, location)
+    say = (lambda text: None) if as_json else click.echo
+    report: dict[str, Any] = {"location": location, "dry_run": dry_run, "removed": [], "kept": [], "incomplete": []}
     context = RetentionContext(tier=loc.tier.kind, now=time.time())
     listed = loc.list()  # reads every manifest: once
     keep: dict[int, str] = {}
@@ -609,7 +617,7 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
             keep[step] = f"not yet uploaded to {remote}" if unsynced is not None else \
                 "the record of what is uploaded is unreadable"
     if not no_verify:
-        good = _newest_verified(loc, [c.step for c in listed])
+        good = _newest_verified(loc, [c.step for c in listed], say)
         if good is not None:
             keep.setdefault(good, "the newest checkpoint that verifies")
     by_policy = to_delete(listed, policy, context=context)
@@ -618,26 +626,121 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
     for info in doomed:
         if not dry_run:
             loc.tier.remove(info.step)
-        click.echo(f"{verb} step {info.step} ({_size(info.nbytes)})")
+        say(f"{verb} step {info.step} ({_size(info.nbytes)})")
+        report["removed"].append(info.step)
     doomed_steps = {c.step for c in by_policy}
     for step, why in keep.items():
         if why == "the newest checkpoint that verifies":
             if step in doomed_steps:
-                click.echo(f"kept step {step}: {why} (the policy would remove it)")
+                say(f"kept step {step}: {why} (the policy would remove it)")
+                report["kept"].append({"step": step, "why": why})
             continue
-        click.echo(f"kept step {step}: {why} (the job uploads it when the remote is back; `persist push` does too)")
+        say(f"kept step {step}: {why} (the job uploads it when the remote is back; `persist push` does too)")
+        report["kept"].append({"step": step, "why": why})
     stale = []
     for path, age, owner in loc.incomplete():
         if owner is not None:
-            click.echo(f"kept incomplete {path}: owned by a live process ({describe(owner)})")
+            say(f"kept incomplete {path}: owned by a live process ({describe(owner)})")
         elif age > incomplete_older_than:
             stale.append((path, age))
     for path, age in stale:
         if not dry_run:
             loc.remove_incomplete(path)
-        click.echo(f"{verb} incomplete {path} (no manifest, {age / 3600:.1f} h old)")
+        say(f"{verb} incomplete {path} (no manifest, {age / 3600:.1f} h old)")
+        report["incomplete"].append(path)
     if not doomed and not stale:
-        click.echo("nothing to remove")
+        say("nothing to remove")
+    if as_json:
+        click.echo(json.dumps(report))
+
+
+@main.command()
+@click.argument("source")
+@click.argument("target")
+@click.option("--step", "steps", type=int, multiple=True, help="the step(s) to copy (default: the newest)")
+@click.option("--quiet", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def cp(ctx: click.Context, source: str, target: str, steps: tuple[int, ...], quiet: bool, as_json: bool) -> None:
+    """Copy checkpoints between any two locations (local or remote), every chunk verified, manifest last.
+
+    \b
+    Example:
+      persist cp s3://bucket/run-7 gs://archive/run-7 --step 4000
+    """
+    src = _open(ctx, source)
+    todo = list(steps) or [src.step_or_latest(None)]
+    for s_ in todo:
+        src.step_or_latest(s_)  # says which steps there are when it is not one of them
+    copied = _copy_steps(ctx, source, target, todo, quiet=quiet or as_json)
+    if as_json:
+        click.echo(json.dumps({"source": source, "target": target, "copied": copied}))
+
+
+@main.command()
+@click.argument("source")
+@click.argument("target")
+@click.option("--quiet", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def sync(ctx: click.Context, source: str, target: str, quiet: bool, as_json: bool) -> None:
+    """Copy every committed checkpoint of SOURCE that TARGET lacks (either may be local or remote); nothing
+    is deleted.
+
+    \b
+    Example:
+      persist sync s3://bucket/run-7 /nvme/ckpt
+    """
+    have = set(_open(ctx, target).tier.committed_steps()) if _is_url(target) or os.path.isdir(
+        target.removeprefix("file://")) else set()
+    todo = [c.step for c in _open(ctx, source).list() if c.step not in have]
+    copied = _copy_steps(ctx, source, target, todo, quiet=quiet or as_json)
+    if as_json:
+        click.echo(json.dumps({"source": source, "target": target, "copied": copied}))
+    elif not todo and not quiet:
+        click.echo(f"{target} has every committed checkpoint of {source}")
+
+
+def _copy_steps(ctx: click.Context, source: str, target: str, steps: list[int], *, quiet: bool) -> list[int]:
+    """Copy ``steps`` from ``source`` to ``target``: into a local directory by a verified download (a local
+    source is read as a ``file://`` remote); to a remote by an upload, from a verified local copy (the
+    source's own directory, or a temporary download)."""
+    import tempfile
+
+    source_url = source if _is_url(source) else "file://" + str(Path(source.removeprefix("file://")).absolute())
+    copied = []
+    for s_ in steps:
+        t0 = time.perf_counter()
+        if not _is_url(target):
+            os.makedirs(target.removeprefix("file://"), exist_ok=True)
+            with CheckpointReader(target.removeprefix("file://"), remote_url=source_url,
+                                  storage_options=ctx.obj) as reader:
+                nbytes = _open(ctx, source).manifest(s_).nbytes
+                with _progress(nbytes, f"copy step {s_}", quiet) as advance:
+                    path = str(reader.fetch(s_, advance))
+        else:
+            with contextlib.ExitStack() as stack:
+                dst = RemoteTier(target, ctx.obj)
+                stack.callback(dst.close)
+                if _is_url(source):  # remote -> remote: through a verified local copy
+                    scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="persist-cp-"))
+                    reader = stack.enter_context(CheckpointReader(scratch, remote_url=source, storage_options=ctx.obj))
+                    ckpt = reader.fetch(s_)
+                else:
+                    ckpt = Path(source.removeprefix("file://")).absolute() / checkpoint_dirname(s_)
+                manifest = read_manifest(ckpt)
+                if manifest.elsewhere():
+                    raise _Error(f"{ckpt} holds node {manifest.node}'s files only (the checkpoint was written on "
+                                 f"{len(manifest.nodes)} nodes); copy it from the remote the run uploaded to")
+                nbytes = manifest.nbytes
+                with _progress(nbytes, f"copy step {s_}", quiet) as advance:
+                    dst.upload(ckpt, manifest)
+                    advance(nbytes)
+            path = f"{target.rstrip('/')}/{checkpoint_dirname(s_)}"
+        copied.append(s_)
+        if not quiet:
+            click.echo(f"step {s_} -> {path}: {_took(nbytes, time.perf_counter() - t0)}")
+    return copied
 
 
 @main.command()

@@ -363,3 +363,55 @@ def test_stats_shows_what_each_save_cost_plots_it_and_says_when_saves_are_too_fr
     assert "Saves are too frequent for this state" in _verdict(frequent) and "every 3.0 s" in _verdict(frequent)
     done = subprocess.run([persist, "stats", str(tmp_path / "empty")], capture_output=True, text=True)
     assert done.returncode == 2
+
+
+def test_cp_and_sync_between_any_two_locations_verified_manifest_last(tmp_path, bucket, s3_endpoint):
+    import uuid
+
+    mem = f"memory:///cli-{uuid.uuid4().hex[:8]}"
+    s3 = f"s3://{bucket}/copy"
+    src = tmp_path / "src"
+    with CheckpointEngine(src) as engine:
+        for step in (1, 2, 3):
+            engine.save({"w": torch.full((1000,), float(step))}, step=step).wait()
+    runner = CliRunner()
+    opts = ["--endpoint-url", s3_endpoint]
+    done = runner.invoke(main, ["cp", str(src), mem, "--step", "2", "--json"])  # local -> remote
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.output)["copied"] == [2]
+    done = runner.invoke(main, ["cp", mem, s3, *opts])  # remote -> remote (the newest: 2)
+    assert done.exit_code == 0, done.output
+    done = runner.invoke(main, ["cp", s3, str(tmp_path / "back"), *opts])  # remote -> local
+    assert done.exit_code == 0, done.output
+    with CheckpointReader(tmp_path / "back") as reader:
+        assert [c.step for c in reader.list()] == [2]
+        assert torch.equal(reader.load()["w"], torch.full((1000,), 2.0))
+    done = runner.invoke(main, ["sync", str(src), s3, *opts, "--json"])  # what the target lacks: 1 and 3
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.output)["copied"] == [1, 3]
+    done = runner.invoke(main, ["sync", str(src), s3, *opts])
+    assert done.exit_code == 0 and "has every committed checkpoint" in done.output
+    done = runner.invoke(main, ["cp", str(src), str(tmp_path / "local-copy"), "--step", "3"])  # local -> local
+    assert done.exit_code == 0, done.output
+    with CheckpointReader(tmp_path / "local-copy") as reader:
+        assert torch.equal(reader.load(3)["w"], torch.full((1000,), 3.0))
+    done = runner.invoke(main, ["cp", str(src), mem, "--step", "7"])
+    assert done.exit_code == 2 and "no committed checkpoint for step 7" in done.output
+
+
+def test_gc_and_pull_report_as_json(tmp_path):
+    import uuid
+
+    url = f"memory:///cli-{uuid.uuid4().hex[:8]}"
+    d = tmp_path / "ckpt"
+    with CheckpointEngine(d, remote_url=url) as engine:
+        for step in (1, 2, 3):
+            engine.save({"w": torch.full((8,), float(step))}, step=step).wait()
+    done = CliRunner().invoke(main, ["gc", str(d), "--keep-last", "1", "--json"])
+    assert done.exit_code == 0, done.output
+    report = json.loads(done.output)
+    assert report["removed"] == [1, 2] and report["dry_run"] is False
+    done = CliRunner().invoke(main, ["pull", url, str(tmp_path / "pulled"), "--step", "2", "--json"])
+    assert done.exit_code == 0, done.output
+    pulled = json.loads(done.output)
+    assert pulled["step"] == 2 and pulled["bytes"] > 0 and Path(pulled["path"]).is_dir()
