@@ -29,6 +29,7 @@ from persist_core.ownership import describe, owner_of, read_unsynced, remove_dea
 from persist_core.format.manifest import Manifest
 from persist_core.reader import CheckpointReader
 from persist_core.tiers import CheckpointInfo, LocalTier, RemoteTier, Tier
+from persist_core import report
 from persist_core.tiers.local import discover, read_manifest
 from persist_core.policies.anyof import policy_from_keywords
 from persist_core.policies.retention import RetentionContext, to_delete
@@ -763,9 +764,12 @@ def stats(ctx: click.Context, location: str, as_json: bool, plot_to: str | None,
     rows = _stats_rows(ctx, location)
     if not rows:
         raise _Error(f"no checkpoints (nor a save history) under {location}")
-    verdict = _verdict(rows)
+    verdict = report.verdict(rows)
     if plot_to:
-        _plot(rows, plot_to, title=location)
+        try:
+            report.plot(rows, plot_to, title=location)
+        except ImportError:
+            raise _Error("--plot needs matplotlib: pip install 'torch-persist[plot]'") from None
     if as_json:
         click.echo(json.dumps({"location": location, "checkpoints": rows, "verdict": verdict}))
         return
@@ -789,7 +793,7 @@ def stats(ctx: click.Context, location: str, as_json: bool, plot_to: str | None,
                       ("upload lag", "lag_s")):
         values = [r.get(key) for r in rows]
         if any(v is not None for v in values):
-            console.print(f"{name:>16} {_spark(values)}  (max {max(v for v in values if v is not None):.3f} s)")
+            console.print(f"{name:>16} {report.spark(values)}  (max {max(v for v in values if v is not None):.3f} s)")
     click.echo(verdict)
     if plot_to:
         click.echo(f"plot: {plot_to}")
@@ -812,70 +816,6 @@ def _stats_rows(ctx: click.Context, location: str) -> list[dict[str, Any]]:
     for prev, row in zip([None, *rows], rows):
         row["interval_s"] = None if prev is None else row["time"] - prev["time"]
     return rows
-
-
-def _verdict(rows: list[dict[str, Any]]) -> str:
-    """One line: how often it saves, what a save costs, and whether that is too often for this state."""
-    import statistics
-
-    intervals = [r["interval_s"] for r in rows if r["interval_s"] is not None]
-    durable = [r["durable_s"] for r in rows if r.get("durable_s") is not None]
-    stalls = [r["stall_s"] for r in rows if r.get("stall_s") is not None]
-    if not intervals:
-        return f"{len(rows)} checkpoint: nothing to compare yet"
-    every = statistics.median(intervals)
-    text = f"{len(rows)} checkpoints, one every {every:.1f} s (median)"
-    if durable:
-        d = statistics.median(durable)
-        text += f"; a save takes {d:.2f} s to be durable"
-        if stalls:
-            text += f" and stalls training {statistics.median(stalls) * 1e3:.0f} ms"
-        if every < 2 * d:
-            return text + (f". Saves are too frequent for this state: a new one starts before the last is "
-                           f"{every / d:.1f}x its own duration old, so writes overlap most steps; save at most every "
-                           f"{2 * d:.1f} s, or use OptimalInterval(mtbf_s=...) to let the measured cost decide")
-        share = statistics.median(stalls) / every if stalls else 0.0
-        return text + (f": stalls take {share:.1%} of training time" + (
-            ", well under 1%: saving more often would lose less work per failure" if share < 0.01 else ""))
-    return text + " (no save history here: run stats on the job's local_dir for stall and durability)"
-
-
-_SPARKS = "▁▂▃▄▅▆▇█"
-
-
-def _spark(values: list[float | None]) -> str:
-    """``values`` as one line of block characters (the last 60), blank where missing."""
-    values = values[-60:]
-    known = [v for v in values if v is not None]
-    top = max(known) if known else 0.0
-    return "".join(" " if v is None else _SPARKS[min(7, int(v / top * 7.999))] if top > 0 else _SPARKS[0]
-                   for v in values)
-
-
-def _plot(rows: list[dict[str, Any]], path: str, *, title: str) -> None:
-    """Interval, stall, save -> durable and upload lag against step, into ``path`` (PNG)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise _Error("--plot needs matplotlib: pip install 'torch-persist[plot]'") from None
-    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
-    steps = [r["step"] for r in rows]
-    for key, label in (("interval_s", "interval"), ("durable_s", "save -> durable"), ("stall_s", "stall"),
-                       ("lag_s", "upload lag")):
-        points = [(s, r[key]) for s, r in zip(steps, rows) if r.get(key) is not None]
-        if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("seconds")
-    ax.set_title(f"what checkpoints cost: {title}")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 @main.command()

@@ -329,7 +329,7 @@ def test_stats_shows_what_each_save_cost_plots_it_and_says_when_saves_are_too_fr
         tmp_path, bucket, s3_endpoint):
     import matplotlib.image
 
-    from persist_core.cli import _verdict
+    from persist_core.report import verdict as _verdict
 
     persist = Path(sys.executable).with_name("persist")
     url, local = f"s3://{bucket}/run", tmp_path / "ckpt"
