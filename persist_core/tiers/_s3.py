@@ -74,6 +74,16 @@ class S3Transfer:
             self._manager = self._make_manager(part_bytes)
         self._manager.upload(str(local), bucket, key).result()
 
+    def size(self, path: str) -> int:
+        """The object's size, asked of S3 itself (a HEAD; never a cached listing)."""
+        bucket, key = self._split(path)
+        try:
+            return int(self._client.head_object(Bucket=bucket, Key=key)["ContentLength"])
+        except self._client.exceptions.ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                raise FileNotFoundError(path) from e
+            raise
+
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the object at ``path``."""
         bucket, key = self._split(path)

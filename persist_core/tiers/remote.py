@@ -224,6 +224,10 @@ class RemoteTier:
                 raise RemoteError(f"uploaded {target} has {size} bytes, expected {f.size}; the upload will be redone")
 
     def _size(self, path: str) -> int:
+        """The size the remote itself gives (an upload's check): never from a listing another thread cached
+        meanwhile (s3fs's dircache: a reader listing the prefix while this rank uploads into it)."""
+        if self._s3 is not None:
+            return self._s3.size(path)
         self.fs.invalidate_cache(path)
         return self.fs.info(path)["size"]
 

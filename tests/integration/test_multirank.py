@@ -47,7 +47,7 @@ def test_a_failure_on_one_rank_commits_nothing_and_every_rank_hears(tmp_path):
     outcome0, outcome1 = results[0][1], results[1][1]
     assert outcome1[:2] == ("failed", "WriteError")
     assert outcome0[0] == "failed" and "rank 1" in outcome0[2] and "No space left" in outcome0[2]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if not p.name.startswith(".lock-")) == ["step-000000000010"]  # no manifest, no tmp
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if not p.name.startswith((".lock-", ".history"))) == ["step-000000000010"]  # no manifest, no tmp
     for r in range(2):
         assert results[r][-1] == ("loaded", 10, True, True)
 
@@ -64,7 +64,7 @@ def test_ranks_that_save_different_steps_commit_nothing(tmp_path):
     for r in range(2):
         assert results[r][1][0] == "failed" and "different steps ([40, 41], by rank)" in results[r][1][2]
         assert results[r][-1][:2] == ("loaded", 10)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if not p.name.startswith(".lock-")) == ["step-000000000010"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if not p.name.startswith((".lock-", ".history"))) == ["step-000000000010"]
 
 
 def test_ranks_agree_on_every_save_decision_and_on_a_preemption_seen_by_one(tmp_path):

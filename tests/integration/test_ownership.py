@@ -51,7 +51,7 @@ def gc(*args: str):
 
 
 def names(d: Path) -> list[str]:
-    return sorted(p.name for p in d.iterdir() if not p.name.startswith(".lock-"))
+    return sorted(p.name for p in d.iterdir() if not p.name.startswith((".lock-", ".history")))
 
 
 def test_a_second_job_on_one_local_dir_is_refused_naming_the_holder_until_it_is_gone(tmp_path):

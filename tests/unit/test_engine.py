@@ -148,7 +148,7 @@ def test_write_failure_is_raised_once_and_earlier_checkpoints_survive(ckpt_dir):
         engine.wait()  # and so is the engine
         engine.save(state_for(3), step=3).wait()
     assert [i.step for i in CheckpointReader(ckpt_dir).list()] == [1, 3]
-    assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith(".lock-")) == ["step-000000000001", "step-000000000003"]
+    assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith((".lock-", ".history"))) == ["step-000000000001", "step-000000000003"]
     assert_state_equal(CheckpointReader(ckpt_dir).load(1), state_for(1))
 
 
@@ -187,7 +187,7 @@ def test_real_full_disk(tmp_path):
                 engine.save({"x": torch.ones(1_000_000)}, step=2).wait()
             assert info.value.errno == errno.ENOSPC
             assert engine.load()["x"].equal(torch.ones(100_000))
-            assert [p.name for p in mnt.iterdir() if not p.name.startswith(".lock-")] == ["step-000000000001"]
+            assert [p.name for p in mnt.iterdir() if not p.name.startswith((".lock-", ".history"))] == ["step-000000000001"]
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
 

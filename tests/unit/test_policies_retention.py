@@ -94,7 +94,7 @@ def test_engine_keeps_last_n_plus_milestones_on_disk(ckpt_dir):
             engine.save({"x": torch.full((10,), float(step))}, step=step).wait()
         assert [i.step for i in engine.list()] == [4, 8, 9, 10]
         assert engine.load(4)["x"][0] == 4.0
-    assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith(".lock-")) == [f"step-{s:012d}" for s in (4, 8, 9, 10)]
+    assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith((".lock-", ".history"))) == [f"step-{s:012d}" for s in (4, 8, 9, 10)]
 
 
 def test_engine_refuses_a_non_policy(ckpt_dir):
