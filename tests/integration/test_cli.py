@@ -298,14 +298,20 @@ def test_version_global_options_after_the_command_and_s3_options_as_the_aws_tool
     assert "Example:" in done.stdout and "persist ls s3://bucket/run-7" in done.stdout
 
 
-def test_rm_refuses_the_newest_and_what_is_not_uploaded_unless_forced(tmp_path):
+def _three_saves(d: Path) -> str:
+    """Steps 1, 2, 3 saved into ``d`` and uploaded to a fresh memory:// remote; its URL."""
     import uuid
 
     url = f"memory:///cli-{uuid.uuid4().hex[:8]}"
-    d = tmp_path / "ckpt"
     with CheckpointEngine(d, remote_url=url) as engine:
         for step in (1, 2, 3):
             engine.save({"w": torch.full((8,), float(step))}, step=step).wait()
+    return url
+
+
+def test_rm_refuses_the_newest_and_what_is_not_uploaded_unless_forced(tmp_path):
+    d = tmp_path / "ckpt"
+    url = _three_saves(d)
     runner = CliRunner()
     done = runner.invoke(main, ["rm", str(d), "--step", "3"])
     assert done.exit_code == 2 and "newest committed" in done.output and "--force" in done.output
@@ -400,13 +406,8 @@ def test_cp_and_sync_between_any_two_locations_verified_manifest_last(tmp_path, 
 
 
 def test_gc_and_pull_report_as_json(tmp_path):
-    import uuid
-
-    url = f"memory:///cli-{uuid.uuid4().hex[:8]}"
     d = tmp_path / "ckpt"
-    with CheckpointEngine(d, remote_url=url) as engine:
-        for step in (1, 2, 3):
-            engine.save({"w": torch.full((8,), float(step))}, step=step).wait()
+    url = _three_saves(d)
     done = CliRunner().invoke(main, ["gc", str(d), "--keep-last", "1", "--json"])
     assert done.exit_code == 0, done.output
     report = json.loads(done.output)

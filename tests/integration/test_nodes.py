@@ -4,9 +4,7 @@ different ``local_dir`` s), the moto S3 server as the remote. No shared file sys
 from __future__ import annotations
 
 import json
-import multiprocessing
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,18 +14,14 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.support import nodes_child
+from tests.support.moto_server import free_port
+from tests.support.ranks import exit_codes
 
 STEP30 = "step-000000000030"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(*args) -> None:
-    mp.spawn(nodes_child.run, args=(4, _port(), *args), nprocs=4, join=True)
+    mp.spawn(nodes_child.run, args=(4, free_port(), *args), nprocs=4, join=True)
 
 
 def _results(out: Path, phase: str) -> list[dict]:
@@ -123,14 +117,7 @@ def test_a_failure_on_one_node_commits_nothing_on_any_node(tmp_path, out):
 
 def test_a_rank_sigkilled_mid_save_commits_nothing_anywhere_and_the_others_do_not_hang(tmp_path, out):
     base = tmp_path / "nvme"
-    ctx = multiprocessing.get_context("spawn")
-    port = _port()
-    procs = [ctx.Process(target=nodes_child.kill, args=(r, 4, port, str(base), str(out))) for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0, 0, -9]
+    assert exit_codes(nodes_child.kill, 4, str(base), str(out)) == [0, 0, 0, -9]
     for r in range(3):
         outcome = torch.load(out / f"kill-rank{r}.pt")["outcome"]
         assert "step=20 was not committed" in outcome, (r, outcome)

@@ -163,17 +163,10 @@ def test_the_accelerate_hooks_fsdp2_path_saves_sharded_and_restores_on_another_w
 
 
 def test_sigkill_of_one_rank_mid_write_commits_nothing_and_the_other_rank_does_not_hang(tmp_path, out):
-    import multiprocessing
+    from tests.support.ranks import exit_codes
 
     root = tmp_path / "ckpt"
-    ctx = multiprocessing.get_context("spawn")
-    port = _port()
-    procs = [ctx.Process(target=sharded_child.kill_mid_write, args=(r, 2, port, str(root), str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, -9]
+    assert exit_codes(sharded_child.kill_mid_write, 2, str(root), str(out)) == [0, -9]
     outcome = torch.load(out / "kill-rank0.pt")["outcome"]
     assert outcome.startswith("PersistError: checkpoint step=2 was not committed") and "another rank died" in outcome
     with CheckpointReader(root) as reader:
