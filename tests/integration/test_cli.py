@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from persist_core import CheckpointEngine, CheckpointReader
 from persist_core.cli import main
+from persist_core.tiers.local import read_manifest
 from tests.support.states import assert_state_equal
 
 
@@ -112,11 +113,24 @@ def test_pull_push_round_trip(remote, s3_options, tmp_path):
     assert_state_equal(CheckpointReader(tmp_path / "fresh").load(30), state_for(30))
     again = run("push", str(tmp_path / "fresh"), remote, options=s3_options)
     assert "has every committed checkpoint" in again.output
+    pushed = run("push", str(tmp_path / "fresh"), remote + "-copy", "--json", options=s3_options)
+    report = json.loads(pushed.output)  # nothing but the report on stdout
+    assert report["pushed"] == [30] and report["bytes"] == read_manifest(tmp_path / "fresh" / "step-000000000030").nbytes
+    listed = json.loads(run("ls", remote + "-copy", "--json", options=s3_options).output)
+    assert [r["step"] for r in listed] == [30]
+    share = run("push", str(tmp_path / "fresh"), f"file://{tmp_path / 'share'}")  # a remote on a mounted share
+    assert share.exit_code == 0 and "pushed 1 checkpoint: " in share.output, share.output
+    assert (tmp_path / "share" / "step-000000000030" / "manifest.json").exists()
+    wrong = run("push", str(tmp_path / "fresh"), str(tmp_path / "share"))
+    assert wrong.exit_code == 2 and "then a remote URL" in wrong.output
 
 
 def test_gc_dry_run_deletes_nothing_then_gc_keeps_policy_and_newest(local, tmp_path):
     (local / ".tmp-step-000000000050-pid999999-abcdef").mkdir()  # a crashed writer's leftovers
     os.utime(local / ".tmp-step-000000000050-pid999999-abcdef", (0, 0))
+    (local / ".node-probe-0123abcd-rank-1").write_bytes(b"")  # a first save killed while finding the nodes
+    os.utime(local / ".node-probe-0123abcd-rank-1", (0, 0))
+    (local / ".node-probe-4567cdef-rank-1").write_bytes(b"")  # a live job's first save, right now
     before = sorted(p.name for p in local.iterdir())
     dry = run("gc", str(local), "--keep-last", "1", "--keep-every-n-steps", "20", "--dry-run")
     assert dry.exit_code == 0 and "would remove step 10" in dry.output and "would remove step 30" in dry.output
@@ -125,6 +139,7 @@ def test_gc_dry_run_deletes_nothing_then_gc_keeps_policy_and_newest(local, tmp_p
     done = run("gc", str(local), "--keep-last", "1", "--keep-every-n-steps", "20")
     assert done.exit_code == 0
     assert sorted(p.name for p in local.iterdir() if not p.name.startswith(".")) == ["step-000000000020", "step-000000000040"]
+    assert sorted(p.name for p in local.iterdir() if p.name.startswith(".node-probe")) == [".node-probe-4567cdef-rank-1"]
     assert run("gc", str(local)).exit_code == 2  # nothing to keep said: a usage error
 
 
@@ -139,6 +154,16 @@ def test_export_torch_file_loads(local, remote, s3_options, tmp_path):
     assert_state_equal(torch.load(tmp_path / "a.pt"), state_for(20))
     assert run("export", remote, "--to", str(tmp_path / "b.pt"), options=s3_options).exit_code == 0
     assert_state_equal(torch.load(tmp_path / "b.pt"), state_for(40))
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
+    key = f"{remote[len('s3://'):]}/step-000000000030/rank-00000.safetensors"
+    data = bytearray(fs.cat_file(key))
+    data[-100] ^= 1
+    fs.pipe_file(key, bytes(data))
+    bad = run("export", remote, "--step", "30", "--to", str(tmp_path / "c.pt"), options=s3_options)
+    assert bad.exit_code == 2 and "checksum" in bad.output
+    assert sorted(p.name for p in tmp_path.iterdir() if "c.pt" in p.name) == []  # no file, no download left
 
 
 def test_errors_are_one_line_with_exit_2(tmp_path):
@@ -221,16 +246,16 @@ def test_pull_closes_with_size_time_and_rate_and_push_draws_no_bar_for_no_work(l
     assert nothing.exit_code == 0 and "has every committed checkpoint" in nothing.output
     import io
 
-    import persist_core.cli as cli
+    import persist_core.cli.app as cli
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
 
     monkeypatch.setattr(cli.sys, "stderr", Terminal())
-    with cli._progress(0, "push 0 checkpoint(s)", quiet=False) as bar:
+    with cli.progress(0, "push 0 checkpoint(s)", quiet=False) as bar:
         assert bar._progress is None  # no 0/0 bar for no work
-    with cli._progress(10, "push 1 checkpoint(s)", quiet=False) as bar:
+    with cli.progress(10, "push 1 checkpoint(s)", quiet=False) as bar:
         assert bar._progress is not None
         bar.echo("step 1 -> somewhere")  # printed through the bar's console, above it
         bar(10)

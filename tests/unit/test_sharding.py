@@ -101,6 +101,7 @@ def test_export_safetensors_from_a_remote_streams_every_tensor_and_leaves_nothin
     out = tmp_path / "m.safetensors"
     result = CliRunner().invoke(main, ["export", remote, "--format", "safetensors", "--to", str(out)])
     assert result.exit_code == 0, result.output
+    assert "2 tensors, " in result.output and " MB/s)" in result.output  # what it wrote, and how fast
     exported = load_file(out)
     assert torch.equal(exported["model/w"], state["model"]["w"]) and torch.equal(exported["model/b"], state["model"]["b"])
     shard = tmp_path / "remote" / "step-000000000003" / "rank-00000.safetensors"

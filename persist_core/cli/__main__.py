@@ -1,0 +1,3 @@
+from persist_core.cli import main
+
+main()

@@ -1,0 +1,245 @@
+"""The ``persist`` group, its global options, and what every command shares: a LOCATION (a local
+directory or any fsspec URL) opened as a tier, one-line errors (exit 2), sizes, rates and progress bars."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from persist_core.errors import PersistError
+from persist_core.layout import MANIFEST_NAME, NODE_PROBE_PREFIX, parse_checkpoint_dirname, parse_tmp_dirname
+from persist_core.ownership import owner_of, remove_dead
+from persist_core.format.manifest import Manifest
+from persist_core.tiers import CheckpointInfo, LocalTier, RemoteTier, Tier
+
+
+class CommandError(click.ClickException):
+    """A failure that is not a verification result: exit 2."""
+
+    exit_code = 2
+
+
+def is_url(location: str) -> bool:
+    return "://" in location and not location.startswith("file://")
+
+
+class Location:
+    """One tier named on the command line: a local directory or a remote URL (a :class:`Tier`)."""
+
+    def __init__(self, location: str, storage_options: dict[str, Any] | None) -> None:
+        self.name = location
+        self.remote = RemoteTier(location, storage_options) if is_url(location) else None
+        self.root = None if self.remote else Path(location.removeprefix("file://")).expanduser().absolute()
+        if self.root is not None and not self.root.is_dir():
+            raise click.UsageError(f"{location} is not a directory (nor a URL such as s3://bucket/run)")
+        self.tier: Tier = self.remote or LocalTier(self.root)
+
+    def list(self) -> list[CheckpointInfo]:
+        return self.tier.list()
+
+    def manifest(self, step: int) -> Manifest:
+        return self.tier.read_manifest(step)
+
+    def step_or_latest(self, step: int | None) -> int:
+        steps = [c.step for c in self.list()]
+        if step is None:
+            if not steps:
+                raise CommandError(f"no committed checkpoint in {self.name}")
+            return steps[-1]
+        if step not in steps:
+            raise CommandError(f"no committed checkpoint for step {step} in {self.name}; steps: {steps}")
+        return step
+
+    def incomplete(self) -> list[tuple[str, float, dict[str, Any] | None]]:
+        """Directories or prefixes without a manifest: their age in seconds and their live owner, if any."""
+        now = time.time()
+        found: list[tuple[str, float, dict[str, Any] | None]] = []
+        if self.remote is None:
+            assert self.root is not None
+            for entry in os.scandir(self.root):
+                step = parse_checkpoint_dirname(entry.name)
+                tmp = parse_tmp_dirname(entry.name) is not None
+                partial = (step is not None and not os.path.exists(os.path.join(entry.path, MANIFEST_NAME))) or tmp
+                if partial and entry.is_dir():
+                    owner = owner_of(self.root, Path(entry.path)) if tmp else None
+                    found.append((entry.path, now - entry.stat().st_mtime, owner))
+                elif entry.name.startswith(NODE_PROBE_PREFIX) and entry.is_file():  # a first save killed mid-probe
+                    found.append((entry.path, now - entry.stat().st_mtime, None))
+            return found
+        by_prefix: dict[str, list[float]] = {}
+        manifests = set()
+        for path, info in self.remote.fs.find(self.remote.root, detail=True).items():
+            parts = path.rstrip("/").split("/")
+            if len(parts) < 2 or parse_checkpoint_dirname(parts[-2]) is None:
+                continue
+            prefix = "/".join(parts[:-1])
+            if parts[-1] == "manifest.json":
+                manifests.add(prefix)
+            by_prefix.setdefault(prefix, []).append(mtime(info))
+        return [(p, now - max(ts), None) for p, ts in by_prefix.items() if p not in manifests]
+
+    def remove_incomplete(self, path: str) -> None:
+        if self.remote is None:
+            if os.path.isfile(path):
+                os.remove(path)
+            else:
+                shutil.rmtree(path)
+            assert self.root is not None
+            remove_dead(self.root, rank=0)  # and the dead marks left beside temporaries
+        else:
+            for f in self.remote.fs.find(path):
+                self.remote.fs.rm_file(f)
+
+
+def mtime(info: dict[str, Any]) -> float:
+    value = info.get("LastModified") or info.get("mtime") or info.get("created") or 0
+    return value.timestamp() if hasattr(value, "timestamp") else float(value)
+
+
+def took(nbytes: int, seconds: float) -> str:
+    """``"67.1 MB in 0.1 s (653 MB/s)"``: what a transfer or a verification moved, and how fast."""
+    return (f"{human_size(nbytes)} in {seconds:.1f} s" if seconds >= 1 else f"{human_size(nbytes)} in {seconds:.2f} s") \
+        + f" ({nbytes / max(seconds, 1e-9) / 1e6:.0f} MB/s)"
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n} B"
+
+
+class Bar:
+    """What a command holds while it transfers: ``bar(n)`` advances; ``bar.echo(text)`` prints a line
+    above the bar (through its console), or plainly when there is no bar."""
+
+    def __init__(self, progress: Any = None, task: Any = None) -> None:
+        self._progress, self._task = progress, task
+
+    def __call__(self, n: int) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, n)
+
+    def echo(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text, highlight=False, markup=False)
+        else:
+            click.echo(text)
+
+
+@contextmanager
+def progress(total: int, label: str, quiet: bool) -> Iterator[Bar]:
+    """A rich progress bar (percent, bytes, rate, time left) on a terminal; none with --quiet, when
+    piped, or when there is nothing to transfer."""
+    if quiet or total <= 0 or not sys.stderr.isatty():
+        yield Bar()
+        return
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    with Progress("[progress.description]{task.description}", BarColumn(), TaskProgressColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), transient=True, console=Console(stderr=True)) as bar:
+        yield Bar(bar, bar.add_task(label, total=total))
+
+
+class Group(click.Group):
+    """Errors as one line (exit 2), the traceback only with --debug."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (PersistError, OSError, ValueError) as e:
+            if ctx.params.get("debug"):
+                raise
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(2)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Global options are taken after the subcommand too (``persist ls s3://b/run --endpoint-url URL``),
+        as the AWS tools take theirs."""
+        return super().parse_args(ctx, globals_first(args))
+
+
+_GLOBAL_VALUED = ("--storage-options", "--endpoint-url", "--profile", "--region")
+_GLOBAL_FLAGS = ("--debug",)
+
+
+def globals_first(args: list[str]) -> list[str]:
+    """``args`` with the global options (and their values) moved in front of the subcommand."""
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            rest += args[i:]
+            break
+        if a in _GLOBAL_FLAGS or any(a.startswith(f"{o}=") for o in _GLOBAL_VALUED):
+            front.append(a)
+        elif a in _GLOBAL_VALUED and i + 1 < len(args):
+            front += [a, args[i + 1]]
+            i += 1
+        else:
+            rest.append(a)
+        i += 1
+    return front + rest
+
+
+@click.group(cls=Group, epilog="Shell completion (bash): eval \"$(_PERSIST_COMPLETE=bash_source persist)\" "
+                                "(zsh_source, fish_source for the others).")
+@click.version_option(package_name="torch-persist", prog_name="persist")
+@click.option("--storage-options", default=None, help="fsspec options as JSON, e.g. '{\"client_kwargs\": {...}}'")
+@click.option("--endpoint-url", default=None, help="S3: the endpoint (MinIO, a moto server, another cloud), as aws "
+                                                    "--endpoint-url")
+@click.option("--profile", default=None, help="S3: the AWS profile whose credentials to use, as aws --profile")
+@click.option("--region", default=None, help="S3: the region, as aws --region")
+@click.option("--debug", is_flag=True, help="show tracebacks")
+@click.pass_context
+def main(ctx: click.Context, storage_options: str | None, endpoint_url: str | None, profile: str | None,
+         region: str | None, debug: bool) -> None:
+    """See, verify, move and prune torch-persist checkpoints on a local directory or any fsspec URL.
+
+    Global options may come before or after the command.
+
+    \b
+    Examples:
+      persist ls s3://bucket/run-7 --endpoint-url http://127.0.0.1:9000
+      persist verify /nvme/ckpt
+      persist pull s3://bucket/run-7 /nvme/ckpt --profile training
+    """
+    try:
+        options = json.loads(storage_options) if storage_options else None
+    except json.JSONDecodeError as e:
+        raise click.UsageError(f"--storage-options is not JSON (at character {e.pos}; its value is not shown: it "
+                               "may hold credentials)") from None
+    if options is not None and not isinstance(options, dict):
+        raise click.UsageError(f"--storage-options holds a JSON {type(options).__name__}; it must be a JSON object of "
+                               "fsspec options (its value is not shown: it may hold credentials), e.g. "
+                               "'{\"client_kwargs\": {\"endpoint_url\": \"http://127.0.0.1:9000\"}}'")
+    if endpoint_url or profile or region:  # as s3fs spells them
+        options = dict(options or {})
+        client = dict(options.get("client_kwargs") or {})
+        if endpoint_url:
+            client["endpoint_url"] = endpoint_url
+        if region:
+            client["region_name"] = region
+        if client:
+            options["client_kwargs"] = client
+        if profile:
+            options["profile"] = profile
+    ctx.obj = options
+
+
+def open_location(ctx: click.Context, location: str) -> Location:
+    return Location(location, ctx.obj)

@@ -1,0 +1,142 @@
+"""Is it good, what did it cost: ``persist verify`` and ``stats``."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+
+from persist_core.errors import PersistError
+from persist_core import report
+from persist_core.cli.app import CommandError, human_size, main, open_location, progress, took
+
+
+@main.command()
+@click.argument("location")
+@click.option("--step", type=int, default=None, help="default: every committed checkpoint")
+@click.option("--quiet", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON report: each checkpoint, bytes, seconds")
+@click.pass_context
+def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_json: bool) -> None:
+    """Read every byte and check every checksum of every directory that holds a manifest; exit 1 naming what is bad.
+
+    \b
+    Example:
+      persist verify /nvme/ckpt --step 1200
+    """
+    loc = open_location(ctx, location)
+    claimed = loc.tier.committed_steps()  # not list(): that skips the very checkpoints verify must name
+    if step is not None and step not in claimed:
+        raise CommandError(f"no committed checkpoint for step {step} in {location}; steps: {claimed}")
+    steps = [step] if step is not None else claimed
+    if not steps:
+        raise CommandError(f"no committed checkpoint in {location}")
+    bad: list[str] = []
+    report = []
+    nbytes, t0 = 0, time.perf_counter()
+    for s in steps:
+        elsewhere: list[str] = []
+        try:
+            manifest = loc.manifest(s)
+            total = sum(f.size for f in manifest.held())
+            elsewhere = [f.name for f in manifest.elsewhere()]
+        except PersistError as e:  # an unreadable manifest, a missing or short file
+            total, problems = 0, [str(e)]
+        else:
+            with progress(total, f"verify step {s}", quiet or as_json) as advance:
+                problems = loc.tier.verify(s, advance)
+        nbytes += total
+        bad.extend(problems)
+        report.append({"step": s, "ok": not problems, "bytes": total, "problems": problems,
+                       "held_elsewhere": elsewhere})
+        if not quiet and not as_json:
+            also = (f" (this node's files; {len(elsewhere)} held on other nodes and the remote: "
+                    f"{', '.join(elsewhere[:4])}{' ...' if len(elsewhere) > 4 else ''})") if elsewhere else ""
+            click.echo(f"step {s}: {'OK' if not problems else 'BAD'}{also}")
+    elapsed = time.perf_counter() - t0
+    failed = sum(1 for r in report if not r["ok"])
+    if as_json:
+        click.echo(json.dumps({"location": location, "checkpoints": report, "bad": failed, "bytes": nbytes,
+                               "seconds": round(elapsed, 3)}))
+    else:
+        for p in bad:
+            click.echo(f"bad: {p}", err=True)
+        good = len(report) - failed
+        click.echo(f"{good} checkpoint{'s' * (good != 1)} verified, {failed} bad: {took(nbytes, elapsed)}")
+    ctx.exit(1 if bad else 0)
+
+
+@main.command()
+@click.argument("location")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object: every checkpoint's numbers and the verdict")
+@click.option("--plot", "plot_to", default=None, help="draw the series into this PNG (needs matplotlib: "
+                                                      "pip install 'torch-persist[plot]')")
+@click.option("--last", type=int, default=20, show_default=True, help="rows of the table (the plot shows all)")
+@click.pass_context
+def stats(ctx: click.Context, location: str, as_json: bool, plot_to: str | None, last: int) -> None:
+    """What the checkpoints cost, over time: interval, stall, save -> durable, bytes, upload lag, and a verdict.
+
+    A local directory has the engine's record of each save (.history.jsonl); a remote URL has its
+    manifests only (when each was saved, its bytes).
+
+    \b
+    Example:
+      persist stats /nvme/ckpt --plot ckpt.png
+    """
+    rows = _stats_rows(ctx, location)
+    if not rows:
+        raise CommandError(f"no checkpoints (nor a save history) under {location}")
+    verdict = report.verdict(rows)
+    if plot_to:
+        try:
+            report.plot(rows, plot_to, title=location)
+        except ImportError:
+            raise CommandError("--plot needs matplotlib: pip install 'torch-persist[plot]'") from None
+    if as_json:
+        click.echo(json.dumps({"location": location, "checkpoints": rows, "verdict": verdict}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=location)
+    for col in ("step", "saved (UTC)", "interval", "stall", "save -> durable", "size", "upload lag"):
+        table.add_column(col, justify="left" if col == "saved (UTC)" else "right")
+
+    def sec(v: Any) -> str:
+        return "" if v is None else f"{v:.3f} s" if v < 10 else f"{v:.0f} s"
+
+    for r in rows[-last:]:
+        table.add_row(str(r["step"]), time.strftime("%m-%d %H:%M:%S", time.gmtime(r["time"])), sec(r["interval_s"]),
+                      sec(r.get("stall_s")), sec(r.get("durable_s")), human_size(r["bytes"]) if r.get("bytes") else "",
+                      sec(r.get("lag_s")))
+    console = Console()
+    console.print(table)
+    for name, key in (("interval", "interval_s"), ("stall", "stall_s"), ("save -> durable", "durable_s"),
+                      ("upload lag", "lag_s")):
+        values = [r.get(key) for r in rows]
+        if any(v is not None for v in values):
+            console.print(f"{name:>16} {report.spark(values)}  (max {max(v for v in values if v is not None):.3f} s)")
+    click.echo(verdict)
+    if plot_to:
+        click.echo(f"plot: {plot_to}")
+
+
+def _stats_rows(ctx: click.Context, location: str) -> list[dict[str, Any]]:
+    """Per committed checkpoint (and per save the history remembers), oldest first: its numbers."""
+    from persist_core.history import read_history
+
+    loc = open_location(ctx, location)
+    by_step: dict[int, dict[str, Any]] = {}
+    for info in loc.tier.list():
+        by_step[info.step] = {"step": info.step, "time": info.time, "bytes": info.nbytes}
+    if loc.root is not None:
+        for h in read_history(loc.root):
+            row = by_step.setdefault(h["step"], {"step": h["step"], "time": h.get("time", h["wall"]), "bytes": None})
+            row.update({k: h[k] for k in ("stall_s", "durable_s", "lag_s", "write_gbps", "upload_gbps", "bytes")
+                        if k in h})
+    rows = [by_step[s] for s in sorted(by_step)]
+    for prev, row in zip([None, *rows], rows):
+        row["interval_s"] = None if prev is None else row["time"] - prev["time"]
+    return rows

@@ -1,0 +1,239 @@
+"""Moving checkpoints between tiers: ``persist pull``, ``push``, ``cp``, ``sync`` and ``export``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from persist_core.layout import checkpoint_dirname
+from persist_core.reader import CheckpointReader
+from persist_core.tiers import RemoteTier
+from persist_core.tiers.local import discover, read_manifest
+from persist_core.cli.app import CommandError, is_url, main, open_location, progress, took
+
+
+def _exporters() -> dict[str, Any]:
+    """Export formats the installed adapters offer (entry point group ``persist.exporters``)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group="persist.exporters")}
+
+
+@main.command()
+@click.argument("url")
+@click.argument("local_dir")
+@click.option("--step", type=int, default=None, help="default: the newest")
+@click.option("--quiet", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: bool, as_json: bool) -> None:
+    """Download a checkpoint into LOCAL_DIR (parallel ranged reads, every chunk verified).
+
+    \b
+    Example:
+      persist pull s3://bucket/run-7 /nvme/ckpt --step 1200
+    """
+    loc = open_location(ctx, url)
+    s = loc.step_or_latest(step)
+    nbytes, t0 = loc.manifest(s).nbytes, time.perf_counter()
+    with CheckpointReader(local_dir, remote_url=url, storage_options=ctx.obj) as reader:
+        with progress(nbytes, f"pull step {s}", quiet or as_json) as advance:
+            path = reader.fetch(s, advance)
+    elapsed = time.perf_counter() - t0
+    if as_json:
+        click.echo(json.dumps({"step": s, "path": str(path), "bytes": nbytes, "seconds": round(elapsed, 3)}))
+    elif not quiet:
+        click.echo(f"step {s} -> {path}: {took(nbytes, elapsed)}")
+
+
+@main.command()
+@click.argument("local_dir")
+@click.argument("url")
+@click.option("--quiet", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON report: the steps uploaded, bytes, seconds")
+@click.pass_context
+def push(ctx: click.Context, local_dir: str, url: str, quiet: bool, as_json: bool) -> None:
+    """Upload the committed local checkpoints the remote does not have (manifest last).
+
+    \b
+    Example:
+      persist push /nvme/ckpt s3://bucket/run-7
+    """
+    local = open_location(ctx, local_dir)
+    if local.root is None or "://" not in url:
+        raise click.UsageError(f"push takes a local directory, then a remote URL (s3://bucket/run, "
+                               f"file:///mnt/share/run); got {local_dir!r} and {url!r}")
+    remote = RemoteTier(url, ctx.obj)  # file:// too: a remote on a mounted share, as the engine's remote_url
+    have = set(remote.committed_steps())
+    todo = [(info, m) for info, m in discover(local.root) if info.step not in have]
+    nbytes, t0 = sum(m.nbytes for _, m in todo), time.perf_counter()
+    with progress(nbytes, f"push {len(todo)} checkpoint(s)", quiet or as_json) as bar:
+        for info, m in todo:
+            remote.upload(Path(info.path), m)
+            bar(m.nbytes)
+            if not quiet and not as_json:
+                bar.echo(f"step {info.step} -> {url}/{checkpoint_dirname(info.step)}")  # above the bar, not in it
+    elapsed = time.perf_counter() - t0
+    if as_json:
+        click.echo(json.dumps({"local_dir": local_dir, "url": url, "pushed": [info.step for info, _ in todo],
+                               "bytes": nbytes, "seconds": round(elapsed, 3)}))
+    elif quiet:
+        pass
+    elif not todo:
+        click.echo(f"{url} has every committed checkpoint of {local_dir}")
+    else:
+        click.echo(f"pushed {len(todo)} checkpoint{'s' * (len(todo) != 1)}: {took(nbytes, elapsed)}")
+
+
+@main.command()
+@click.argument("source")
+@click.argument("target")
+@click.option("--step", "steps", type=int, multiple=True, help="the step(s) to copy (default: the newest)")
+@click.option("--quiet", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def cp(ctx: click.Context, source: str, target: str, steps: tuple[int, ...], quiet: bool, as_json: bool) -> None:
+    """Copy checkpoints between any two locations (local or remote), every chunk verified, manifest last.
+
+    \b
+    Example:
+      persist cp s3://bucket/run-7 gs://archive/run-7 --step 4000
+    """
+    src = open_location(ctx, source)
+    todo = list(steps) or [src.step_or_latest(None)]
+    for s_ in todo:
+        src.step_or_latest(s_)  # says which steps there are when it is not one of them
+    copied = _copy_steps(ctx, source, target, todo, quiet=quiet or as_json)
+    if as_json:
+        click.echo(json.dumps({"source": source, "target": target, "copied": copied}))
+
+
+@main.command()
+@click.argument("source")
+@click.argument("target")
+@click.option("--quiet", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def sync(ctx: click.Context, source: str, target: str, quiet: bool, as_json: bool) -> None:
+    """Copy every committed checkpoint of SOURCE that TARGET lacks (either may be local or remote); nothing
+    is deleted.
+
+    \b
+    Example:
+      persist sync s3://bucket/run-7 /nvme/ckpt
+    """
+    have = set(open_location(ctx, target).tier.committed_steps()) if is_url(target) or os.path.isdir(
+        target.removeprefix("file://")) else set()
+    todo = [c.step for c in open_location(ctx, source).list() if c.step not in have]
+    copied = _copy_steps(ctx, source, target, todo, quiet=quiet or as_json)
+    if as_json:
+        click.echo(json.dumps({"source": source, "target": target, "copied": copied}))
+    elif not todo and not quiet:
+        click.echo(f"{target} has every committed checkpoint of {source}")
+
+
+def _copy_steps(ctx: click.Context, source: str, target: str, steps: list[int], *, quiet: bool) -> list[int]:
+    """Copy ``steps`` from ``source`` to ``target``: into a local directory by a verified download (a local
+    source is read as a ``file://`` remote); to a remote by an upload, from a verified local copy (the
+    source's own directory, or a temporary download)."""
+    import tempfile
+
+    source_url = source if is_url(source) else "file://" + str(Path(source.removeprefix("file://")).absolute())
+    copied = []
+    for s_ in steps:
+        t0 = time.perf_counter()
+        if not is_url(target):
+            os.makedirs(target.removeprefix("file://"), exist_ok=True)
+            with CheckpointReader(target.removeprefix("file://"), remote_url=source_url,
+                                  storage_options=ctx.obj) as reader:
+                nbytes = open_location(ctx, source).manifest(s_).nbytes
+                with progress(nbytes, f"copy step {s_}", quiet) as advance:
+                    path = str(reader.fetch(s_, advance))
+        else:
+            with contextlib.ExitStack() as stack:
+                dst = RemoteTier(target, ctx.obj)
+                stack.callback(dst.close)
+                if is_url(source):  # remote -> remote: through a verified local copy
+                    scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="persist-cp-"))
+                    reader = stack.enter_context(CheckpointReader(scratch, remote_url=source, storage_options=ctx.obj))
+                    ckpt = reader.fetch(s_)
+                else:
+                    ckpt = Path(source.removeprefix("file://")).absolute() / checkpoint_dirname(s_)
+                manifest = read_manifest(ckpt)
+                if manifest.elsewhere():
+                    raise CommandError(f"{ckpt} holds node {manifest.node}'s files only (the checkpoint was written on "
+                                 f"{len(manifest.nodes)} nodes); copy it from the remote the run uploaded to")
+                nbytes = manifest.nbytes
+                with progress(nbytes, f"copy step {s_}", quiet) as advance:
+                    dst.upload(ckpt, manifest)
+                    advance(nbytes)
+            path = f"{target.rstrip('/')}/{checkpoint_dirname(s_)}"
+        copied.append(s_)
+        if not quiet:
+            click.echo(f"step {s_} -> {path}: {took(nbytes, time.perf_counter() - t0)}")
+    return copied
+
+
+@main.command()
+@click.argument("location")
+@click.option("--step", type=int, default=None, help="default: the newest")
+@click.option("--to", "target", required=True, help="the file (torch) or directory (accelerate) to write")
+@click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", *_exporters()]), default="torch",
+              show_default=True,
+              help="torch: one torch.save file; safetensors: one .safetensors file of every tensor by key path "
+                   "(sharded ones whole), written tensor by tensor; others come from installed adapters "
+                   "(accelerate: a plain Accelerate directory, with torch-persist[accelerate])")
+@click.option("--unsafe-pickle", is_flag=True,
+              help="unpickle non-tensor leaves in full (runs code a crafted checkpoint chose: only for checkpoints "
+                   "you trust); default: only the types training states hold")
+@click.pass_context
+def export(ctx: click.Context, location: str, step: int | None, target: str, fmt: str, unsafe_pickle: bool) -> None:
+    """Write a checkpoint as one torch.save file (Lightning loads it), one safetensors file, or a plain
+    Accelerate directory. Sharded checkpoints come out whole (consolidated).
+
+    \b
+    Example:
+      persist export s3://bucket/run-7 --format safetensors --to model.safetensors
+    """
+    parent = Path(target).expanduser().absolute().parent
+    if fmt in ("torch", "safetensors") and not parent.is_dir():
+        raise click.UsageError(f"--to {target}: its directory {parent} does not exist; create it or choose another")
+    loc = open_location(ctx, location)
+    s = loc.step_or_latest(step)
+    if fmt == "safetensors":
+        if os.path.exists(target):
+            raise click.UsageError(f"{target} exists; choose a new file")
+        t0 = time.perf_counter()
+        from persist_core.consolidate import export_safetensors
+
+        n, nbytes, skipped = export_safetensors(loc.tier, s, Path(target))
+        click.echo(f"step {s} -> {target}: {n} tensors, {took(nbytes, time.perf_counter() - t0)}"
+                   + (f"; not tensors, so not in it: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}"
+                      if skipped else ""))
+        return
+    if fmt != "torch":
+        exporter = _exporters()[fmt].load()  # an adapter's, found by entry point
+        out = exporter(location, target, step=s, storage_options=ctx.obj, weights_only=not unsafe_pickle)
+        click.echo(f"step {s} -> {out} (accelerator.load_state({str(out)!r}))" if fmt == "accelerate" else
+                   f"step {s} -> {out}")
+        return
+    import torch
+
+    if os.path.exists(target):
+        raise click.UsageError(f"{target} exists; choose a new file")
+    cache = Path(target).absolute().parent / f".{Path(target).name}.download" if loc.remote else loc.root
+    try:
+        with CheckpointReader(cache, remote_url=location if loc.remote else None, storage_options=ctx.obj) as reader:
+            state = reader.load(s, weights_only=not unsafe_pickle)
+    finally:  # a failed read (a corrupt chunk, a refused pickle) leaves no download behind either
+        if loc.remote:
+            shutil.rmtree(cache, ignore_errors=True)
+    torch.save(state, target)
+    click.echo(f"step {s} -> {target} (torch.load / Trainer.fit(ckpt_path=...))")

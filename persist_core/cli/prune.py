@@ -1,0 +1,147 @@
+"""Removing checkpoints: ``persist gc`` (by retention policy) and ``rm`` (by step), never the last good one."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from persist_core.errors import PersistError
+from persist_core.ownership import describe, read_unsynced
+from persist_core.policies.anyof import policy_from_keywords
+from persist_core.policies.retention import RetentionContext, to_delete
+from persist_core.cli.app import CommandError, Location, human_size, main, open_location
+
+
+def _newest_verified(loc: Location, steps: list[int], say: Callable[[str], Any] = click.echo) -> int | None:
+    """The newest of ``steps`` whose files verify (every byte against its checksums); says which do not."""
+    for step in sorted(steps, reverse=True):
+        try:
+            problems = loc.tier.verify(step)
+        except PersistError as e:
+            problems = [str(e)]
+        if not problems:
+            return step
+        say(f"step {step} does not verify: {problems[0]}")
+    return None
+
+
+@main.command()
+@click.argument("location")
+@click.option("--keep-last", type=int, default=None)
+@click.option("--keep-every-n-steps", type=int, default=None)
+@click.option("--keep-every-n-seconds", type=float, default=None)
+@click.option("--incomplete-older-than", type=float, default=3600.0, show_default=True,
+              help="remove directories/prefixes without a manifest only when older than this (seconds): "
+                   "a running job may be writing them")
+@click.option("--dry-run", is_flag=True, help="only say what would be removed")
+@click.option("--no-verify", is_flag=True,
+              help="do not read checkpoints to find the newest that verifies (then only the newest committed one "
+                   "is kept whatever the policy)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON report: removed, kept (and why), incomplete")
+@click.pass_context
+def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_steps: int | None,
+       keep_every_n_seconds: float | None, incomplete_older_than: float, dry_run: bool, no_verify: bool,
+       as_json: bool) -> None:
+    """Prune with the engine's retention policies (e.g. `persist gc /nvme/ckpt --keep-last 3`).
+
+    Never removed: the newest committed checkpoint; the newest checkpoint that verifies (gc reads the
+    newest ones, every byte against its checksums, until one verifies, so corrupt newer ones never
+    cost the last good one); a live job's un-synced checkpoints and temporaries.
+    """
+    if incomplete_older_than < 0:
+        raise click.UsageError(f"--incomplete-older-than={incomplete_older_than:g} must be >= 0 (seconds): a "
+                               "running job may be writing a directory without a manifest right now")
+    policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds)
+    if policy is None:
+        raise click.UsageError("say what to keep: --keep-last, --keep-every-n-steps and/or --keep-every-n-seconds")
+    loc = open_location(ctx, location)
+    say = (lambda text: None) if as_json else click.echo
+    report: dict[str, Any] = {"location": location, "dry_run": dry_run, "removed": [], "kept": [], "incomplete": []}
+    context = RetentionContext(tier=loc.tier.kind, now=time.time())
+    listed = loc.list()  # reads every manifest: once
+    keep: dict[int, str] = {}
+    if loc.root is not None:  # a live job's un-synced checkpoints and temporaries are not gc's to take
+        remote, unsynced = read_unsynced(loc.root)
+        committed = [c.step for c in listed]
+        for step in committed if unsynced is None else sorted(unsynced & set(committed)):
+            keep[step] = f"not yet uploaded to {remote}" if unsynced is not None else \
+                "the record of what is uploaded is unreadable"
+    if not no_verify:
+        good = _newest_verified(loc, [c.step for c in listed], say)
+        if good is not None:
+            keep.setdefault(good, "the newest checkpoint that verifies")
+    by_policy = to_delete(listed, policy, context=context)
+    doomed = [c for c in by_policy if c.step not in keep]
+    verb = "would remove" if dry_run else "removed"
+    for info in doomed:
+        if not dry_run:
+            loc.tier.remove(info.step)
+        say(f"{verb} step {info.step} ({human_size(info.nbytes)})")
+        report["removed"].append(info.step)
+    doomed_steps = {c.step for c in by_policy}
+    for step, why in keep.items():
+        if why == "the newest checkpoint that verifies":
+            if step in doomed_steps:
+                say(f"kept step {step}: {why} (the policy would remove it)")
+                report["kept"].append({"step": step, "why": why})
+            continue
+        say(f"kept step {step}: {why} (the job uploads it when the remote is back; `persist push` does too)")
+        report["kept"].append({"step": step, "why": why})
+    stale = []
+    for path, age, owner in loc.incomplete():
+        if owner is not None:
+            say(f"kept incomplete {path}: owned by a live process ({describe(owner)})")
+        elif age > incomplete_older_than:
+            stale.append((path, age))
+    for path, age in stale:
+        if not dry_run:
+            loc.remove_incomplete(path)
+        say(f"{verb} incomplete {path} (no manifest, {age / 3600:.1f} h old)")
+        report["incomplete"].append(path)
+    if not doomed and not stale:
+        say("nothing to remove")
+    if as_json:
+        click.echo(json.dumps(report))
+
+
+@main.command()
+@click.argument("location")
+@click.option("--step", "steps", type=int, multiple=True, required=True, help="the step to remove (repeatable)")
+@click.option("--force", is_flag=True, help="also the newest committed checkpoint, or one not uploaded yet")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def rm(ctx: click.Context, location: str, steps: tuple[int, ...], force: bool, as_json: bool) -> None:
+    """Remove committed checkpoints by step (a local one by one durable rename first, as retention does).
+
+    The newest committed checkpoint, and a local one not yet uploaded to its remote, are refused unless
+    --force: they may be the only good copy.
+
+    \b
+    Example:
+      persist rm /nvme/ckpt --step 1200 --step 1300
+    """
+    loc = open_location(ctx, location)
+    committed = loc.tier.committed_steps()
+    missing = [s for s in steps if s not in committed]
+    if missing:
+        raise CommandError(f"no committed checkpoint for step(s) {missing} in {location}; steps: {committed}")
+    if not force:
+        if committed and committed[-1] in steps:
+            raise CommandError(f"step {committed[-1]} is the newest committed checkpoint in {location}; pass --force to "
+                         "remove it anyway")
+        if loc.root is not None:
+            remote, unsynced = read_unsynced(loc.root)
+            held = [s for s in steps if unsynced is None or s in unsynced]
+            if held:
+                raise CommandError(f"step(s) {held} are not uploaded to {remote or 'the remote'} yet (.unsynced.json); "
+                             "pass --force to remove them anyway")
+    for s_ in steps:
+        loc.tier.remove(s_)
+        if not as_json:
+            click.echo(f"removed step {s_} from {location}")
+    if as_json:
+        click.echo(json.dumps({"location": location, "removed": list(steps)}))
