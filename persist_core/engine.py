@@ -36,7 +36,7 @@ from persist_core.fileio import FileOps, OsFileOps
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import SaveHistory
 from persist_core.overlap import Guard, Overlap
-from persist_core.planning.save import plan_rank
+from persist_core.planning.save import PlanCache, plan_rank
 from persist_core.planning.sharding import check_replica_mode
 from persist_core.policies.retention import RetentionPolicy, check_policy
 from persist_core.policies.save import Clock, DecisionContext, SavePolicy, check_save_policy
@@ -164,6 +164,7 @@ class CheckpointEngine:
         self._root = Path(os.fspath(_knobs.check_local_dir(local_dir)).removeprefix("file://")).expanduser().absolute()
         self._torch_loadable = bool(torch_loadable)
         self._replica_check = check_replica_mode(replica_check)
+        self._plans = PlanCache()  # the same structure every save: laid out once
         self._coll = check_collectives(collectives)
         self._wall_clock = wall_clock
         self._closed = False
@@ -235,7 +236,8 @@ class CheckpointEngine:
         self._writer.reserve(step, replace=replace)
         try:
             plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size,
-                             torch_loadable=self._torch_loadable, replica_check=self._replica_check, seed=step)
+                             torch_loadable=self._torch_loadable, replica_check=self._replica_check, seed=step,
+                             cache=self._plans)
             self._pipeline.check_backlog(step, plan.shard.file_bytes)
             deferred = self._overlap.deferred() if self._overlap.active else set()
             staged = stage_into(self._pool, plan.shard, self._streams,

@@ -7,6 +7,7 @@ the manifest records. The staging copy (:mod:`persist_core.staging`) executes it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,10 +67,36 @@ class ShardPlan:
     records: list[dict[str, Any] | None]
     objects: list[tuple[int, int]]
     torch_zip: bool = False  # the file is also the zip archive torch.load reads (format/torch_zip.py)
+    slots: tuple[Any, ...] = ()  # per copy, where its source is in a flattened state (see rebind); None: bytes
 
     @property
     def data_bytes(self) -> int:
         return self.file_bytes - len(self.header)
+
+    def rebind(self, flat: FlatState) -> ShardPlan:
+        """This layout filled from ``flat``, a state of the same structure (:class:`PlanCache` decides that):
+        the same header, records and offsets, each copy's source taken from ``flat``."""
+        return dataclasses.replace(self, copies=[c if s is None else EntryCopy(c.begin, c.end, _source(flat, s), c.dtype,
+                                                                               c.shape, c.name)
+                                                 for c, s in zip(self.copies, self.slots)])
+
+    def unbound(self) -> ShardPlan:
+        """This layout without its sources (what a cache keeps: no tensor stays alive for it)."""
+        return dataclasses.replace(self, copies=[c if s is None else dataclasses.replace(c, source=b"")
+                                                 for c, s in zip(self.copies, self.slots)])
+
+
+def _source(flat: FlatState, slot: tuple[Any, ...]) -> torch.Tensor | bytes:
+    """The bytes a copy reads, by its slot: ``("tensor", i)``, ``("span", i, lo, n)`` (``n`` bytes at ``lo``
+    of tensor ``i``'s storage, which other tensors share), ``("per_rank",)`` or ``("objects",)``."""
+    kind = slot[0]
+    if kind == "tensor":
+        return flat.tensors[slot[1]][1]
+    if kind == "span":
+        first = flat.tensors[slot[1]][1]
+        return torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage(), slot[2],
+                                                                           (slot[3],), (1,))
+    return b"".join(flat.per_rank if kind == "per_rank" else flat.objects)
 
 
 def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners: list[int] | None = None,
@@ -100,7 +127,7 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
         names.add(name)
         return name
 
-    pending: list[tuple[str, str, list[int], int, Any, torch.dtype, tuple[int, ...]]] = []
+    pending: list[tuple[str, str, list[int], int, Any, torch.dtype, tuple[int, ...], tuple[Any, ...]]] = []
     records: list[dict[str, Any] | None] = [None for _ in flat.tensors]
     for n_shared, idxs in enumerate(groups):
         if owners is not None and owners[n_shared] != rank:
@@ -111,7 +138,7 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
             nbytes = t.numel() * t.element_size()
             st = safetensors_dtype(t.dtype)
             shape = list(t.shape) if st else [nbytes]
-            pending.append((name, st or "U8", shape, nbytes, t, t.dtype, tuple(t.shape)))
+            pending.append((name, st or "U8", shape, nbytes, t, t.dtype, tuple(t.shape), ("tensor", idxs[0])))
             records[idxs[0]] = {"entry": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "stride": None, "offset": 0}
             continue
         spans = [_span(flat.tensors[i][1]) for i in idxs]
@@ -120,7 +147,7 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
         first = flat.tensors[idxs[0]][1]
         base = torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
         name = unique(f"__shared__.{n_shared}", internal=True)
-        pending.append((name, "U8", [hi - lo], hi - lo, base, torch.uint8, (hi - lo,)))
+        pending.append((name, "U8", [hi - lo], hi - lo, base, torch.uint8, (hi - lo,), ("span", idxs[0], lo, hi - lo)))
         for i, (b, _) in zip(idxs, spans):
             t = flat.tensors[i][1]
             records[i] = {"entry": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "stride": list(t.stride()), "offset": b - lo}
@@ -132,11 +159,12 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
         name = unique(path)
         nbytes = t.numel() * t.element_size()
         st = safetensors_dtype(t.dtype)
-        pending.append((name, st or "U8", list(t.shape) if st else [nbytes], nbytes, t, t.dtype, tuple(t.shape)))
+        pending.append((name, st or "U8", list(t.shape) if st else [nbytes], nbytes, t, t.dtype, tuple(t.shape),
+                        ("tensor", i)))
         records[i] = {"entry": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "stride": None, "offset": 0}
     if flat.per_rank:
         blob = b"".join(flat.per_rank)
-        pending.append((PER_RANK_ENTRY, "U8", [len(blob)], len(blob), blob, torch.uint8, (len(blob),)))
+        pending.append((PER_RANK_ENTRY, "U8", [len(blob)], len(blob), blob, torch.uint8, (len(blob),), ("per_rank",)))
 
     objects: list[tuple[int, int]] = []
     if flat.objects and rank == 0:
@@ -145,7 +173,7 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
         for o in flat.objects:
             objects.append((pos, len(o)))
             pos += len(o)
-        pending.append((OBJECTS_ENTRY, "U8", [len(blob)], len(blob), blob, torch.uint8, (len(blob),)))
+        pending.append((OBJECTS_ENTRY, "U8", [len(blob)], len(blob), blob, torch.uint8, (len(blob),), ("objects",)))
 
     if torch_zip is None or (owners is not None and rank != 0) or shardings or flat.per_rank:
         zipped = None
@@ -155,6 +183,7 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
         zipped = _zip_refs(flat, groups, pending, records)
     header_entries: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)}}
     copies: list[EntryCopy] = []
+    slots: list[tuple[Any, ...] | None] = []
     pos = 0
     n_pad = 0
     zip_records: list[tuple[bytes, int, int]] = []  # (name, local header at, size), data-relative
@@ -167,7 +196,7 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
             n_pad += 1
             pos += gap
 
-    for name, st, shape, nbytes, source, dtype, tshape in pending:
+    for name, st, shape, nbytes, source, dtype, tshape, slot in pending:
         key = None if zipped is None else zipped[0].get(name)
         if key is None:
             pad_to(ENTRY_ALIGN_BYTES)
@@ -179,16 +208,19 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
             header_entries[f"__pad__.{n_pad}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [pos, start]}
             n_pad += 1
             copies.append(EntryCopy(pos, start, bytes(gap - len(lh)) + lh, torch.uint8, (gap,)))
+            slots.append(None)
             zip_records.append((record_name(key), start - len(lh), nbytes))
             pos = start
         header_entries[name] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + nbytes]}
         if nbytes:
             copies.append(EntryCopy(pos, pos + nbytes, source, dtype, tshape, name))
+            slots.append(slot)
         pos += nbytes
     if zipped is None:
         pad_to(PAGE_BYTES)
         header = encode_header(header_entries)
-        return ShardPlan(header=header, file_bytes=len(header) + pos, copies=copies, records=records, objects=objects)
+        return ShardPlan(header=header, file_bytes=len(header) + pos, copies=copies, records=records, objects=objects,
+                         slots=tuple(slots))
 
     data_pkl = pickle_state(torch_zip, zipped[1])
     header_len, tail, header = 2 * PAGE_BYTES, b"", b""
@@ -205,9 +237,10 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
     else:
         raise AssertionError("the shard header did not settle")
     copies.append(EntryCopy(pos, pos + len(tail), tail, torch.uint8, (len(tail),)))
+    slots.append(None)
     pos += len(tail)
     return ShardPlan(header=header, file_bytes=len(header) + pos, copies=copies, records=records, objects=objects,
-                     torch_zip=True)
+                     torch_zip=True, slots=tuple(slots))
 
 
 def _zip_refs(flat: FlatState, groups: list[list[int]], pending: list[tuple[Any, ...]],
@@ -275,8 +308,44 @@ class RankPlan:
                         metadata=dict(metadata or {}), per_rank=per_rank)
 
 
+class PlanCache:
+    """The last state structure's shard layout, so that saving a state of the same structure again (the
+    usual case: the same model and optimizer every save) flattens it and rebinds the copies' sources, and
+    lays nothing out again.
+
+    The key is everything the layout depends on: each tensor's path, dtype, device, shape, stride and
+    storage offset, which tensors share a storage, the sharded parts, the lengths of the pickled leaves
+    and of the per-rank values, the rank and the world size. States written as torch.save's zip layout
+    are not cached (their ``data.pkl`` holds the state's values). One entry: another structure replaces it.
+    """
+
+    def __init__(self) -> None:
+        self._key: Any = None
+        self._value: tuple[ShardPlan, str] | None = None
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(flat: FlatState, groups: list[list[int]], shardings: dict[int, Sharding], rank: int,
+            world_size: int) -> Any:
+        return (rank, world_size,
+                tuple((p, t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset()) for p, t in flat.tensors),
+                tuple(map(tuple, groups)), tuple(sorted(shardings.items())), tuple(map(len, flat.objects)),
+                tuple(map(len, flat.per_rank)))
+
+    def get(self, key: Any) -> tuple[ShardPlan, str] | None:
+        if self._value is not None and key == self._key:
+            self.hits += 1
+            return self._value
+        self.misses += 1
+        return None
+
+    def put(self, key: Any, shard: ShardPlan, signature: str) -> None:
+        self._key, self._value = key, (shard.unbound(), signature)
+
+
 def plan_rank(state: Any, *, rank: int, world_size: int, torch_loadable: bool = False,
-              replica_check: str = "sampled", seed: int = 0) -> RankPlan:
+              replica_check: str = "sampled", seed: int = 0, cache: PlanCache | None = None) -> RankPlan:
     """Flatten ``state`` and lay out ``rank``'s shard of it: about ``1/world_size`` of its replicated
     tensors, the local parts of its ``DTensor`` leaves that this rank is the first replica of, and its
     :class:`~persist_core.format.tree.PerRank` values.
@@ -284,18 +353,26 @@ def plan_rank(state: Any, *, rank: int, world_size: int, torch_loadable: bool = 
     ``torch_loadable``: with one writer the shard is also the zip archive ``torch.load`` reads; with
     several, rank 0's is an archive whose loading raises an error naming how to load the checkpoint.
     ``replica_check``/``seed``: how the tensors taken to be replicated are digested for the ranks to
-    compare (:func:`~persist_core.planning.sharding.replica_digests`).
+    compare (:func:`~persist_core.planning.sharding.replica_digests`). ``cache``: reuse the layout of the
+    last state of the same structure (:class:`PlanCache`).
 
     Raises:
         UnsupportedStateError: a leaf cannot be saved (its key path is named).
     """
     flat, shardings = localize(flatten(state))
     groups = storage_groups(flat, skip=shardings)
-    owners = assign_owners(flat, groups, world_size) if world_size > 1 else None
-    zipped = None if not torch_loadable else state if world_size == 1 else SplitShard(world_size)
-    shard = plan_shard(flat, groups=groups, owners=owners, rank=rank, torch_zip=zipped, shardings=shardings)
-    digests = replica_digests(flat, shardings, mode=replica_check, seed=seed) if owners is not None else []
-    signature = structure_signature(flat, groups, shardings) if owners is not None else ""
+    key = None if cache is None or torch_loadable else PlanCache.key(flat, groups, shardings, rank, world_size)
+    hit = None if cache is None or key is None else cache.get(key)
+    if hit is not None:
+        shard, signature = hit[0].rebind(flat), hit[1]
+    else:
+        owners = assign_owners(flat, groups, world_size) if world_size > 1 else None
+        zipped = None if not torch_loadable else state if world_size == 1 else SplitShard(world_size)
+        shard = plan_shard(flat, groups=groups, owners=owners, rank=rank, torch_zip=zipped, shardings=shardings)
+        signature = structure_signature(flat, groups, shardings) if owners is not None else ""
+        if cache is not None and key is not None:
+            cache.put(key, shard, signature)
+    digests = replica_digests(flat, shardings, mode=replica_check, seed=seed) if world_size > 1 else []
     return RankPlan(flat=flat, shard=shard, signature=signature, rank=rank, shardings=shardings, digests=digests)
 
 
