@@ -1,30 +1,36 @@
 """Goodput under failures, in two settings: fixed intervals around the Young/Daly optimum against
 ``Continuous`` and ``OptimalInterval``.
 
-A training job (a 4 x Linear(--width) model) must reach ``--steps`` steps. It is SIGKILLed at random
-times — exponential inter-arrival with mean MTBF, the same failure times for every policy — and
-restarted, resuming from the newest committed checkpoint, ``engine.maybe_save`` deciding when to save
-(``keep_local=KeepLastN(2)``), the optimizer guarded (``engine.guard``: ``save()`` returns after
-planning, the copy overlaps the next step, the update waits for it). Settings (``--settings``):
+A training job (a 4 x Linear(--width) model) runs for ``--horizon`` seconds of wall time. It is SIGKILLed
+at exponential random times with mean MTBF — absolute times from the job's start, the same for every
+policy, so every policy meets exactly the same failures — and restarted at once, resuming from the newest
+committed checkpoint; ``engine.maybe_save`` decides when to save (``keep_local=KeepLastN(2)``), the
+optimizer is guarded (``engine.guard``: ``save()`` returns after planning, the copy overlaps the next
+step, the update waits for it). Goodput is the step reached at the horizon / the horizon. Settings
+(``--settings``):
 
 * ``accel`` (accelerator-like, the setting of the Orbax and FastPersist results): each step waits
   ``--step-ms`` of "device time" with the host cores free (a GIL-releasing sleep), then an in-place
   update (SGD with momentum on fixed gradients) mutates the state;
 * ``cpu`` (CPU-bound): real forward/backward matmuls and Adam on the host cores.
 
-Per setting: two uninterrupted calibration runs (no saves; saving continuously) measure the step time,
-a save's cost to training ``C`` (the wall time saving adds per save, at least its stall plus the fence's
-waits) and its duration ``D``; then per MTBF the fixed intervals ``EveryNSteps`` at 0.5x, 1x and 2x the
-Young/Daly interval ``sqrt(2 C MTBF)`` (so the best fixed interval tried is a strong one), ``Continuous()``
-and ``OptimalInterval(mtbf_s=MTBF)``, each on the same failure sequences. Reported: goodput (steps / wall
-time, restarts included), failures, work lost per failure, the P50 interval and its ratio to D, the
-stalled fraction and the fence's waits (of the last, uninterrupted run of each job).
+Per setting: two uninterrupted calibration jobs (no saves; saving continuously) measure the step time,
+a save's cost to training ``C`` (the time saving adds per save, at least its stall plus the fence's
+waits), its duration ``D`` and a restart's time; then per MTBF the fixed intervals ``EveryNSteps`` at
+0.5x, 1x and 2x the Young/Daly interval ``sqrt(2 C MTBF)`` (so the best fixed interval tried is a strong
+one), ``Continuous()`` and ``OptimalInterval(mtbf_s=MTBF)``, each on the same failure sequences,
+interleaved. Reported: goodput; goodput with each restart counted at the median restart time (an
+interpreter start slower than usual — this machine is shared — given back at the job's own rate: the
+policies cannot change how long importing torch takes); Young/Daly's prediction at each policy's own
+interval; work lost per failure; the P50 interval and its ratio to D; the stalled fraction and the
+fence's waits; and per failure sequence each policy's ratio to the best fixed interval on that sequence.
 
 Bars (issue 17): accel — continuous's P50 interval <= 2x D and its goodput >= the best fixed interval at
 every MTBF; cpu — reported as it is, and OptimalInterval >= 0.95x the best fixed interval.
 
-Usage: ``python benchmarks/bench_goodput.py [--quick] [--steps 300] [--mtbfs 10,30,120] [--seeds 1]
-[--width 1536] [--step-ms 80] [--settings accel,cpu] [--dir bench-out]``
+Usage: ``python benchmarks/bench_goodput.py [--quick] [--horizon 20] [--mtbfs 10,30,120] [--seeds 2]
+[--width 1536] [--step-ms 80] [--settings accel,cpu] [--dir bench-out]`` (the defaults: about 22 minutes
+here; ``--quick``: one MTBF, one sequence)
 """
 
 from __future__ import annotations
@@ -48,8 +54,9 @@ sys.path.insert(0, str(ROOT))
 from persist_core.tiers.local import committed_steps  # noqa: E402
 
 
-def child(local_dir: str, policy_text: str, steps: int, width: int, setting: str, step_ms: float) -> None:
-    """One training process: resume from the newest checkpoint, train to ``steps``, ``maybe_save`` deciding.
+def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: float) -> None:
+    """One training process: resume from the newest checkpoint and train until killed, ``maybe_save``
+    deciding; prints each step, and the engine's summary every 20 steps.
 
     ``setting="accel"``: each step is device time — the host waits ``step_ms`` (a GIL-releasing sleep, the
     host cores free, as while a GPU computes), then an in-place optimizer update (SGD with momentum on fixed
@@ -80,10 +87,12 @@ def child(local_dir: str, policy_text: str, steps: int, width: int, setting: str
         start = state["step"]
     except CheckpointNotFoundError:
         pass
-    guard = engine.guard(opt)
+    engine.guard(opt)  # for the process's life: the update waits for a save's background copy
     print(json.dumps({"event": "start", "step": start}), flush=True)
     x = torch.randn(64, width)
-    for step in range(start + 1, steps + 1):
+    step = start
+    while True:
+        step += 1
         if setting == "accel":
             time.sleep(step_ms / 1000)
             opt.step()
@@ -93,50 +102,63 @@ def child(local_dir: str, policy_text: str, steps: int, width: int, setting: str
             opt.zero_grad()
         engine.maybe_save(lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step)
         print(json.dumps({"event": "step", "step": step}), flush=True)
-    guard.remove()
-    engine.wait()
-    print(json.dumps({"event": "done", "summary": engine.summary(), "fence_s": engine._overlap.fence_s}), flush=True)
-    engine.close()
+        if step % 20 == 0:
+            summary = {**engine.summary(), "steps": step - start}
+            print(json.dumps({"event": "summary", "summary": summary, "fence_s": engine._overlap.fence_s}), flush=True)
 
 
 def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: list[float], local: Path) -> dict:
-    """One job to ``--steps`` under ``policy``, killed at ``failures`` (seconds after each start)."""
+    """One job under ``policy`` for ``--horizon`` seconds of wall time, SIGKILLed at the absolute times
+    ``failures`` (seconds after the job's start: every policy meets exactly the same failures) and
+    restarted at once each time; its progress is the newest step it reached by the horizon."""
     shutil.rmtree(local, ignore_errors=True)
     t0 = time.perf_counter()
-    lost, kills, done = [], 0, None
-    failure_iter = iter(failures)
-    while done is None:
-        deadline = time.perf_counter() + next(failure_iter, 1e9)
-        proc = subprocess.Popen([sys.executable, __file__, "--child", str(local), "--policy", policy, "--steps",
-                                 str(args.steps), "--width", str(args.width), "--setting", setting,
-                                 "--step-ms", str(args.step_ms)], stdout=subprocess.PIPE, text=True)
-        reached = None
-        # read progress until the failure time; the child prints one line per step
+    horizon = t0 + args.horizon
+    kills = [t0 + f for f in failures if f < args.horizon]
+    lost, restarts, reached, best, first_step, last_step = [], [], 0, None, None, None
+    while True:
+        spawned = time.perf_counter()
+        if spawned >= horizon:
+            break
+        deadline = min([k for k in kills if k > spawned] + [horizon])
+        proc = subprocess.Popen([sys.executable, __file__, "--child", str(local), "--policy", policy,
+                                 "--width", str(args.width), "--setting", setting, "--step-ms", str(args.step_ms)],
+                                stdout=subprocess.PIPE, text=True)
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
+        started = None
         while True:
             left = deadline - time.perf_counter()
             if left <= 0:
                 proc.send_signal(signal.SIGKILL)
-                kills += 1
                 break
-            if not sel.select(timeout=min(left, 3600.0)):
+            if not sel.select(timeout=left):
                 continue
             line = proc.stdout.readline()
             if not line:
                 break
             ev = json.loads(line)
-            if ev["event"] == "step":
+            now = time.perf_counter()
+            if ev["event"] == "start":
+                started = now
+                restarts.append(now - spawned)  # importing torch, opening the engine, loading
+            elif ev["event"] == "step":
                 reached = ev["step"]
-            elif ev["event"] == "done":
-                done = ev
+                first_step = first_step or (now, reached)
+                last_step = (now, reached)
+            elif ev["event"] == "summary" and (best is None or ev["summary"]["saves"] >= best["summary"]["saves"]):
+                best = ev  # the engine's numbers of the longest-running process
         proc.wait()
         proc.stdout.close()
-        if done is None and reached is not None:  # how far the next run starts: the newest committed checkpoint
+        if started is None:  # killed before it could start: the whole restart was lost
+            restarts.append(time.perf_counter() - spawned)
+        if deadline < horizon:  # a failure: what the next process starts from is the newest committed step
             lost.append(reached - (max(committed_steps(local), default=0) if local.exists() else 0))
-    wall = time.perf_counter() - t0
     shutil.rmtree(local, ignore_errors=True)
-    return {"wall_s": wall, "failures": kills, "lost": lost, "done": done}
+    rate = ((last_step[1] - first_step[1]) / (last_step[0] - first_step[0])
+            if first_step and last_step and last_step[0] > first_step[0] else None)
+    return {"progress": reached, "failures": len(kills), "lost": lost, "restarts": restarts, "summary": best,
+            "rate": rate}
 
 
 def _med(values: list) -> float | None:
@@ -145,72 +167,111 @@ def _med(values: list) -> float | None:
 
 
 def calibrate(args: argparse.Namespace, setting: str, out: Path) -> dict:
-    """Uninterrupted runs: without saves (the step time), and saving continuously (C and D)."""
+    """Uninterrupted jobs of ``--horizon`` seconds: without saves (the step time), and saving continuously
+    (C and D)."""
     bare = run_policy("EveryNSteps(10**9)", args, setting, [], out / "calibrate-bare")
     cont = run_policy("Continuous()", args, setting, [], out / "calibrate-continuous")
-    summary = cont["done"]["summary"]
+    summary = cont["summary"]["summary"]
     stall, save = summary["stall_p50_s"] or 0.0, summary["save_p50_s"] or 0.0
-    step_s = bare["wall_s"] / args.steps  # restart included: what a step costs a job
+    step_s = 1 / bare["rate"]
     saves = max(summary["saves"], 1)
-    # C, a save's cost to training: the wall time saving adds per save (stall, fence waits, slower steps), at
-    # least what the engine measured directly (its stall and the fence's waits); never 0 (the grid needs one)
-    cost = max((cont["wall_s"] - bare["wall_s"]) / saves, stall + cont["done"]["fence_s"] / saves, 1e-3)
+    # C, a save's cost to training: the time saving adds per save (stall, fence waits, slower steps), at least
+    # what the engine measured directly (its stall and the fence's waits)
+    extra = (1 / cont["rate"] - step_s) * summary["steps"] / saves if summary.get("steps") else 0.0
+    cost = max(extra, stall + cont["summary"]["fence_s"] / saves, 1e-4)
     return {"step_s": step_s, "C": cost, "D": save, "stall": stall, "saves": summary["saves"],
-            "fence_s": cont["done"]["fence_s"]}
+            "fence_s": cont["summary"]["fence_s"], "restart_s": _med(bare["restarts"] + cont["restarts"])}
 
 
-def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[float]) -> list[str]:
+def _goodput(r: dict, restart_s: float, step_s: float) -> tuple[float, float]:
+    """(steps reached / horizon, the same with every restart counted at the median restart time of the cell:
+    the time a slower-than-usual interpreter start cost, at this job's own rate, given back)."""
+    raw = r["progress"] / r["horizon"]
+    excess = sum(r["restarts"]) - restart_s * len(r["restarts"])
+    return raw, (r["progress"] + excess / (step_s if not r["rate"] else 1 / r["rate"])) / r["horizon"]
+
+
+def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[float]) -> tuple[list[str], dict]:
     cal = calibrate(args, setting, out / setting)
     lines = [f"### {setting}: {SETTINGS[setting]}", "",
-             f"Calibration (uninterrupted, {args.steps} steps): {cal['step_s'] * 1e3:.0f} ms a step without saves; "
-             f"saving continuously ({cal['saves']} saves) costs C = {cal['C'] * 1e3:.0f} ms of training per save "
-             f"(the wall time it adds: stall P50 {cal['stall'] * 1e3:.1f} ms, fence waits {cal['fence_s']:.2f} s in "
-             f"all, slower steps), a save takes D = {cal['D']:.2f} s from save() to committed.", ""]
+             f"Calibration (uninterrupted, {args.horizon:g} s): {cal['step_s'] * 1e3:.0f} ms a step without saves; "
+             f"saving continuously ({cal['saves']} saves) costs C = {cal['C'] * 1e3:.1f} ms of training per save "
+             f"(the time it adds per save: stall P50 {cal['stall'] * 1e3:.1f} ms, fence waits {cal['fence_s']:.2f} s "
+             f"in all, slower steps), a save takes D = {cal['D']:.3f} s from save() to committed; a restart takes "
+             f"{cal['restart_s']:.1f} s (importing torch, loading).", ""]
     print("\n".join(lines), flush=True)
+    verdicts = {}
     for mtbf in mtbfs:
         best = math.sqrt(2 * cal["C"] * mtbf)  # Young/Daly: seconds between saves
         grid = sorted({max(1, round(k * best / cal["step_s"])) for k in (0.5, 1.0, 2.0)})
         policies = [(f"every {n} steps", f"EveryNSteps({n})") for n in grid]
         policies += [("continuous", "Continuous()"), (f"optimal (mtbf {mtbf:g} s)", f"OptimalInterval(mtbf_s={mtbf})")]
         rng = random.Random(args.seed + int(mtbf))
-        sequences = [[rng.expovariate(1 / mtbf) for _ in range(500)] for _ in range(args.seeds)]
+        sequences = []
+        for _ in range(args.seeds):  # absolute failure times within the horizon
+            times, at = [], 0.0
+            while at < args.horizon:
+                at += rng.expovariate(1 / mtbf)
+                times.append(at)
+            sequences.append(times)
         runs: dict[str, list[dict]] = {name: [] for name, _ in policies}
         for k, failures in enumerate(sequences):  # interleaved: drift on a shared machine hits every policy alike
             for name, policy in policies:
                 r = run_policy(policy, args, setting, failures, out / setting / name.replace(" ", "-"))
+                r["horizon"] = args.horizon
                 runs[name].append(r)
-                print(f"  {setting} mtbf {mtbf:g}: sequence {k}: {name}: {r['wall_s']:.1f} s, {r['failures']} "
-                      "failures", flush=True)
-        table = [f"MTBF {mtbf:g} s — Young/Daly: sqrt(2 C MTBF) = {best:.2f} s = {best / cal['step_s']:.0f} steps; "
-                 f"continuous (a save every D = {cal['D']:.2f} s, at most one a step) is the best interval only when "
-                 f"that is <= D: {'yes' if best <= cal['D'] else 'no'}", "",
-                 "| policy | goodput (steps/s) | failures | work lost / failure | P50 interval | P50 interval / D "
-                 "| stalled | fence waits |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                print(f"  {setting} mtbf {mtbf:g}: sequence {k}: {name}: step {r['progress']}, {r['failures']} "
+                      f"failures, restarts {sum(r['restarts']):.1f} s", flush=True)
+        restart_s = _med([x for rs in runs.values() for r in rs for x in r["restarts"]]) or 0.0
+        n_fail = [sum(1 for f in s if f < args.horizon) for s in sequences]
+        predicted = {}
+        table = [f"MTBF {mtbf:g} s — {sum(n_fail)} failures in {args.seeds} x {args.horizon:g} s (the same for every "
+                 f"policy). Young/Daly: sqrt(2 C MTBF) = {best:.2f} s = {best / cal['step_s']:.1f} steps; continuous "
+                 f"(a save every D = {cal['D']:.3f} s, at most one a step) is the best interval only when that is "
+                 f"<= D: {'yes' if best <= max(cal['D'], cal['step_s']) else 'no'}", "",
+                 "| policy | goodput (steps/s) | restart-normalized | Young/Daly predicts | work lost / failure "
+                 "| P50 interval | P50 interval / D | stalled | fence waits |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         rows = {}
         for name, _ in policies:
             rs = runs[name]
             lost = [x for r in rs for x in r["lost"]]
-            summaries = [r["done"]["summary"] for r in rs]  # engine.summary() of each last, uninterrupted run
-            row = {"goodput": args.steps * len(rs) / sum(r["wall_s"] for r in rs),
-                   "failures": sum(r["failures"] for r in rs), "lost": statistics.mean(lost) if lost else 0.0,
-                   "p50": _med([x["interval_p50_s"] for x in summaries]),
-                   "save": _med([x["save_p50_s"] for x in summaries]),
-                   "stalled": _med([x["stall_fraction"] for x in summaries]),
-                   "fence": _med([r["done"]["fence_s"] for r in rs])}
-            rows[name] = row
+            summaries = [r["summary"]["summary"] for r in rs if r["summary"]]
+            goodputs = [_goodput(r, restart_s, cal["step_s"]) for r in rs]
+            p50 = _med([x["interval_p50_s"] for x in summaries])
+            # Young/Daly's expected goodput at this policy's own interval T: a save costs C, a failure T/2 of
+            # work plus a restart; the job's first start is part of the horizon too
+            interval = p50 or cal["step_s"]
+            waste = cal["C"] / interval + (interval / 2 + restart_s) / mtbf
+            predicted[name] = max(0.0, 1 - waste) * max(0.0, 1 - restart_s / args.horizon) / cal["step_s"]  # and the first start
+            rows[name] = row = {
+                "goodput": statistics.mean(g[0] for g in goodputs), "norm": [g[1] for g in goodputs],
+                "lost": statistics.mean(lost) if lost else 0.0, "p50": p50,
+                "save": _med([x["save_p50_s"] for x in summaries]),
+                "stalled": _med([x["stall_fraction"] for x in summaries]),
+                "fence": _med([r["summary"]["fence_s"] for r in rs if r["summary"]])}
             ratio = "-" if not row["p50"] or not row["save"] else f"{row['p50'] / row['save']:.2f}x"
-            table.append(f"| {name} | {row['goodput']:.2f} | {row['failures']} | {row['lost']:.1f} steps | "
+            table.append(f"| {name} | {row['goodput']:.2f} | {statistics.mean(row['norm']):.2f} | "
+                         f"{predicted[name]:.2f} | {row['lost']:.1f} steps | "
                          f"{'-' if row['p50'] is None else format(row['p50'], '.2f') + ' s'} | {ratio} | "
                          f"{'-' if row['stalled'] is None else format(row['stalled'], '.1%')} | "
                          f"{'-' if row['fence'] is None else format(row['fence'], '.2f') + ' s'} |")
-        fixed = max(rows[n]["goodput"] for n, _ in policies[: len(grid)])
-        cont, optimal = rows["continuous"], rows[policies[-1][0]]
-        p50 = "-" if not cont["p50"] or not cont["save"] else f"{cont['p50'] / cont['save']:.2f}x"
-        table += ["", f"continuous: P50 interval / save duration {p50}; goodput / best fixed "
-                  f"{cont['goodput'] / fixed:.2f}x; optimal / best fixed {optimal['goodput'] / fixed:.2f}x", ""]
+        fixed_names = [n for n, _ in policies[: len(grid)]]
+
+        def paired(name: str) -> list[float]:  # per failure sequence: this policy / the best fixed on it
+            return [rows[name]["norm"][k] / max(rows[f]["norm"][k] for f in fixed_names) for k in range(args.seeds)]
+
+        cont, optimal = paired("continuous"), paired(policies[-1][0])
+        c_row = rows["continuous"]
+        p50 = None if not c_row["p50"] or not c_row["save"] else c_row["p50"] / c_row["save"]
+        verdicts[mtbf] = {"p50_over_d": p50, "continuous": cont, "optimal": optimal}
+        table += ["", f"continuous: P50 interval / save duration {'-' if p50 is None else format(p50, '.2f') + 'x'}; "
+                  f"goodput / best fixed (restart-normalized, per sequence) mean {statistics.mean(cont):.3f}x "
+                  f"(min {min(cont):.3f}x, max {max(cont):.3f}x); optimal / best fixed mean "
+                  f"{statistics.mean(optimal):.3f}x (min {min(optimal):.3f}x, max {max(optimal):.3f}x)", ""]
         print("\n".join(table), flush=True)
         lines += table
-    return lines
+    return lines, verdicts
 
 
 SETTINGS = {"accel": "accelerator-like (each step waits --step-ms of device time with the host cores free, then "
@@ -220,13 +281,13 @@ SETTINGS = {"accel": "accelerator-like (each step waits --step-ms of device time
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--horizon", type=float, default=20.0, help="seconds of wall time each job runs")
     parser.add_argument("--mtbfs", default="10,30,120", help="mean seconds between failures, comma-separated")
-    parser.add_argument("--seeds", type=int, default=1, help="failure sequences; every policy runs each")
+    parser.add_argument("--seeds", type=int, default=2, help="failure sequences; every policy runs each")
     parser.add_argument("--width", type=int, default=1536)
     parser.add_argument("--step-ms", type=float, default=80.0, help="device time of a step (accel setting)")
     parser.add_argument("--settings", default="accel,cpu")
-    parser.add_argument("--quick", action="store_true", help="one MTBF (30 s), 150 steps: a few minutes")
+    parser.add_argument("--quick", action="store_true", help="one MTBF (30 s), one sequence: a few minutes")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--dir", default="bench-out")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -234,22 +295,42 @@ def main() -> None:
     parser.add_argument("--setting", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.policy, args.steps, args.width, args.setting, args.step_ms)
+        child(args.child, args.policy, args.width, args.setting, args.step_ms)
         return
     if args.quick:
-        args.mtbfs, args.steps = "30", min(args.steps, 150)
+        args.mtbfs, args.seeds = "30", 1
     mtbfs = [float(m) for m in args.mtbfs.split(",")]
     out = Path(args.dir).absolute() / "goodput"
     out.mkdir(parents=True, exist_ok=True)
     state_gb = 4 * (args.width * args.width + args.width) * 4 * 3 / 1e9
-    lines = [f"{args.steps} steps of 4 x Linear({args.width}) (state with optimizer up to {state_gb:.2f} GB), "
-             f"SIGKILL at exponential times, MTBF {args.mtbfs} s, {args.seeds} sequence(s), the same for every policy; "
-             "restarts (importing torch, loading) included", ""]
+    lines = [f"Jobs of {args.horizon:g} s training 4 x Linear({args.width}) (state with optimizer up to "
+             f"{state_gb:.2f} GB), SIGKILLed at exponential times (MTBF {args.mtbfs} s, {args.seeds} sequence(s) of "
+             "absolute times: every policy meets the same failures) and restarted at once (importing torch, "
+             "loading: included)", ""]
     print(lines[0], flush=True)
     t0 = time.perf_counter()
+    verdicts = {}
     for setting in args.settings.split(","):
-        lines += run_setting(setting, args, out, mtbfs)
-    lines.append(f"(the whole run: {time.perf_counter() - t0:.0f} s)")
+        more, verdicts[setting] = run_setting(setting, args, out, mtbfs)
+        lines += more
+    lines += ["### Bars (issue 17)", ""]
+    if "accel" in verdicts:
+        v = verdicts["accel"]
+        p50 = [x["p50_over_d"] for x in v.values()]
+        lines.append(f"- accel: continuous's P50 interval <= 2x D at every MTBF: "
+                     f"{'met' if all(x is not None and x <= 2 for x in p50) else 'not met'} "
+                     f"({', '.join('-' if x is None else f'{x:.2f}x' for x in p50)}); its goodput >= the best fixed "
+                     f"interval at every MTBF (mean of the per-sequence ratios): "
+                     f"{'met' if all(statistics.mean(x['continuous']) >= 1 for x in v.values()) else 'not met'} ("
+                     + ", ".join(f"{m:g} s: {statistics.mean(x['continuous']):.3f}x" for m, x in v.items()) + ")")
+    if "cpu" in verdicts:
+        v = verdicts["cpu"]
+        lines.append("- cpu: continuous / best fixed " + ", ".join(
+            f"{m:g} s: {statistics.mean(x['continuous']):.3f}x" for m, x in v.items())
+                     + f"; OptimalInterval >= 0.95x the best fixed at every MTBF: "
+                     f"{'met' if all(statistics.mean(x['optimal']) >= 0.95 for x in v.values()) else 'not met'} ("
+                     + ", ".join(f"{m:g} s: {statistics.mean(x['optimal']):.3f}x" for m, x in v.items()) + ")")
+    lines.append(f"\n(the whole run: {time.perf_counter() - t0:.0f} s)")
     print("\n" + "\n".join(lines))
 
 
