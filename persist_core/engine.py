@@ -15,7 +15,6 @@ Call order (one process):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -255,9 +254,10 @@ class CheckpointEngine:
                        replace=replace, filename=plan.filename, digests=tuple(plan.digests))
         del plan  # the writer needs only the staged bytes (and the deferred copy its sources), not the tensors
         handle._update(stall_s=time.perf_counter() - t0)
+        # training goes on from here: a guarded save's background copy is part of what slows it (and of D)
+        self._history.meter.staged(step, self._history.now())
         if staged.later is None:
             self._writer.submit(job)
-            self._history.meter.staged(step, self._history.now())
             handle._set_staged()
         else:
             self._overlap.run(lambda: self._finish_staging(job, staged.later))
@@ -312,8 +312,7 @@ class CheckpointEngine:
             return
         done = time.perf_counter()
         handle._update(staging_s=handle.stats.staging_s + (done - t0 - behind), wait_s=handle.stats.wait_s + behind)
-        self._writer.submit(dataclasses.replace(job, staged_at=done))
-        self._history.meter.staged(handle.step, self._history.now())
+        self._writer.submit(job)  # its commit_s counts from save() returning: the background copy included
         handle._set_staged()
 
     def maybe_save(self, make_state: Callable[[], Any], step: int, *,

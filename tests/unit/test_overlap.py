@@ -4,6 +4,7 @@ optimizer.step() waits for that copy; the checkpoint is the state at the moment 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -101,3 +102,18 @@ def test_a_parameter_changed_in_place_before_the_background_copy_fails_that_save
         opt.step()  # the guarded step: waits for the copy, so this save is one consistent moment
         handle.wait()
         assert [c.step for c in engine.list()] == [1, 3]
+
+
+def test_a_guarded_saves_duration_counts_its_background_copy(tmp_path):
+    """save() called -> committed: the background copy is part of it (D, what policies weigh), not only the write."""
+    model, opt = _model_and_optimizer()
+    gate = threading.Event()
+    with CheckpointEngine(tmp_path) as engine, engine.guard(opt):
+        _gate_the_copy(engine, gate)
+        called = time.perf_counter()
+        handle = engine.save({"model": model.state_dict()}, step=1)
+        threading.Event().wait(0.2)  # training goes on while the copy is held back
+        opened = time.perf_counter()
+        gate.set()
+        handle.wait()
+        assert handle.stats.stall_s + handle.stats.commit_s >= opened - called
