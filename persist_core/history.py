@@ -59,6 +59,10 @@ class SlowdownMeter:
     def staged(self, step: int, now: float) -> None:
         self._mark = (step, now, True)
 
+    def idle_needed(self) -> int:
+        """Gaps with no save in flight that :meth:`slowdown` still needs."""
+        return max(0, self._min - len(self._idle))
+
     def slowdown(self) -> float | None:
         """Median writing gap / median idle gap - 1 (never below 0), or ``None`` before enough of both."""
         if len(self._writing) < self._min or len(self._idle) < self._min:
@@ -110,7 +114,8 @@ class SaveHistory:
             commit = sum(_duration(s) for s in done) / len(done)
         last_time, last_step = recent[-1][:2] if recent else (None, None)
         return DecisionContext(step=step, now=self._clock(), last_step=last_step, last_time=last_time,
-                               in_flight=in_flight, cost_s=cost, commit_s=commit, slowdown=slowdown)
+                               in_flight=in_flight, cost_s=cost, commit_s=commit, slowdown=slowdown,
+                               idle_needed=self.meter.idle_needed())
 
     def summary(self) -> dict[str, Any]:
         """See :meth:`CheckpointEngine.summary`."""

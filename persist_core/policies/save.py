@@ -44,6 +44,8 @@ class DecisionContext:
         commit_s: how long recent saves took from the call to committed, or ``None``.
         slowdown: how much longer training takes between decision points while a save is being
             written than while none is (0.2: 20% longer), or ``None`` until measured.
+        idle_needed: decision points with no save in flight that measuring ``slowdown`` still needs
+            (0 once it has them).
     """
 
     step: int
@@ -54,6 +56,7 @@ class DecisionContext:
     cost_s: float | None = None
     commit_s: float | None = None
     slowdown: float | None = None
+    idle_needed: int = 0
 
     @property
     def since_last_s(self) -> float:
@@ -117,8 +120,10 @@ class Continuous:
 class OptimalInterval:
     """Young/Daly: save every ``sqrt(2 · C · mtbf_s)`` seconds, ``C`` a save's measured cost to training.
 
-    Until a save has been measured it saves at the first decision point. It never starts a
-    save while the previous one is in flight.
+    Until a save has been measured it saves at the first decision point. Until the slowdown of the
+    steps a save overlaps is measured it leaves enough decision points without a save in flight for
+    the measurement (``context.idle_needed``): saving back to back would never show what a save
+    costs training beyond its stall. It never starts a save while the previous one is in flight.
     """
 
     mtbf_s: float
@@ -133,6 +138,8 @@ class OptimalInterval:
         return max(math.sqrt(2.0 * context.cost_s * self.mtbf_s), context.commit_s or 0.0)
 
     def should_save(self, context: DecisionContext) -> bool:
+        if context.slowdown is None and context.idle_needed > 0 and context.last_time is not None:
+            return False  # measuring what a save costs: training without one in flight first
         return not context.in_flight and context.since_last_s >= self.interval_s(context)
 
 

@@ -29,9 +29,10 @@ from tests.support.fakes import FakeClock, GatedOps, TwoRanksWithoutDecisions
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def ctx(step=10, now=100.0, last_step=None, last_time=None, in_flight=False, cost_s=None, commit_s=None):
+def ctx(step=10, now=100.0, last_step=None, last_time=None, in_flight=False, cost_s=None, commit_s=None,
+        slowdown=None, idle_needed=0):
     return DecisionContext(step=step, now=now, last_step=last_step, last_time=last_time, in_flight=in_flight,
-                           cost_s=cost_s, commit_s=commit_s)
+                           cost_s=cost_s, commit_s=commit_s, slowdown=slowdown, idle_needed=idle_needed)
 
 
 @pytest.mark.parametrize("policy, context, expected", [
@@ -49,6 +50,9 @@ def ctx(step=10, now=100.0, last_step=None, last_time=None, in_flight=False, cos
     (OptimalInterval(mtbf_s=3600), ctx(now=159.0, last_time=100.0, cost_s=0.5, commit_s=2.0), False),
     (OptimalInterval(mtbf_s=3600), ctx(now=160.5, last_time=100.0, cost_s=0.5, commit_s=2.0), True),
     (OptimalInterval(mtbf_s=3600), ctx(now=1000.0, last_time=100.0, cost_s=0.5, in_flight=True), False),
+    # the slowdown not measured yet: decision points with no save in flight first, then the interval
+    (OptimalInterval(mtbf_s=3600), ctx(now=1000.0, last_time=100.0, cost_s=0.5, idle_needed=3), False),
+    (OptimalInterval(mtbf_s=3600), ctx(now=1000.0, last_time=100.0, cost_s=0.5, idle_needed=3, slowdown=0.1), True),
     (AnyOf(EveryNSteps(1000), Continuous(min_interval_s=60)), ctx(step=1000, in_flight=True), True),
     (AnyOf(EveryNSteps(1000), Continuous(min_interval_s=60)), ctx(step=999, now=150.0, last_time=100.0), False),
 ])
@@ -118,11 +122,17 @@ def test_optimal_interval_uses_the_cost_of_the_saves_it_measured(tmp_path):
         engine.maybe_save(lambda: state_for(1), step=1).wait()
         context = engine.decision_context(2)
         assert context.cost_s is not None and context.cost_s > 0
+        step = 2
+        while engine.decision_context(step).idle_needed:  # steps without a save first: the slowdown measured
+            assert engine.maybe_save(lambda: state_for(step), step=step) is None
+            step += 1
+        assert step == 8  # five idle gaps after the one that straddles the commit
+        context = engine.decision_context(step)
         interval = policy.interval_s(context)
-        clock.now += interval * 0.9
-        assert engine.maybe_save(lambda: state_for(2), step=2) is None
-        clock.now += interval * 0.2
-        assert engine.maybe_save(lambda: state_for(3), step=3) is not None
+        clock.now = context.last_time + interval * 0.9
+        assert engine.maybe_save(lambda: state_for(step), step=step) is None
+        clock.now = context.last_time + interval * 1.1
+        assert engine.maybe_save(lambda: state_for(step + 1), step=step + 1) is not None
 
 
 CHILD = """
