@@ -52,7 +52,7 @@ class WriteJob:
     handle: SaveHandle
     buf: StagingBuffer
     base: Manifest
-    staged_at: float  # time.perf_counter() when staging ended
+    staged_at: float  # time.perf_counter() when save() returned (a guarded save's background copy comes after)
     signature: str  # the state's structure, compared across ranks
     replace: bool = False  # a re-save of the committed step a run resumed from: exchanged atomically
     filename: str = ""  # the shard file's name (layout.shard_filename); default: this rank's .safetensors

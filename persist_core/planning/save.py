@@ -144,10 +144,9 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
         spans = [_span(flat.tensors[i][1]) for i in idxs]
         lo = min(b for b, _ in spans) // ENTRY_ALIGN_BYTES * ENTRY_ALIGN_BYTES
         hi = max(e for _, e in spans)
-        first = flat.tensors[idxs[0]][1]
-        base = torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
+        slot = ("span", idxs[0], lo, hi - lo)
         name = unique(f"__shared__.{n_shared}", internal=True)
-        pending.append((name, "U8", [hi - lo], hi - lo, base, torch.uint8, (hi - lo,), ("span", idxs[0], lo, hi - lo)))
+        pending.append((name, "U8", [hi - lo], hi - lo, _source(flat, slot), torch.uint8, (hi - lo,), slot))
         for i, (b, _) in zip(idxs, spans):
             t = flat.tensors[i][1]
             records[i] = {"entry": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "stride": list(t.stride()), "offset": b - lo}
@@ -361,8 +360,9 @@ def plan_rank(state: Any, *, rank: int, world_size: int, torch_loadable: bool = 
     """
     flat, shardings = localize(flatten(state))
     groups = storage_groups(flat, skip=shardings)
-    key = None if cache is None or torch_loadable else PlanCache.key(flat, groups, shardings, rank, world_size)
-    hit = None if cache is None or key is None else cache.get(key)
+    cache = None if torch_loadable else cache  # torch.save's zip layout holds values: never cached
+    key = None if cache is None else PlanCache.key(flat, groups, shardings, rank, world_size)
+    hit = None if cache is None else cache.get(key)
     if hit is not None:
         shard, signature = hit[0].rebind(flat), hit[1]
     else:
@@ -370,7 +370,7 @@ def plan_rank(state: Any, *, rank: int, world_size: int, torch_loadable: bool = 
         zipped = None if not torch_loadable else state if world_size == 1 else SplitShard(world_size)
         shard = plan_shard(flat, groups=groups, owners=owners, rank=rank, torch_zip=zipped, shardings=shardings)
         signature = structure_signature(flat, groups, shardings) if owners is not None else ""
-        if cache is not None and key is not None:
+        if cache is not None:
             cache.put(key, shard, signature)
     digests = replica_digests(flat, shardings, mode=replica_check, seed=seed) if world_size > 1 else []
     return RankPlan(flat=flat, shard=shard, signature=signature, rank=rank, shardings=shardings, digests=digests)
