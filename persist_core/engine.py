@@ -180,11 +180,13 @@ class CheckpointEngine:
         self._history = SaveHistory(clock)
         self._pool = StagingPool(settings.max_pending, pin=torch.cuda.is_available())
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._overlap = Overlap()
         self._pipeline = Pipeline(self._root, pool=self._pool, coll=self._coll, ops=file_ops or OsFileOps(),
                                   ledger=self._ledger, settings=settings, tier=tier, keep_local=keep_local,
                                   keep_remote=keep_remote, latest_step=lambda: self._latest_step,
                                   remote_timeout_s=settings.remote_timeout_s,
-                                  max_unsynced_bytes=settings.max_unsynced_bytes, run_id=run_id)
+                                  max_unsynced_bytes=settings.max_unsynced_bytes, run_id=run_id,
+                                  turn=self._overlap.turn.wait)
         self._writer = self._pipeline.writer
         if isinstance(preemption, str):
             if preemption != "default":
@@ -196,7 +198,6 @@ class CheckpointEngine:
                                         history=self._history, clock=clock, in_flight=self._writer.in_flight,
                                         known=self._known, wait=self.wait)
         self._reader = CheckpointReader(self._root, verify=verify, tier=tier)
-        self._overlap = Overlap()
         _close_at_exit(self)
 
     # ------------------------------------------------------------------ save
@@ -292,8 +293,9 @@ class CheckpointEngine:
 
     def fence(self) -> float:
         """Wait for the background copy of the last guarded save (before anything mutates the parameters or
-        optimizer state); the seconds waited. Guarded optimizers call it from their step pre-hook."""
-        waited = self._overlap.fence()
+        optimizer state); the seconds waited. Guarded optimizers call it from their step pre-hook. From here to
+        the optimizer's step post-hook the background writes hold off (the update has the host's cores)."""
+        waited = self._overlap.before_update()
         if waited > 0:
             log.debug("[rank=%d] the update waited %.3f s for the checkpoint copy", self._coll.rank, waited)
         return waited

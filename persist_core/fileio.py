@@ -87,8 +87,13 @@ def checksum_block(chunk_bytes: int) -> int:
 
 
 def _write_chunk(ops: FileOps, fd: int, data: memoryview, offset: int, on_chunk: OnChunk | None,
-                 block: int) -> tuple[int, ...]:
-    crc = tuple(crc32c.crc32c(data[o : o + block]) for o in range(0, len(data), block))
+                 block: int, turn: Callable[[], None]) -> tuple[int, ...]:
+    crcs = []
+    for o in range(0, len(data), block):
+        turn()
+        crcs.append(crc32c.crc32c(data[o : o + block]))
+    crc = tuple(crcs)
+    turn()
     done = 0
     while done < len(data):
         n = ops.pwrite(fd, data[done:], offset + done)
@@ -101,11 +106,11 @@ def _write_chunk(ops: FileOps, fd: int, data: memoryview, offset: int, on_chunk:
 
 
 def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk_bytes: int, ops: FileOps,
-               on_chunk: OnChunk | None) -> tuple[int, ...]:
+               on_chunk: OnChunk | None, turn: Callable[[], None]) -> tuple[int, ...]:
     fd = ops.open(path, flags, 0o644)
     try:
         block = checksum_block(chunk_bytes)
-        futures = [pool.submit(_write_chunk, ops, fd, data[o : o + chunk_bytes], o, on_chunk, block)
+        futures = [pool.submit(_write_chunk, ops, fd, data[o : o + chunk_bytes], o, on_chunk, block, turn)
                    for o in range(0, len(data), chunk_bytes)]
         wait(futures)  # every chunk finishes before the fd closes, failed or not
         crcs = tuple(c for f in futures for c in f.result())
@@ -115,8 +120,12 @@ def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk
         ops.close(fd)
 
 
+def _no_wait() -> None:
+    pass
+
+
 def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int, direct_io: str, ops: FileOps,
-               on_chunk: OnChunk | None = None) -> WrittenFile:
+               on_chunk: OnChunk | None = None, turn: Callable[[], None] = _no_wait) -> WrittenFile:
     """Write ``data`` to a new file at ``path`` in parallel chunks and fsync it.
 
     Args:
@@ -130,6 +139,8 @@ def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int
         on_chunk: called as ``on_chunk(offset, length)`` once a chunk is written and checksummed,
             after which the caller may reuse those bytes of ``data``. Only with ``direct_io``
             ``"on"`` or ``"off"``: the ``"auto"`` fallback rewrites the file from ``data``.
+        turn: called before each checksum block and each pwrite; it blocks while the training's update has
+            the host (:class:`persist_core.overlap.Turn`).
 
     Raises:
         OSError: the write or fsync failed (the caller removes the partial file's directory).
@@ -141,7 +152,7 @@ def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int
     if direct_io != "off" and hasattr(os, "O_DIRECT") and aligned:
         try:
             crcs = _write_all(str(path), data, flags | os.O_DIRECT, pool=pool, chunk_bytes=chunk_bytes, ops=ops,
-                              on_chunk=on_chunk)
+                              on_chunk=on_chunk, turn=turn)
             return WrittenFile(path.name, len(data), checksum_block(chunk_bytes), crcs, True)
         except OSError as e:
             if direct_io == "on" or e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
@@ -150,7 +161,8 @@ def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int
             path.unlink(missing_ok=True)
     elif direct_io == "on":
         raise OSError(errno.EINVAL, f"O_DIRECT needs a page-aligned buffer and os.O_DIRECT; cannot write {path}")
-    crcs = _write_all(str(path), data, flags, pool=pool, chunk_bytes=chunk_bytes, ops=ops, on_chunk=on_chunk)
+    crcs = _write_all(str(path), data, flags, pool=pool, chunk_bytes=chunk_bytes, ops=ops, on_chunk=on_chunk,
+                      turn=turn)
     return WrittenFile(path.name, len(data), checksum_block(chunk_bytes), crcs, False)
 
 

@@ -8,10 +8,18 @@ submits the write. The next ``optimizer.step()`` — the first thing that mutate
 that copy: the guard is an ``optimizer.register_step_pre_hook``. So the checkpoint is the state
 at the moment of ``save()`` while the next forward and backward run.
 
+While a guarded update runs, the background writes hold off (:class:`Turn`): from the fence to the
+optimizer's step post-hook, the writer threads checksum and write nothing, so the update has the
+host's cores to itself. The writes' host work (a crc32c of every byte, and the copy into the page
+cache where ``O_DIRECT`` is refused) then runs while the host waits for the device — or, in a
+CPU-bound loop, during the forward and backward — instead of slowing the update; ``O_DIRECT`` writes
+already in flight are the disk's DMA and go on.
+
 Who calls what: the engine calls :meth:`Overlap.deferred` and :meth:`Overlap.run` from ``save()``,
 and :meth:`Overlap.fence` before the next save, ``wait()`` and ``close()``; the guarded optimizers'
-step pre-hooks call :meth:`Overlap.fence` (Lightning runs forward and backward *inside*
-``optimizer.step(closure)``, so its adapter fences from ``on_before_optimizer_step`` instead).
+step pre-hooks call :meth:`Overlap.before_update` and their post-hooks ``turn.release`` (Lightning runs
+forward and backward *inside* ``optimizer.step(closure)``, so its adapter fences from
+``on_before_optimizer_step`` instead, and only the post-hook is installed).
 """
 
 from __future__ import annotations
@@ -26,6 +34,35 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
+
+
+class Turn:
+    """Whose turn the host is: the training's while a guarded update runs (:meth:`hold` to :meth:`release`),
+    the writers' otherwise. Writer threads call :meth:`wait` before each piece of host work; a hold that is
+    never released (an update that raised before its post-hook) ends by itself after ``max_hold_s``."""
+
+    def __init__(self, max_hold_s: float = 1.0) -> None:
+        self._open = threading.Event()
+        self._open.set()
+        self._until = 0.0
+        self.max_hold_s = max_hold_s
+        self.held_s = 0.0  # total time writers waited for updates (the price in D of not slowing them)
+
+    def hold(self) -> None:
+        self._until = time.monotonic() + self.max_hold_s
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def wait(self) -> None:
+        if self._open.is_set():
+            return
+        t0 = time.monotonic()
+        left = self._until - t0
+        if left > 0:
+            self._open.wait(left)
+        self.held_s += time.monotonic() - t0
 
 
 class Guard:
@@ -51,7 +88,8 @@ class Guard:
 class Overlap:
     """The background copy of guarded saves: one thread, in save order; :meth:`fence` waits for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, turn: Turn | None = None) -> None:
+        self.turn = turn or Turn()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="persist-copy")
         self._lock = threading.Lock()
         self._optimizers: list[Any] = []
@@ -68,7 +106,11 @@ class Overlap:
             assert fence is not None
             fence()
 
+        def post_hook(*_: Any) -> None:
+            self.turn.release()
+
         hooks = [] if fence is None else [opt.register_step_pre_hook(pre_hook) for opt in optimizers]
+        hooks += [opt.register_step_post_hook(post_hook) for opt in optimizers]
         with self._lock:
             self._optimizers.extend(optimizers)
         return Guard(self, optimizers, hooks)
@@ -95,8 +137,18 @@ class Overlap:
         self.runs += 1
         self._pending = self._thread.submit(fn)
 
+    def before_update(self) -> float:
+        """A guarded update is about to run: wait for the pending copy, then hold the writers off until the
+        optimizer's step post-hook; the seconds waited."""
+        waited = self.fence()
+        if self.active:
+            self.turn.hold()
+        return waited
+
     def fence(self) -> float:
-        """Wait for the pending background copy; the seconds waited."""
+        """Wait for the pending background copy; the seconds waited. Called outside an update (a save,
+        ``wait()``), it also gives the writers their turn back."""
+        self.turn.release()
         pending = self._pending
         if pending is None or pending.done():
             return 0.0

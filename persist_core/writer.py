@@ -78,8 +78,9 @@ class Writer:
 
     def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
                  after_commit: AfterCommit, write_threads: int, chunk_bytes: int, direct_io: str,
-                 on_nodes: Callable[[Nodes], None] | None = None) -> None:
+                 on_nodes: Callable[[Nodes], None] | None = None, turn: Callable[[], None] | None = None) -> None:
         self._root = root
+        self._turn = turn or (lambda: None)  # blocks while a guarded update has the host (overlap.Turn.wait)
         #: which ranks share local_dir: found out at the first save (one process: itself alone)
         self.nodes: Nodes | None = None if coll.world_size > 1 else discover_nodes(root, coll)
         self._on_nodes = on_nodes  # called once on the writer thread when the ranks turn out to be on several nodes
@@ -190,7 +191,7 @@ class Writer:
             name = job.filename or shard_filename(self._coll.rank)
             written = write_file(tmp / name, buf.memoryview(handle.stats.nbytes), pool=self._io,
                                  chunk_bytes=self._chunk_bytes, direct_io=self._direct_io, ops=self._ops,
-                                 on_chunk=on_chunk)
+                                 on_chunk=on_chunk, turn=self._turn)
             if not settled:  # "auto" found out what this file system takes; keep to it
                 self._direct_io = "on" if written.direct_io else "off"
             timing.update(write_s=time.perf_counter() - t0, direct_io=written.direct_io)
@@ -255,7 +256,8 @@ class Pipeline:
     def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
                  settings: WriteSettings, tier: RemoteTier | None, keep_local: RetentionPolicy | None,
                  keep_remote: RetentionPolicy | None, latest_step: Callable[[], int], remote_timeout_s: float = 300.0,
-                 max_unsynced_bytes: int | None = None, run_id: str | None = None) -> None:
+                 max_unsynced_bytes: int | None = None, run_id: str | None = None,
+                 turn: Callable[[], None] | None = None) -> None:
         self._root = root
         self._remote_timeout_s = remote_timeout_s
         self._max_unsynced = max_unsynced_bytes
@@ -268,7 +270,7 @@ class Pipeline:
         self.history = HistoryLog(root)  # what each save cost, for persist stats (rank 0 writes it)
         self.writer = Writer(root, pool=pool, coll=coll, ops=ops, ledger=ledger, after_commit=self._after_commit,
                              write_threads=settings.write_threads, chunk_bytes=settings.chunk_bytes,
-                             direct_io=settings.direct_io, on_nodes=self._on_nodes)
+                             direct_io=settings.direct_io, on_nodes=self._on_nodes, turn=turn)
         local = LocalTier(root)
         self.local = Retainer(local, keep_local, protected=self.protected)
         self._url = None if tier is None else tier.url  # before RemoteSync: its thread may upload a backlog at once

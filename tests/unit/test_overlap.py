@@ -117,3 +117,72 @@ def test_a_guarded_saves_duration_counts_its_background_copy(tmp_path):
         gate.set()
         handle.wait()
         assert handle.stats.stall_s + handle.stats.commit_s >= opened - called
+
+
+def test_a_turn_holds_writers_until_released_and_a_forgotten_hold_ends_by_itself():
+    from persist_core.overlap import Turn
+
+    turn = Turn()
+    turn.hold()
+    writer = threading.Thread(target=turn.wait)
+    writer.start()
+    writer.join(timeout=0.05)
+    assert writer.is_alive()  # held: the writer waits for the update to end
+    turn.release()
+    writer.join(timeout=5)
+    assert not writer.is_alive() and turn.held_s > 0
+    turn = Turn(max_hold_s=0.05)
+    turn.hold()  # never released (an update that raised before its post-hook)
+    t0 = time.perf_counter()
+    turn.wait()
+    assert 0.04 <= time.perf_counter() - t0 < 2
+
+
+def test_while_a_guarded_update_runs_the_background_writes_hold_off(tmp_path):
+    """From the fence to the optimizer's step post-hook the host is the update's: no checksum or pwrite of the
+    pending save runs (a CPU-bound update would otherwise share its cores with them); after it, the save commits."""
+    from persist_core.fileio import OsFileOps
+
+    inside, wrote, during = threading.Event(), threading.Event(), []
+
+    class Ops(OsFileOps):
+        def open(self, path, flags, mode=0o644):
+            inside.wait(timeout=10)  # the shard's write starts once the update runs (no race with the hold)
+            return super().open(path, flags, mode)
+
+        def pwrite(self, fd, data, offset):
+            wrote.set()
+            return super().pwrite(fd, data, offset)
+
+    model, opt = _model_and_optimizer()
+    with CheckpointEngine(tmp_path, file_ops=Ops()) as engine, engine.guard(opt):
+        handle = engine.save({"model": model.state_dict(), "optim": opt.state_dict()["state"]}, step=1)
+
+        def update(*_):  # registered after the guard's pre-hook: runs after its fence, inside the update
+            inside.set()
+            during.append(wrote.wait(timeout=0.2))
+
+        hook = opt.register_step_pre_hook(update)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        hook.remove()
+        handle.wait(timeout=30)  # the post-hook gave the writers their turn back
+        assert during == [False] and wrote.is_set()
+        assert engine._overlap.turn.held_s > 0.1
+        assert [c.step for c in engine.list()] == [1]
+
+
+def test_an_update_that_raises_does_not_leave_the_writes_held(tmp_path):
+    model, opt = _model_and_optimizer()
+    with CheckpointEngine(tmp_path) as engine, engine.guard(opt):
+        handle = engine.save({"model": model.state_dict()}, step=1)
+
+        def fail(*_):
+            raise RuntimeError("the update failed")
+
+        hook = opt.register_step_pre_hook(fail)  # after the guard's hold: the post-hook never runs
+        with pytest.raises(RuntimeError, match="the update failed"):
+            opt.step()
+        hook.remove()
+        engine.wait(timeout=30)  # outside any update: the writers have the host again
+        assert handle.done() and [c.step for c in engine.list()] == [1]
