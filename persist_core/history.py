@@ -161,15 +161,19 @@ def describe_summary(summary: dict[str, Any]) -> str:
 class HistoryLog:
     """``local_dir``'s record of what each save cost: one JSON line per event (``committed``, ``uploaded``),
     appended by rank 0's writer and sync threads, read by ``persist stats``. Best effort: a failed append is
-    logged and costs nothing else.
+    logged and costs nothing else. Bounded: once the file reaches ``max_bytes`` it becomes ``.history.jsonl.1``
+    (replacing the one before) and a new one starts, so a job saving every second for weeks keeps the last
+    ~50,000 to 100,000 records in at most 2 x ``max_bytes``.
 
     Args:
         root: ``local_dir``.
+        max_bytes: the size at which the file is rotated.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, max_bytes: int = 16 << 20) -> None:
         self._path = root / HISTORY_NAME
         self._lock = threading.Lock()
+        self.max_bytes = max_bytes
 
     def record(self, event: str, stats: SaveStats, **extra: Any) -> None:
         line = {"event": event, "step": stats.step, "wall": time.time(), **extra}
@@ -187,21 +191,30 @@ class HistoryLog:
                 fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
                 try:
                     os.write(fd, data)  # one write of one line: appends never interleave
+                    full = os.fstat(fd).st_size >= self.max_bytes
                 finally:
                     os.close(fd)
+                if full:
+                    os.replace(self._path, _rotated(self._path))
             except OSError as e:
                 log.warning("could not append to %s: %s", self._path, e)
+
+
+def _rotated(path: Path) -> Path:
+    return path.with_name(path.name + ".1")
 
 
 def read_history(root: Path) -> list[dict[str, Any]]:
     """Per step (ascending), what ``local_dir``'s history says of its save: the ``committed`` line's numbers
     and, once uploaded, the ``uploaded`` line's (``lag_s``, ``upload_gbps``). Unreadable lines are skipped."""
     by_step: dict[int, dict[str, Any]] = {}
-    try:
-        text = (root / HISTORY_NAME).read_text()
-    except FileNotFoundError:
-        return []
-    for raw in text.splitlines():
+    lines: list[str] = []
+    for path in (_rotated(root / HISTORY_NAME), root / HISTORY_NAME):  # the older records first
+        try:
+            lines += path.read_text().splitlines()
+        except FileNotFoundError:
+            pass
+    for raw in lines:
         try:
             line = json.loads(raw)
             step = int(line["step"])

@@ -1,0 +1,26 @@
+"""local_dir's save record (.history.jsonl, what ``persist stats`` reads) stays bounded for a job that saves
+every second for weeks, and what is kept reads back in order."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from persist_core.handle import SaveStats
+from persist_core.history import HistoryLog, read_history
+from persist_core.layout import HISTORY_NAME
+
+
+def test_the_history_rotates_at_its_limit_and_reads_back_the_newest_records(tmp_path):
+    log = HistoryLog(tmp_path, max_bytes=4000)
+    for step in range(1, 201):
+        stats = SaveStats(step=step, nbytes=1 << 20, stall_s=0.001, commit_s=0.2, write_gbps=1.0)
+        log.record("committed", stats)
+        log.record("uploaded", dataclasses.replace(stats, lag_s=0.5))
+    files = [tmp_path / HISTORY_NAME, tmp_path / (HISTORY_NAME + ".1")]
+    assert all(f.exists() for f in files)
+    assert sum(f.stat().st_size for f in files) < 2 * 4000 + 400  # two files at most, each about the limit
+    rows = read_history(tmp_path)
+    steps = [r["step"] for r in rows]
+    assert steps[-1] == 200 and steps == list(range(steps[0], 201))  # the newest, contiguous, in order
+    assert 1 not in steps  # the oldest were dropped
+    assert rows[-1]["durable_s"] > 0.2 and rows[-1]["lag_s"] == 0.5
