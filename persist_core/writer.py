@@ -259,6 +259,7 @@ class Pipeline:
                  max_unsynced_bytes: int | None = None, run_id: str | None = None,
                  turn: Callable[[], None] | None = None) -> None:
         self._root = root
+        self._turn = turn or (lambda: None)
         self._remote_timeout_s = remote_timeout_s
         self._max_unsynced = max_unsynced_bytes
         self._gave_up = False  # the last drain gave up on the remote
@@ -317,6 +318,7 @@ class Pipeline:
         """Local retention, where this rank applies it: rank 0, and the leader of each other node (the same
         policy over the same committed steps, keeping what rank 0 says is not uploaded: the same steps go)."""
         if self._node_leader():
+            self._turn()  # deleting a checkpoint is kernel work on the cores a guarded update is using
             self.local.apply()
 
     def _after_round(self) -> None:
