@@ -35,6 +35,7 @@ from persist_core.fileio import FileOps, OsFileOps
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import SaveHistory
 from persist_core.overlap import Guard, Overlap
+from persist_core.pipeline import Pipeline
 from persist_core.planning.save import PlanCache, plan_rank
 from persist_core.planning.sharding import check_replica_mode
 from persist_core.policies.retention import RetentionPolicy, check_policy
@@ -46,7 +47,7 @@ from persist_core.staging import StagingPool, stage_into
 from persist_core.tiers.local import open_local_dir
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.tier import CheckpointInfo
-from persist_core.writer import Pipeline, WriteJob
+from persist_core.writer import WriteJob
 
 log = logging.getLogger(__name__)
 
