@@ -272,8 +272,10 @@ class CheckpointEngine:
         may mutate (module buffers, counters, RNG states), the guarded optimizers' parameters and state are
         copied in the background while the next forward and backward run, and each optimizer's next
         ``step()`` waits for that copy (an ``optimizer.register_step_pre_hook``). The checkpoint is the state
-        at the moment of ``save()``. ``handle.wait_staged()`` waits for the copy; ``guard(...).remove()``
-        (or ``with engine.guard(opt):``) undoes it. Without a guard ``save()`` returns once everything is copied.
+        at the moment of ``save()``. While a guarded ``step()`` runs, the background writes hold off (a step
+        post-hook gives them their turn back), so their checksums do not take the cores a CPU-side update
+        needs. ``handle.wait_staged()`` waits for the copy; ``guard(...).remove()`` (or
+        ``with engine.guard(opt):``) undoes it. Without a guard ``save()`` returns once everything is copied.
 
         ``step_hook=False``: no step pre-hook; the caller calls :meth:`fence` itself before the update
         (Lightning runs forward and backward *inside* ``optimizer.step(closure)``, so a pre-hook would
