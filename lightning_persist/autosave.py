@@ -68,6 +68,10 @@ class PersistOverlap(Callback):
         if self._guard is not None:
             self.fence_s += self._io._get_engine().fence()
 
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        if self._guard is not None:  # the writes' turn, also when a GradScaler skipped the step (no post-hook)
+            self._io._get_engine().after_update()
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._guard is not None:
             engine = self._io._get_engine()

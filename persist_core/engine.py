@@ -303,6 +303,12 @@ class CheckpointEngine:
             log.debug("[rank=%d] the update waited %.3f s for the checkpoint copy", self._coll.rank, waited)
         return waited
 
+    def after_update(self) -> None:
+        """The guarded update is over: the background writes may use the cores again. The guard's step
+        post-hook calls it; call it yourself where the step a fence announced may not run (Lightning's
+        callback does at the end of each batch: a ``GradScaler`` skips the step when gradients overflow)."""
+        self._overlap.turn.release()
+
     def _finish_staging(self, job: WriteJob, later: Callable[[], float]) -> None:
         """Copy thread: the deferred copies of a guarded save, then its write (or its failure, recorded)."""
         handle = job.handle

@@ -118,6 +118,7 @@ class Overlap:
     def _drop(self, optimizers: tuple[Any, ...]) -> None:
         with self._lock:
             self._optimizers = [o for o in self._optimizers if not any(o is p for p in optimizers)]
+        self.turn.release()  # no post-hook of theirs will end a hold now
 
     def deferred(self) -> set[int]:
         """Storage addresses of the guarded optimizers' parameters and state tensors: copied in the background."""

@@ -186,3 +186,25 @@ def test_an_update_that_raises_does_not_leave_the_writes_held(tmp_path):
         hook.remove()
         engine.wait(timeout=30)  # outside any update: the writers have the host again
         assert handle.done() and [c.step for c in engine.list()] == [1]
+
+
+def test_a_fence_whose_step_never_runs_is_ended_by_after_update_or_by_removing_the_guard(tmp_path):
+    """Lightning fences in on_before_optimizer_step, and a GradScaler may then skip the step (no post-hook):
+    its callback calls after_update() at the batch's end; removing the guard ends a hold too."""
+    model, opt = _model_and_optimizer()
+    with CheckpointEngine(tmp_path) as engine:
+        guard = engine.guard(opt, step_hook=False)
+        turn = engine._overlap.turn
+        engine.fence()  # the update is about to run ... and is skipped
+        writer = threading.Thread(target=turn.wait)
+        writer.start()
+        writer.join(timeout=0.05)
+        assert writer.is_alive()
+        engine.after_update()
+        writer.join(timeout=5)
+        assert not writer.is_alive()
+        engine.fence()
+        guard.remove()
+        t0 = time.perf_counter()
+        turn.wait()
+        assert time.perf_counter() - t0 < 0.5  # not the 1 s a forgotten hold lasts
