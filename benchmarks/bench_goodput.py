@@ -19,7 +19,8 @@ pairs) measure the step time,
 a save's cost to training ``C`` (the time saving adds per save, at least its stall plus the fence's
 waits), its duration ``D`` and a restart's time; then per MTBF the fixed intervals ``EveryNSteps`` at
 0.5x, 1x and 2x the Young/Daly interval ``sqrt(2 C MTBF)`` (so the best fixed interval tried is a strong
-one), ``Continuous()`` and ``OptimalInterval(mtbf_s=MTBF)``, each on the same failure sequences,
+one; when all three are shorter than 1.5 D, where fixed intervals queue behind the previous save, also the
+first interval >= 1.5 D), ``Continuous()`` and ``OptimalInterval(mtbf_s=MTBF)``, each on the same failure sequences,
 interleaved. Reported: goodput; goodput with each restart counted at the median restart time (an
 interpreter start slower than usual — this machine is shared — given back at the job's own rate: the
 policies cannot change how long importing torch takes); Young/Daly's prediction at each policy's own
@@ -220,6 +221,11 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
     for mtbf in mtbfs:
         best = math.sqrt(2 * cal["C"] * mtbf)  # Young/Daly: seconds between saves
         grid = sorted({max(1, round(k * best / cal["step_s"])) for k in (0.5, 1.0, 2.0)})
+        # where Young/Daly's interval is under D every grid point queues behind the previous save: then the
+        # grid also tries the first interval >= 1.5 D (about where continuous itself saves)
+        keeps_up = max(1, math.ceil(1.5 * cal["D"] / cal["step_s"]))
+        if grid[-1] < keeps_up:
+            grid.append(keeps_up)
         policies = [(f"every {n} steps", f"EveryNSteps({n})") for n in grid]
         policies += [("continuous", "Continuous()"), (f"optimal (mtbf {mtbf:g} s)", f"OptimalInterval(mtbf_s={mtbf})")]
         rng = random.Random(args.seed + int(mtbf))
