@@ -179,21 +179,19 @@ def calibrate(args: argparse.Namespace, setting: str, out: Path) -> dict:
     if any(cont["summary"] is None or not bare["rate"] for bare, cont in pairs):
         raise SystemExit(f"--horizon {args.horizon:g} s is too short for a calibration ({setting}); give it at "
                          "least 10 s")
-    costs, rows = [], []
+    rows = []
     for bare, cont in pairs:
-        summary = cont["summary"]["summary"]
+        summary, fence_s = cont["summary"]["summary"], cont["summary"]["fence_s"]
         stall = summary["stall_p50_s"] or 0.0
         saves = max(summary["saves"], 1)
         # C, a save's cost to training: the time saving adds per save (stall, fence waits, slower steps), at
         # least what the engine measured directly (its stall and the fence's waits)
         extra = (1 / cont["rate"] - 1 / bare["rate"]) * summary["steps"] / saves if summary.get("steps") else 0.0
-        costs.append(max(extra, stall + cont["summary"]["fence_s"] / saves, 1e-4))
-        rows.append((1 / bare["rate"], stall, summary["save_p50_s"] or 0.0, summary["saves"], cont["summary"]["fence_s"],
-                     summary.get("write_slowdown")))
-    med = statistics.median
-    return {"step_s": med(r[0] for r in rows), "C": med(costs), "C_each": costs, "D": med(r[2] for r in rows),
-            "stall": med(r[1] for r in rows), "saves": round(med(r[3] for r in rows)),
-            "fence_s": med(r[4] for r in rows), "slowdown": _med([r[5] for r in rows]),
+        rows.append({"step_s": 1 / bare["rate"], "C": max(extra, stall + fence_s / saves, 1e-4), "stall": stall,
+                     "D": summary["save_p50_s"] or 0.0, "saves": summary["saves"], "fence_s": fence_s,
+                     "slowdown": summary.get("write_slowdown")})
+    cal = {k: _med([r[k] for r in rows]) for k in rows[0]}
+    return {**cal, "saves": round(cal["saves"]), "C_each": [r["C"] for r in rows],
             "restart_s": _med([x for pair in pairs for r in pair for x in r["restarts"]])}
 
 

@@ -88,11 +88,10 @@ def checksum_block(chunk_bytes: int) -> int:
 
 def _write_chunk(ops: FileOps, fd: int, data: memoryview, offset: int, on_chunk: OnChunk | None,
                  block: int, turn: Callable[[], None]) -> tuple[int, ...]:
-    crcs = []
+    crc = []
     for o in range(0, len(data), block):
-        turn()
-        crcs.append(crc32c.crc32c(data[o : o + block]))
-    crc = tuple(crcs)
+        turn()  # waits while a guarded update has the cores
+        crc.append(crc32c.crc32c(data[o : o + block]))
     turn()
     done = 0
     while done < len(data):
@@ -102,7 +101,7 @@ def _write_chunk(ops: FileOps, fd: int, data: memoryview, offset: int, on_chunk:
         done += n
     if on_chunk is not None:
         on_chunk(offset, len(data))
-    return crc
+    return tuple(crc)
 
 
 def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk_bytes: int, ops: FileOps,
@@ -120,12 +119,12 @@ def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk
         ops.close(fd)
 
 
-def _no_wait() -> None:
-    pass
+def no_wait() -> None:
+    """The ``turn`` of writes that never yield (no guarded update to wait for)."""
 
 
 def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int, direct_io: str, ops: FileOps,
-               on_chunk: OnChunk | None = None, turn: Callable[[], None] = _no_wait) -> WrittenFile:
+               on_chunk: OnChunk | None = None, turn: Callable[[], None] = no_wait) -> WrittenFile:
     """Write ``data`` to a new file at ``path`` in parallel chunks and fsync it.
 
     Args:

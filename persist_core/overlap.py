@@ -88,8 +88,8 @@ class Guard:
 class Overlap:
     """The background copy of guarded saves: one thread, in save order; :meth:`fence` waits for it."""
 
-    def __init__(self, turn: Turn | None = None) -> None:
-        self.turn = turn or Turn()
+    def __init__(self) -> None:
+        self.turn = Turn()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="persist-copy")
         self._lock = threading.Lock()
         self._optimizers: list[Any] = []

@@ -22,7 +22,7 @@ from persist_core.assembly import Coordinator, Follower, uploads_channel
 from persist_core.commit import Nodes
 from persist_core.distributed import Collectives
 from persist_core.errors import RemoteError, WriteError
-from persist_core.fileio import FileOps
+from persist_core.fileio import FileOps, no_wait
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import HistoryLog
@@ -62,9 +62,9 @@ class Pipeline:
                  settings: WriteSettings, tier: RemoteTier | None, keep_local: RetentionPolicy | None,
                  keep_remote: RetentionPolicy | None, latest_step: Callable[[], int], remote_timeout_s: float = 300.0,
                  max_unsynced_bytes: int | None = None, run_id: str | None = None,
-                 turn: Callable[[], None] | None = None) -> None:
+                 turn: Callable[[], None] = no_wait) -> None:
         self._root = root
-        self._turn = turn or (lambda: None)
+        self._turn = turn
         self._remote_timeout_s = remote_timeout_s
         self._max_unsynced = max_unsynced_bytes
         self._gave_up = False  # the last drain gave up on the remote

@@ -24,7 +24,7 @@ from typing import Any
 from persist_core.commit import Nodes, commit_checkpoint, discover_nodes
 from persist_core.distributed import Collectives
 from persist_core.errors import PersistError, StepExistsError, WriteError
-from persist_core.fileio import CHECKSUM_ALGORITHM, FileOps, write_file
+from persist_core.fileio import CHECKSUM_ALGORITHM, FileOps, no_wait, write_file
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.layout import shard_filename
@@ -67,9 +67,9 @@ class Writer:
 
     def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
                  after_commit: AfterCommit, write_threads: int, chunk_bytes: int, direct_io: str,
-                 on_nodes: Callable[[Nodes], None] | None = None, turn: Callable[[], None] | None = None) -> None:
+                 on_nodes: Callable[[Nodes], None] | None = None, turn: Callable[[], None] = no_wait) -> None:
         self._root = root
-        self._turn = turn or (lambda: None)  # blocks while a guarded update has the host (overlap.Turn.wait)
+        self._turn = turn  # blocks while a guarded update has the host (overlap.Turn.wait)
         #: which ranks share local_dir: found out at the first save (one process: itself alone)
         self.nodes: Nodes | None = None if coll.world_size > 1 else discover_nodes(root, coll)
         self._on_nodes = on_nodes  # called once on the writer thread when the ranks turn out to be on several nodes
