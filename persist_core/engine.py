@@ -32,6 +32,7 @@ from persist_core._knobs import WriteSettings
 from persist_core.distributed import Collectives, check_collectives, decision_channel
 from persist_core.errors import ConfigError, PersistError, RemoteError
 from persist_core.fileio import FileOps, OsFileOps
+from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import SaveHistory
 from persist_core.overlap import Guard, Overlap
@@ -179,9 +180,9 @@ class CheckpointEngine:
         self._tier = tier
         self._ledger = ErrorLedger()
         self._history = SaveHistory(clock)
-        self._pool = StagingPool(settings.max_pending, pin=torch.cuda.is_available())
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._overlap = Overlap()
+        self._pool = StagingPool(settings.max_pending, pin=torch.cuda.is_available(), turn=self._overlap.turn.wait)
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pipeline = Pipeline(self._root, pool=self._pool, coll=self._coll, ops=file_ops or OsFileOps(),
                                   ledger=self._ledger, settings=settings, tier=tier, keep_local=keep_local,
                                   keep_remote=keep_remote, latest_step=lambda: self._latest_step,
@@ -198,7 +199,7 @@ class CheckpointEngine:
                                         grace_s=check_grace(preemption_grace_s), coll=self._coll,
                                         history=self._history, clock=clock, in_flight=self._writer.in_flight,
                                         known=self._known, wait=self.wait)
-        self._reader = CheckpointReader(self._root, verify=verify, tier=tier)
+        self._reader = CheckpointReader(self._root, verify=verify, tier=tier, on_loaded=self._loaded)
         _close_at_exit(self)
 
     # ------------------------------------------------------------------ save
@@ -440,6 +441,7 @@ class CheckpointEngine:
             if self._own_notice is not None:
                 self._own_notice.restore()
             self._overlap.close()
+            self._pool.close()
             self._pipeline.close()
             if self._tier is not None:
                 self._tier.close()
@@ -530,6 +532,17 @@ class CheckpointEngine:
         if self._reader.loaded_from_remote:  # a fresh machine: this run continues the one that wrote it
             self._pipeline.adopt_remote_run()
         return state
+
+
+    def _loaded(self, manifest: Manifest) -> None:
+        """A load (this engine's, or its reader's under an adapter) returned ``manifest``'s checkpoint: the
+        next saves will be about as large, so the staging buffers are allocated and their pages faulted in
+        now, in the background, instead of by the first save's copy (which the next update would wait for)."""
+        sizes = [f.size for f in manifest.files if f.rank == self._coll.rank]
+        if manifest.world_size != self._coll.world_size or not sizes:  # another world size: an even share
+            sizes = [-(-sum(f.size for f in manifest.files) // self._coll.world_size)]
+        if not self._closed:
+            self._pool.warm(max(sizes))
 
 
 def _close_at_exit(engine: CheckpointEngine) -> None:

@@ -59,6 +59,8 @@ class CheckpointReader:
         storage_options: passed to fsspec as-is.
         verify: check crc32c checksums on load (default True).
         tier: an already open :class:`RemoteTier` to share (the engine passes its own).
+        on_loaded: called with the manifest of each checkpoint a :meth:`load` returns (the engine warms
+            its staging buffers for saves of that size).
 
     Raises:
         ConfigError: ``local_dir`` cannot be created, or the remote URL cannot be used.
@@ -72,6 +74,7 @@ class CheckpointReader:
         storage_options: dict[str, Any] | None = None,
         verify: bool = True,
         tier: RemoteTier | None = None,
+        on_loaded: Callable[[Manifest], None] | None = None,
     ) -> None:
         self._root = Path(os.fspath(_knobs.check_local_dir(local_dir)).removeprefix("file://")).expanduser().absolute()
         try:
@@ -87,6 +90,8 @@ class CheckpointReader:
         self.loaded_step: int | None = None  # the step the last successful load() returned (a resume point)
         self.loaded_from_remote = False  # ... and it was downloaded (a fresh machine resuming the remote's run)
         self.last_load = LoadStats()  # what the last load(into=...) needed and read
+        self._on_loaded = on_loaded
+        self._manifest: Manifest | None = None  # the manifest the last read went by
 
     @property
     def local_dir(self) -> Path:
@@ -223,6 +228,8 @@ class CheckpointReader:
                 log.warning("[step=%d] skipping: %s", candidate, e)
                 continue
             self.loaded_step, self.loaded_from_remote = candidate, from_remote
+            if self._on_loaded is not None and self._manifest is not None:
+                self._on_loaded(self._manifest)
             return state
         where = f"{self._root}" + (f" nor {self._tier.url}" if self._tier else "")
         raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {where}")
@@ -271,6 +278,7 @@ class CheckpointReader:
             ckpt = checkpoint_dir(self._root, step)
             try:
                 manifest = read_manifest(ckpt)
+                self._manifest = manifest
                 return load_into(manifest, into, pool=self._pool, options=opts, where=str(ckpt), stats=self.last_load,
                                  read_blocks=self._blocks(ckpt, manifest, opts)), False
             except CorruptCheckpointError as e:
@@ -281,6 +289,7 @@ class CheckpointReader:
         assert self._tier is not None
         tier = self._tier
         manifest = tier.read_manifest(step)
+        self._manifest = manifest
         stats = self.last_load
 
         def remote_blocks(f: Any, first: int, views: list[memoryview]) -> None:
@@ -296,6 +305,7 @@ class CheckpointReader:
         if in_local:
             try:
                 manifest = read_manifest(ckpt)
+                self._manifest = manifest
                 if manifest.elsewhere():  # a node's copy: this node's files from disk, the others' streamed
                     return load_into(manifest, {}, pool=self._pool, options=opts, where=str(ckpt),
                                      stats=self.last_load, read_blocks=self._blocks(ckpt, manifest, opts))
@@ -314,6 +324,7 @@ class CheckpointReader:
         assert self._tier is not None
         tier, stats = self._tier, self.last_load
         manifest = tier.read_manifest(step)
+        self._manifest = manifest
         name = f"{tier.url}/{checkpoint_dirname(step)}"
         self._downloads += 1
         copy = LocalCopy(self._root, manifest)

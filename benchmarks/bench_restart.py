@@ -1,0 +1,142 @@
+"""A restarted job's first saves: with the staging buffer warmed after the load (the default) against without.
+
+A preemptible job restarts in a fresh process: it loads the newest checkpoint, then trains and saves. The
+first save's copy goes into a staging buffer nobody has touched, so it also faults in every page of it
+(here 2.7x a copy into a reused buffer; in a fresh process of a VM up to 20x, the hypervisor backing the
+memory on first touch), and with ``engine.guard(opt)`` the next update waits for that copy. Since the
+load says how large the next saves are, the engine allocates the buffer and faults its pages in on a
+background thread during the load (``StagingPool.warm``); this benchmark measures what that changes.
+
+After one discarded process (the first after the setup pays the VM's backing of fresh memory, whichever
+variant it runs), each round starts two fresh processes, in alternating order: ``warm`` (the engine as it is) and ``cold``
+(``StagingPool.warm`` switched off: the behaviour before it). Each one loads the checkpoint of the
+accelerator-like job of the goodput benchmark (4 x Linear(--width) and SGD-with-momentum state; the host
+waits --step-ms of "device time", then updates in place), then takes --steps steps, saving after each
+(guarded). Per process: the load's time, the first save's background copy, and what the updates waited for
+copies (the fence) over the steps, the time from the load's start to the last update (whatever the
+warm-up takes from the load shows there); the copy floor, measured in the same process: a plain copy of the state
+into memory already touched. Medians over --rounds rounds.
+
+    .venv/bin/python benchmarks/bench_restart.py [--width 6144] [--step-ms 400] [--steps 3] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build(width: int):
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)  # fixed gradients: the device's backward, done
+    return model, opt
+
+
+def child(work: str, width: int, step_ms: float, steps: int, variant: str) -> None:
+    """One restarted job; prints one JSON line."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from persist_core import CheckpointEngine, KeepLastN
+    from persist_core.staging import StagingPool
+
+    model, opt = build(width)
+    if variant == "setup":
+        opt.step()
+        with CheckpointEngine(work, keep_local=KeepLastN(2)) as engine:
+            engine.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}, step=1)
+        return
+    if variant == "cold":
+        StagingPool.warm = lambda self, nbytes: None  # the behaviour before the warm-up
+    engine = CheckpointEngine(work, keep_local=KeepLastN(2))
+    t0 = time.perf_counter()
+    state = engine.load()
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    load_s = time.perf_counter() - t0
+    start = state["step"]
+    del state
+    engine.guard(opt)
+    handles, fence0 = [], engine._overlap.fence_s
+    for step in range(start + 1, start + 1 + steps):
+        time.sleep(step_ms / 1000)
+        opt.step()  # the guard's fence: waits for the previous save's background copy
+        handles.append(engine.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step))
+    time.sleep(step_ms / 1000)
+    opt.step()
+    fence_s = engine._overlap.fence_s - fence0
+    total_s = time.perf_counter() - t0
+    engine.close()
+    nbytes = handles[0].stats.nbytes
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]
+                     + [s["momentum_buffer"].reshape(-1) for s in opt.state.values()])
+    into = torch.empty_like(flat)
+    into.copy_(flat)  # touched once: the copy below is the floor
+    t = time.perf_counter()
+    into.copy_(flat)
+    floor_s = time.perf_counter() - t
+    print(json.dumps({"variant": variant, "load_s": load_s, "first_copy_s": handles[0].stats.staging_s,
+                      "fence_s": fence_s, "total_s": total_s, "floor_s": floor_s, "nbytes": nbytes}), flush=True)
+
+
+def run(work: str, args: argparse.Namespace, variant: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", work, "--variant", variant, "--width", str(args.width),
+                          "--step-ms", str(args.step_ms), "--steps", str(args.steps)],
+                         check=True, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--width", type=int, default=6144)
+    parser.add_argument("--step-ms", type=float, default=400.0)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--child")
+    parser.add_argument("--variant", default="warm")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.width, args.step_ms, args.steps, args.variant)
+        return
+    results: dict[str, list[dict]] = {"warm": [], "cold": []}
+    with tempfile.TemporaryDirectory(prefix="bench-restart-") as work:
+        run(work, args, "setup")
+        run(work, args, "cold")  # discarded: the first process after the setup pays the VM's first touch either way
+        for r in range(args.rounds):
+            for variant in (("warm", "cold") if r % 2 == 0 else ("cold", "warm")):
+                results[variant].append(run(work, args, variant))
+                print(f"round {r + 1} {variant}: {json.dumps(results[variant][-1])}", flush=True)
+
+    def med(variant: str, key: str) -> float:
+        return statistics.median(x[key] for x in results[variant])
+
+    gb = results["warm"][0]["nbytes"] / 1e9
+    print(f"\nA restarted job: load a {gb:.2f} GB checkpoint, then {args.steps} guarded saves, one per "
+          f"{args.step_ms:g} ms step (medians of {args.rounds} rounds, fresh processes, alternating)")
+    print(f"{'':34}{'warm (default)':>16}{'cold (before)':>16}{'warm / cold':>13}")
+    for key, label in (("load_s", "load + load_state_dict (s)"), ("first_copy_s", "first save's copy (s)"),
+                       ("fence_s", f"updates waited, {args.steps} steps (s)"),
+                       ("total_s", "load to the last update (s)")):
+        w, c = med("warm", key), med("cold", key)
+        print(f"{label:34}{w:16.3f}{c:16.3f}{(w / c if c else float('nan')):13.2f}")
+    floor = statistics.median(x["floor_s"] for v in results.values() for x in v)
+    print(f"copy floor (a copy into touched memory): {floor:.3f} s; first save's copy / floor: warm "
+          f"{med('warm', 'first_copy_s') / floor:.2f}x, cold {med('cold', 'first_copy_s') / floor:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
