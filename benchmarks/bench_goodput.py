@@ -106,6 +106,9 @@ def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: f
             opt.zero_grad()
         engine.maybe_save(lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step)
         print(json.dumps({"event": "step", "step": step}), flush=True)
+        if step - start == 3:  # where the calibration's rates start (see run_policy): what came before
+            print(json.dumps({"event": "steady", "saves": engine.summary()["saves"],
+                              "fence_s": engine._overlap.fence_s}), flush=True)
         if step % 10 == 0:
             summary = {**engine.summary(), "steps": step - start}
             print(json.dumps({"event": "summary", "summary": summary, "fence_s": engine._overlap.fence_s}), flush=True)
@@ -119,7 +122,7 @@ def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: li
     t0 = time.perf_counter()
     horizon = t0 + args.horizon
     kills = [t0 + f for f in failures if f < args.horizon]
-    lost, restarts, reached, best, first_step, last_step = [], [], 0, None, None, None
+    lost, restarts, reached, best, first_step, last_step, steady = [], [], 0, None, None, None, None
     while True:
         spawned = time.perf_counter()
         if spawned >= horizon:
@@ -130,7 +133,7 @@ def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: li
                                 stdout=subprocess.PIPE, text=True)
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
-        started = None
+        started, start_step = None, None
         while True:
             left = deadline - time.perf_counter()
             if left <= 0:
@@ -144,12 +147,15 @@ def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: li
             ev = json.loads(line)
             now = time.perf_counter()
             if ev["event"] == "start":
-                started = now
+                started, start_step = now, ev["step"]
                 restarts.append(now - spawned)  # importing torch, opening the engine, loading
             elif ev["event"] == "step":
                 reached = ev["step"]
-                first_step = first_step or (now, reached)
+                if first_step is None and reached - (start_step or 0) >= 3:
+                    first_step = (now, reached)  # the rate from here: past a fresh process's first save (below)
                 last_step = (now, reached)
+            elif ev["event"] == "steady" and steady is None:
+                steady = ev
             elif ev["event"] == "summary" and (best is None or ev["summary"]["saves"] >= best["summary"]["saves"]):
                 best = ev  # the engine's numbers of the longest-running process
         proc.wait()
@@ -159,10 +165,14 @@ def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: li
         if deadline < horizon:  # a failure: what the next process starts from is the newest committed step
             lost.append(reached - (max(committed_steps(local), default=0) if local.exists() else 0))
     shutil.rmtree(local, ignore_errors=True)
+    # steps per second from the first process's third step on: its first save copied into memory the process
+    # had never touched, which on this VM costs up to 15x a copy (the hypervisor backs each page on first
+    # touch) and makes the next update wait ~1 s at 1.2 GB; a restart pays that again (it is in the
+    # goodput), a long job once (it is not C, the cost of each save, which the calibration reads from this)
     rate = ((last_step[1] - first_step[1]) / (last_step[0] - first_step[0])
             if first_step and last_step and last_step[0] > first_step[0] else None)
     return {"progress": reached, "failures": len(kills), "lost": lost, "restarts": restarts, "summary": best,
-            "rate": rate}
+            "rate": rate, "steady": steady}
 
 
 def _med(values: list) -> float | None:
@@ -181,14 +191,15 @@ def calibrate(args: argparse.Namespace, setting: str, out: Path) -> dict:
                          "least 10 s")
     rows = []
     for bare, cont in pairs:
-        summary, fence_s = cont["summary"]["summary"], cont["summary"]["fence_s"]
+        summary, steady = cont["summary"]["summary"], cont["steady"] or {"saves": 0, "fence_s": 0.0}
+        fence_s = cont["summary"]["fence_s"] - steady["fence_s"]  # from the third step on, as the rates
         stall = summary["stall_p50_s"] or 0.0
-        saves = max(summary["saves"], 1)
+        saves = max(summary["saves"] - steady["saves"], 1)
         # C, a save's cost to training: the time saving adds per save (stall, fence waits, slower steps), at
         # least what the engine measured directly (its stall and the fence's waits)
-        extra = (1 / cont["rate"] - 1 / bare["rate"]) * summary["steps"] / saves if summary.get("steps") else 0.0
+        extra = (1 / cont["rate"] - 1 / bare["rate"]) * (summary["steps"] - 3) / saves if summary.get("steps") else 0.0
         rows.append({"step_s": 1 / bare["rate"], "C": max(extra, stall + fence_s / saves, 1e-4), "stall": stall,
-                     "D": summary["save_p50_s"] or 0.0, "saves": summary["saves"], "fence_s": fence_s,
+                     "D": summary["save_p50_s"] or 0.0, "saves": saves, "fence_s": fence_s,
                      "slowdown": summary.get("write_slowdown")})
     cal = {k: _med([r[k] for r in rows]) for k in rows[0]}
     return {**cal, "saves": round(cal["saves"]), "C_each": [r["C"] for r in rows],
@@ -206,8 +217,9 @@ def _goodput(r: dict, restart_s: float, step_s: float) -> tuple[float, float]:
 def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[float]) -> tuple[list[str], dict]:
     cal = calibrate(args, setting, out / setting)
     lines = [f"### {setting}: {SETTINGS[setting]}", "",
-             f"Calibration (uninterrupted, {args.horizon:g} s): {cal['step_s'] * 1e3:.0f} ms a step without saves; "
-             f"saving continuously ({cal['saves']} saves) costs C = {cal['C'] * 1e3:.1f} ms of training per save "
+             f"Calibration (uninterrupted, {args.horizon:g} s; rates and counts from each job's third step on, past "
+             f"its first save's copy into never-touched memory, a one-time cost each restart pays): "
+             f"{cal['step_s'] * 1e3:.0f} ms a step without saves; saving continuously ({cal['saves']} saves) costs C = {cal['C'] * 1e3:.1f} ms of training per save "
              f"(the time it adds per save: stall P50 {cal['stall'] * 1e3:.1f} ms, fence waits {cal['fence_s']:.2f} s "
              f"in all, slower steps), a save takes D = {cal['D']:.3f} s from save() to committed; a restart takes "
              f"{cal['restart_s']:.1f} s (importing torch, loading). C of the two pairs: "

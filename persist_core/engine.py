@@ -34,7 +34,7 @@ from persist_core.errors import ConfigError, PersistError, RemoteError
 from persist_core.fileio import FileOps, OsFileOps
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
-from persist_core.history import SaveHistory
+from persist_core.history import SaveHistory, recent_costs
 from persist_core.overlap import Guard, Overlap
 from persist_core.pipeline import Pipeline
 from persist_core.planning.save import PlanCache, plan_rank
@@ -179,7 +179,7 @@ class CheckpointEngine:
             raise
         self._tier = tier
         self._ledger = ErrorLedger()
-        self._history = SaveHistory(clock)
+        self._history = SaveHistory(clock, prior=recent_costs(self._root))  # a restarted job: what saves cost
         self._overlap = Overlap()
         self._pool = StagingPool(settings.max_pending, pin=torch.cuda.is_available(), turn=self._overlap.turn.wait)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -188,7 +188,7 @@ class CheckpointEngine:
                                   keep_remote=keep_remote, latest_step=lambda: self._latest_step,
                                   remote_timeout_s=settings.remote_timeout_s,
                                   max_unsynced_bytes=settings.max_unsynced_bytes, run_id=run_id,
-                                  turn=self._overlap.turn.wait)
+                                  turn=self._overlap.turn.wait, slowdown=self._history.meter.slowdown)
         self._writer = self._pipeline.writer
         if isinstance(preemption, str):
             if preemption != "default":
@@ -490,6 +490,7 @@ class CheckpointEngine:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step={step!r} must be a non-negative int (the step resumed from)")
         self._resumed = step
+        self._history.resumed()
         if from_remote:
             self._pipeline.adopt_remote_run()
 
@@ -535,12 +536,14 @@ class CheckpointEngine:
 
 
     def _loaded(self, manifest: Manifest) -> None:
-        """A load (this engine's, or its reader's under an adapter) returned ``manifest``'s checkpoint: the
-        next saves will be about as large, so the staging buffers are allocated and their pages faulted in
-        now, in the background, instead of by the first save's copy (which the next update would wait for)."""
+        """A load (this engine's, or its reader's under an adapter) returned ``manifest``'s checkpoint: this
+        process continues from it (the save decisions' interval counts from now), and the next saves will be
+        about as large, so the staging buffers are allocated and their pages faulted in now, in the
+        background, instead of by the first save's copy (which the next update would wait for)."""
         sizes = [f.size for f in manifest.files if f.rank == self._coll.rank]
         if manifest.world_size != self._coll.world_size or not sizes:  # another world size: an even share
             sizes = [-(-sum(f.size for f in manifest.files) // self._coll.world_size)]
+        self._history.resumed()  # an interval policy counts from this checkpoint
         if not self._closed:
             self._pool.warm(max(sizes))
 

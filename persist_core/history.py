@@ -16,6 +16,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,20 +72,38 @@ class SlowdownMeter:
         return max(0.0, statistics.median(self._writing) / idle - 1.0) if idle > 0 else None
 
 
+@dataclass(frozen=True)
+class Prior:
+    """What saves cost the process that wrote ``local_dir`` before this one (:func:`recent_costs`): a
+    restarted job's decisions start from it instead of from nothing, until its own saves are measured."""
+
+    cost_s: float  # one save's cost to training: stall, plus the slowdown over its write
+    commit_s: float  # from save() to committed
+    slowdown: float | None  # how much slower training ran while a save was written
+
+
 class SaveHistory:
     """The saves an engine started, and what they cost.
 
     Args:
         clock: the monotonic clock of the engine's decisions.
         maxlen: saves remembered (the oldest are forgotten first).
+        prior: what saves cost the previous process on this ``local_dir`` (its history file), used until
+            this process measures its own.
     """
 
-    def __init__(self, clock: Clock, maxlen: int = 10_000) -> None:
+    def __init__(self, clock: Clock, maxlen: int = 10_000, prior: Prior | None = None) -> None:
         self._clock = clock
         self._started = clock()
         self._lock = threading.Lock()
         self._saves: deque[tuple[float, int, SaveHandle]] = deque(maxlen=maxlen)
         self.meter = SlowdownMeter()
+        self.prior = prior
+        self._resumed_at: float | None = None
+
+    def resumed(self) -> None:
+        """This process loaded the checkpoint it continues from now (an interval policy counts from here)."""
+        self._resumed_at = self._clock()
 
     def now(self) -> float:
         """The decisions' clock now."""
@@ -107,15 +126,21 @@ class SaveHistory:
         """What a save policy sees at ``step`` now."""
         recent = self._recent()
         done = [h.stats for _, _, h in recent if h.done() and h.stats.commit_s is not None]
+        prior = self.prior
         slowdown = self.meter.slowdown()
+        if slowdown is None and prior is not None:  # until measured again: what the previous process measured
+            slowdown = prior.slowdown
         cost = commit = None
         if done:  # a save costs training its stall, and slower steps for as long as it writes
             cost = sum(s.stall_s + (slowdown or 0.0) * (s.commit_s or 0.0) for s in done) / len(done)
             commit = sum(_duration(s) for s in done) / len(done)
+        elif prior is not None:
+            cost, commit = prior.cost_s, prior.commit_s
         last_time, last_step = recent[-1][:2] if recent else (None, None)
         return DecisionContext(step=step, now=self._clock(), last_step=last_step, last_time=last_time,
                                in_flight=in_flight, cost_s=cost, commit_s=commit, slowdown=slowdown,
-                               idle_needed=self.meter.idle_needed())
+                               idle_needed=0 if slowdown is not None else self.meter.idle_needed(),
+                               resumed_time=self._resumed_at)
 
     def summary(self) -> dict[str, Any]:
         """See :meth:`CheckpointEngine.summary`."""
@@ -202,6 +227,34 @@ class HistoryLog:
 
 def _rotated(path: Path) -> Path:
     return path.with_name(path.name + ".1")
+
+
+def recent_costs(root: Path, n: int = _RECENT, tail_bytes: int = 64 << 10) -> Prior | None:
+    """What the last ``n`` saves recorded in ``root``'s history cost (read from the file's last ``tail_bytes``,
+    or the rotated file's when the new one has none yet), or ``None`` without such records."""
+    for path in (root / HISTORY_NAME, _rotated(root / HISTORY_NAME)):
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - tail_bytes))
+                lines = f.read().split(b"\n")[1 if size > tail_bytes else 0:]  # the first may be cut
+        except OSError:
+            continue
+        rows = []
+        for raw in lines:
+            try:
+                line = json.loads(raw)
+                if line.get("event") == "committed" and line["durable_s"] >= line["stall_s"] >= 0:
+                    rows.append(line)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+        if rows:
+            rows = rows[-n:]
+            slowdown = next((r["write_slowdown"] for r in reversed(rows)
+                             if isinstance(r.get("write_slowdown"), (int, float))), None)
+            cost = statistics.fmean(r["stall_s"] + (slowdown or 0.0) * (r["durable_s"] - r["stall_s"]) for r in rows)
+            return Prior(cost_s=cost, commit_s=statistics.fmean(r["durable_s"] for r in rows), slowdown=slowdown)
+    return None
 
 
 def read_history(root: Path) -> list[dict[str, Any]]:

@@ -62,8 +62,9 @@ class Pipeline:
                  settings: WriteSettings, tier: RemoteTier | None, keep_local: RetentionPolicy | None,
                  keep_remote: RetentionPolicy | None, latest_step: Callable[[], int], remote_timeout_s: float = 300.0,
                  max_unsynced_bytes: int | None = None, run_id: str | None = None,
-                 turn: Callable[[], None] = no_wait) -> None:
+                 turn: Callable[[], None] = no_wait, slowdown: Callable[[], float | None] = lambda: None) -> None:
         self._root = root
+        self._slowdown = slowdown  # recorded with each commit: a restarted job's decisions start from it
         self._turn = turn
         self._remote_timeout_s = remote_timeout_s
         self._max_unsynced = max_unsynced_bytes
@@ -153,7 +154,9 @@ class Pipeline:
     def _after_commit(self, handle: SaveHandle, manifest: Manifest) -> None:
         """Writer thread: hand the checkpoint to the upload queue first, then apply local retention."""
         if self._coll.rank == 0:
-            self.history.record("committed", handle.stats, time=manifest.time)
+            slowdown = self._slowdown()
+            self.history.record("committed", handle.stats, time=manifest.time,
+                                **({} if slowdown is None else {"write_slowdown": slowdown}))
         if self.sync is None:
             handle._set_remote_done()
             if self.follower is not None and self._node_leader():  # another node's directory: its own record

@@ -46,6 +46,11 @@ class DecisionContext:
             written than while none is (0.2: 20% longer), or ``None`` until measured.
         idle_needed: decision points with no save in flight that measuring ``slowdown`` still needs
             (0 once it has them).
+        resumed_time: when (``now``'s clock) this process loaded the checkpoint it continues from, or
+            ``None``.
+
+    A restarted job's first decisions see what saves cost the process before it (``local_dir``'s
+    history), until its own saves are measured.
     """
 
     step: int
@@ -57,10 +62,19 @@ class DecisionContext:
     commit_s: float | None = None
     slowdown: float | None = None
     idle_needed: int = 0
+    resumed_time: float | None = None
 
     @property
     def since_last_s(self) -> float:
         return math.inf if self.last_time is None else self.now - self.last_time
+
+    @property
+    def since_checkpoint_s(self) -> float:
+        """Since the last save started; before this process's first save, since it loaded the checkpoint it
+        resumed from (that checkpoint is as recent as a save then); ``inf`` when neither happened."""
+        if self.last_time is None and self.resumed_time is not None:
+            return self.now - self.resumed_time
+        return self.since_last_s
 
 
 @runtime_checkable
@@ -120,7 +134,9 @@ class Continuous:
 class OptimalInterval:
     """Young/Daly: save every ``sqrt(2 · C · mtbf_s)`` seconds, ``C`` a save's measured cost to training.
 
-    Until a save has been measured it saves at the first decision point. Until the slowdown of the
+    The interval counts from the last save, or, in a process that resumed, from the load of the checkpoint it
+    resumed from. Until a save has been measured (in this process, or by the one before it on the same
+    ``local_dir``: its history file) it saves at the first decision point. Until the slowdown of the
     steps a save overlaps is measured it leaves enough decision points without a save in flight for
     the measurement (``context.idle_needed``): saving back to back would never show what a save
     costs training beyond its stall. It never starts a save while the previous one is in flight.
@@ -140,7 +156,7 @@ class OptimalInterval:
     def should_save(self, context: DecisionContext) -> bool:
         if context.slowdown is None and context.idle_needed > 0 and context.last_time is not None:
             return False  # measuring what a save costs: training without one in flight first
-        return not context.in_flight and context.since_last_s >= self.interval_s(context)
+        return not context.in_flight and context.since_checkpoint_s >= self.interval_s(context)
 
 
 def check_save_policy(policy: object) -> SavePolicy:

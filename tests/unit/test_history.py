@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from persist_core.handle import SaveStats
-from persist_core.history import HistoryLog, read_history
+from persist_core.history import HistoryLog, read_history, recent_costs
 from persist_core.layout import HISTORY_NAME
 
 
@@ -24,3 +26,20 @@ def test_the_history_rotates_at_its_limit_and_reads_back_the_newest_records(tmp_
     assert steps[-1] == 200 and steps == list(range(steps[0], 201))  # the newest, contiguous, in order
     assert 1 not in steps  # the oldest were dropped
     assert rows[-1]["durable_s"] > 0.2 and rows[-1]["lag_s"] == 0.5
+
+
+def test_recent_costs_come_from_the_last_committed_records_of_the_file_tail(tmp_path):
+    log = HistoryLog(tmp_path)
+    for step in range(1, 40):
+        stats = SaveStats(step=step, nbytes=10, stall_s=0.01 * step, commit_s=1.0)
+        log.record("committed", stats, time=float(step), write_slowdown=0.25)
+        log.record("uploaded", dataclasses.replace(stats, lag_s=2.0))
+    with open(tmp_path / HISTORY_NAME, "a") as f:
+        f.write('{"event": "committed", "step": 40, "stall_s": 9\n')  # a line cut by a crash
+        f.write("not json\n")
+    prior = recent_costs(tmp_path, n=5, tail_bytes=2048)  # the tail starts inside some line
+    stalls = [0.01 * s for s in range(35, 40)]
+    assert prior.slowdown == 0.25
+    assert prior.commit_s == pytest.approx(sum(s + 1.0 for s in stalls) / 5)
+    assert prior.cost_s == pytest.approx(sum(s + 0.25 * 1.0 for s in stalls) / 5)
+    assert recent_costs(tmp_path / "nothing-here") is None

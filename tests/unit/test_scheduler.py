@@ -23,6 +23,7 @@ from persist_core import (
     KeepLastN,
     OptimalInterval,
 )
+from persist_core.layout import HISTORY_NAME
 from tests.support.states import assert_state_equal
 from tests.support.fakes import FakeClock, GatedOps, TwoRanksWithoutDecisions
 
@@ -30,9 +31,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def ctx(step=10, now=100.0, last_step=None, last_time=None, in_flight=False, cost_s=None, commit_s=None,
-        slowdown=None, idle_needed=0):
+        slowdown=None, idle_needed=0, resumed_time=None):
     return DecisionContext(step=step, now=now, last_step=last_step, last_time=last_time, in_flight=in_flight,
-                           cost_s=cost_s, commit_s=commit_s, slowdown=slowdown, idle_needed=idle_needed)
+                           cost_s=cost_s, commit_s=commit_s, slowdown=slowdown, idle_needed=idle_needed,
+                           resumed_time=resumed_time)
 
 
 @pytest.mark.parametrize("policy, context, expected", [
@@ -50,6 +52,10 @@ def ctx(step=10, now=100.0, last_step=None, last_time=None, in_flight=False, cos
     (OptimalInterval(mtbf_s=3600), ctx(now=159.0, last_time=100.0, cost_s=0.5, commit_s=2.0), False),
     (OptimalInterval(mtbf_s=3600), ctx(now=160.5, last_time=100.0, cost_s=0.5, commit_s=2.0), True),
     (OptimalInterval(mtbf_s=3600), ctx(now=1000.0, last_time=100.0, cost_s=0.5, in_flight=True), False),
+    # a resumed process before its first save: the interval counts from the load
+    (OptimalInterval(mtbf_s=3600), ctx(now=159.0, resumed_time=100.0, cost_s=0.5, commit_s=2.0), False),
+    (OptimalInterval(mtbf_s=3600), ctx(now=160.5, resumed_time=100.0, cost_s=0.5, commit_s=2.0), True),
+    (EveryNSeconds(30), ctx(now=110.0, resumed_time=100.0), True),  # the others as documented: at the first point
     # the slowdown not measured yet: decision points with no save in flight first, then the interval
     (OptimalInterval(mtbf_s=3600), ctx(now=1000.0, last_time=100.0, cost_s=0.5, idle_needed=3), False),
     (OptimalInterval(mtbf_s=3600), ctx(now=1000.0, last_time=100.0, cost_s=0.5, idle_needed=3, slowdown=0.1), True),
@@ -275,6 +281,43 @@ def test_a_save_costs_its_stall_plus_the_slowdown_of_the_steps_it_overlaps(tmp_p
     write = sum(s.commit_s for s in done) / 3
     assert context.cost_s == pytest.approx(stall + 0.5 * write)
     assert policy.interval_s(context) == pytest.approx(max((2 * context.cost_s * 3600) ** 0.5, context.commit_s))
+
+
+def test_a_restarted_job_decides_from_what_saves_cost_the_process_before_it(tmp_path):
+    """Preemptible jobs restart often: OptimalInterval should not re-measure from nothing, nor save at once."""
+    clock, ops = FakeClock(), GatedOps(open_gate=True)
+    with CheckpointEngine(tmp_path, save_policy=EveryNSteps(10), clock=clock, file_ops=ops) as engine:
+        for step in range(1, 31):  # the same job as above: writes slow the steps they overlap by half
+            if step % 10 == 1:
+                ops.gate.clear()
+            if step % 10 == 5:
+                ops.gate.set()
+                engine.wait()
+            clock.now += 1.5 if step % 10 in (1, 2, 3, 4) and step > 10 else 1.0
+            engine.maybe_save(lambda: state_for(step), step=step)
+        engine.wait()
+        before = engine.decision_context(31)
+    assert before.slowdown == pytest.approx(0.5)
+
+    policy = OptimalInterval(mtbf_s=3600)
+    with CheckpointEngine(tmp_path, save_policy=policy, clock=clock) as engine:  # the next process
+        assert engine.load()["step"] == 30
+        context = engine.decision_context(31)
+        assert context.slowdown == pytest.approx(0.5) and context.idle_needed == 0
+        assert context.cost_s == pytest.approx(before.cost_s) and context.commit_s == pytest.approx(before.commit_s)
+        interval = policy.interval_s(context)
+        assert interval > 1
+        loaded_at = clock.now
+        clock.now = loaded_at + 0.9 * interval  # the checkpoint just loaded is as recent as a save
+        assert engine.maybe_save(lambda: state_for(31), step=31) is None
+        clock.now = loaded_at + 1.1 * interval
+        assert engine.maybe_save(lambda: state_for(32), step=32) is not None
+
+    (tmp_path / HISTORY_NAME).unlink()  # without the record: measured from nothing, saved at the first point
+    with CheckpointEngine(tmp_path, save_policy=policy, clock=clock) as engine:
+        engine.load()
+        assert engine.decision_context(33).cost_s is None
+        assert engine.maybe_save(lambda: state_for(33), step=33) is not None
 
 
 def test_should_save_asks_an_adapters_own_policy_when_given_one(tmp_path):
