@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 _ALL = float("inf")
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, their contents untouched
-_POPULATE_BYTES = 64 << 20  # per madvise call: the warm-up yields to a guarded update between calls
+_POPULATE_BYTES = 4 << 20  # per madvise call (which holds the mmap lock an allocation needs); yields between calls
 _HEADROOM_ALIGN = 2 << 20  # a warmed buffer is rounded up to this, plus 1/64, so a slightly larger state fits
 
 
