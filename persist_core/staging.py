@@ -60,6 +60,7 @@ class StagingBuffer:
             self.tensor = raw[skew : skew + capacity]
         self.capacity = capacity
         self.pinned = pin
+        self.layout: bytes | None = None  # the header of the plan whose padding this buffer holds zeroed
         # guarded by the pool's lock: bytes [0, freed) the previous save no longer needs; the
         # chunks written beyond that prefix; whether the next save has claimed the buffer
         self._freed: float = _ALL
@@ -169,6 +170,8 @@ class StagingPool:
 
     def wait_free(self, buf: StagingBuffer, end: int) -> float:
         """Block until bytes ``[0, end)`` of ``buf`` may be overwritten; returns the seconds waited."""
+        if buf._freed >= end:  # the usual case, without the lock: _freed only grows while a save stages
+            return 0.0
         with self._cond:
             if buf._freed >= end:
                 return 0.0
@@ -276,14 +279,18 @@ def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch
         returns its own seconds spent in ``wait_free``.
     """
     data = buf.tensor[: plan.file_bytes]
+    # the data section's padding is zeroed: no stale memory reaches the file, and equal states give equal bytes;
+    # a buffer last staged with this very layout (a cached plan's header) holds it zeroed already
+    zero = buf.layout is not plan.header
+    buf.layout = None  # until this staging is done
     waited = wait_free(len(plan.header))
     ctypes.memmove(data.data_ptr(), plan.header, len(plan.header))
     base = len(plan.header)
     later: list[EntryCopy] = []
     used: list[torch.cuda.Stream] = []
-    pos = 0  # the data section's padding is zeroed: no stale memory reaches the file, and equal states give equal bytes
+    pos = 0
     for c in plan.copies:  # in file order, so each range waits only for the previous write to pass it
-        if c.begin > pos:
+        if zero and c.begin > pos:
             waited += wait_free(base + c.begin)
             ctypes.memset(data.data_ptr() + base + pos, 0, c.begin - pos)
         pos = c.end
@@ -291,9 +298,10 @@ def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch
             later.append(c)
         else:
             waited += _copy(c, data, base, streams, wait_free, used, events={})
-    if plan.file_bytes > base + pos:
+    if zero and plan.file_bytes > base + pos:
         waited += wait_free(plan.file_bytes)
         ctypes.memset(data.data_ptr() + base + pos, 0, plan.file_bytes - base - pos)
+    buf.layout = plan.header
     for stream in used:
         stream.synchronize()
     if not later:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,6 +28,7 @@ from persist_core.format.shard_file import (
 from persist_core.format.manifest import Manifest
 from persist_core.format.torch_zip import (HEADER_RECORD, Record, SplitShard, StorageRef, header_record, local_header,
                                            pickle_state, record_name, storage_type, zip_tail)
+from persist_core.format.shape import Shape
 from persist_core.format.tree import FlatState, flatten
 from persist_core.layout import shard_filename
 from persist_core.planning.partition import _span, assign_owners, contiguous_strides, storage_groups, structure_signature
@@ -36,9 +37,10 @@ from persist_core.planning.sharding import Sharding, localize, replica_digests
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class EntryCopy:
-    """Copy ``source`` (viewed as ``dtype``/``shape``) into the data bytes ``[begin, end)``."""
+class EntryCopy(NamedTuple):
+    """Copy ``source`` (viewed as ``dtype``/``shape``) into the data bytes ``[begin, end)``.
+
+    A named tuple, not a frozen dataclass: a cached plan makes one per tensor every save (0.3 us, not 2)."""
 
     begin: int
     end: int
@@ -82,7 +84,7 @@ class ShardPlan:
 
     def unbound(self) -> ShardPlan:
         """This layout without its sources (what a cache keeps: no tensor stays alive for it)."""
-        return dataclasses.replace(self, copies=[c if s is None else dataclasses.replace(c, source=b"")
+        return dataclasses.replace(self, copies=[c if s is None else c._replace(source=b"")
                                                  for c, s in zip(self.copies, self.slots)])
 
 
@@ -321,14 +323,24 @@ class PlanCache:
     def __init__(self) -> None:
         self._key: Any = None
         self._value: tuple[ShardPlan, str] | None = None
+        self.shape: Shape | None = None  # the last state's structure: the next one is taken apart by it
         self.hits = 0
         self.misses = 0
+
+    def flatten(self, state: Any) -> FlatState:
+        """``flatten(state)``: by the learned :class:`~persist_core.format.shape.Shape` when the state has the
+        last one's structure (no node-by-node walk), else by walking it (and learning its shape)."""
+        flat = None if self.shape is None else self.shape.take(state)
+        if flat is None:
+            flat = flatten(state)
+            self.shape = Shape.learn(flat)
+        return flat
 
     @staticmethod
     def key(flat: FlatState, groups: list[list[int]], shardings: dict[int, Sharding], rank: int,
             world_size: int) -> Any:
         return (rank, world_size,
-                tuple((p, t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset()) for p, t in flat.tensors),
+                tuple((p, t.dtype, t.device, t.shape, t.stride(), t.storage_offset()) for p, t in flat.tensors),
                 tuple(map(tuple, groups)), tuple(sorted(shardings.items())), tuple(map(len, flat.objects)),
                 tuple(map(len, flat.per_rank)))
 
@@ -358,9 +370,9 @@ def plan_rank(state: Any, *, rank: int, world_size: int, torch_loadable: bool = 
     Raises:
         UnsupportedStateError: a leaf cannot be saved (its key path is named).
     """
-    flat, shardings = localize(flatten(state))
-    groups = storage_groups(flat, skip=shardings)
     cache = None if torch_loadable else cache  # torch.save's zip layout holds values: never cached
+    flat, shardings = localize(flatten(state) if cache is None else cache.flatten(state))
+    groups = storage_groups(flat, skip=shardings)
     key = None if cache is None else PlanCache.key(flat, groups, shardings, rank, world_size)
     hit = None if cache is None else cache.get(key)
     if hit is not None:
