@@ -24,9 +24,7 @@ engine calls it once a load says how large the next saves are.
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from persist_core import hostmem
 from persist_core._knobs import PAGE_BYTES
 from persist_core.errors import PersistError
 from persist_core.fileio import no_wait
@@ -43,8 +42,6 @@ log = logging.getLogger(__name__)
 
 
 _ALL = float("inf")
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, their contents untouched
-_POPULATE_BYTES = 4 << 20  # per madvise call (which holds the mmap lock an allocation needs); yields between calls
 _HEADROOM_ALIGN = 2 << 20  # a warmed buffer is rounded up to this, plus 1/64, so a slightly larger state fits
 
 
@@ -125,7 +122,7 @@ class StagingPool:
             if self._closed or nbytes <= 0 or None not in self._free or self._warming is not None:
                 return None
             slots = self._free.count(None)
-            if not _fits(slots * capacity):
+            if not hostmem.fits(slots * capacity):
                 log.info("not warming %d staging buffer(s) of %d bytes: less memory is available; the first "
                          "save's copy faults its pages in", slots, capacity)
                 return None
@@ -134,7 +131,7 @@ class StagingPool:
             return self._warming
 
     def _warm(self, capacity: int) -> None:
-        _idle_priority()  # only cores nothing else wants: not the load's, not the training's
+        hostmem.idle_priority()  # only cores nothing else wants: not the load's, not the training's
         try:
             while True:
                 with self._cond:
@@ -152,7 +149,7 @@ class StagingPool:
                 if buf is None:
                     return
                 if not buf.pinned:  # pinning (cudaHostAlloc) faults its pages in already
-                    _populate(buf, self._turn, lambda: self._closed)
+                    hostmem.populate(buf.tensor.data_ptr(), buf.capacity, turn=self._turn, stop=lambda: self._closed)
         finally:
             with self._cond:
                 self._warming = None
@@ -215,49 +212,6 @@ class StagingPool:
                 buf._freed, buf._done = _ALL, {}
                 self._free.append(buf)
             self._cond.notify_all()
-
-
-def _fits(nbytes: int) -> bool:
-    """Whether ``nbytes`` more leave a quarter of the host's available memory free (``MemAvailable``)."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return True  # not Linux: nothing to go by, as without a warm-up
-    return nbytes <= avail * 3 // 4
-
-
-def _idle_priority() -> None:
-    """Run the calling thread only when a core is otherwise idle (Linux ``SCHED_IDLE``; elsewhere a no-op)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # pid 0: this thread
-    except (AttributeError, OSError) as e:
-        log.debug("the warm-up runs at normal priority: %s", e)
-
-
-_libc: ctypes.CDLL | None = None
-
-
-def _populate(buf: StagingBuffer, turn: Callable[[], None], stop: Callable[[], bool]) -> None:
-    """Fault in ``buf``'s pages (writable, bytes unchanged), ``_POPULATE_BYTES`` at a time, each after
-    ``turn()``; stops early on ``stop()`` or where the kernel lacks ``MADV_POPULATE_WRITE``."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    madvise = _libc.madvise
-    base = buf.tensor.data_ptr()  # page-aligned; the capacity a multiple of the page size
-    t0 = time.perf_counter()
-    for offset in range(0, buf.capacity, _POPULATE_BYTES):
-        if stop():
-            return
-        turn()
-        length = min(_POPULATE_BYTES, buf.capacity - offset)
-        if madvise(ctypes.c_void_p(base + offset), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) != 0:
-            code = ctypes.get_errno()  # EINVAL: a kernel before 5.14; the first copy faults the rest in
-            log.log(logging.DEBUG if code in (errno.EINVAL, errno.ENOSYS) else logging.INFO,
-                    "warming a staging buffer stopped: madvise(MADV_POPULATE_WRITE): %s", os.strerror(code))
-            return
-    log.debug("warmed a staging buffer of %d bytes in %.3f s", buf.capacity, time.perf_counter() - t0)
 
 
 def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch.cuda.Stream],

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from persist_core import CheckpointEngine
-from persist_core.staging import StagingBuffer, StagingPool, _populate
+from persist_core.hostmem import populate
+from persist_core.staging import StagingBuffer, StagingPool
 from tests.support.states import assert_state_equal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
@@ -29,7 +30,7 @@ def resident_fraction(buf: StagingBuffer) -> float:
 
 def populate_works() -> bool:
     buf = StagingBuffer(PAGE * 4, pin=False)
-    _populate(buf, lambda: None, lambda: False)
+    populate(buf.tensor.data_ptr(), buf.capacity, turn=lambda: None, stop=lambda: False)
     return resident_fraction(buf) == 1.0
 
 
@@ -63,7 +64,7 @@ def test_populating_leaves_the_bytes_alone():
     buf = StagingBuffer(3 << 20, pin=False)
     data = torch.randint(0, 255, (3 << 20,), dtype=torch.uint8)
     buf.tensor.copy_(data)
-    _populate(buf, lambda: None, lambda: False)  # a save may copy into a buffer still being warmed
+    populate(buf.tensor.data_ptr(), buf.capacity, turn=lambda: None, stop=lambda: False)  # a save may copy in meanwhile
     assert torch.equal(buf.tensor, data)
 
 

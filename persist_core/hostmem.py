@@ -1,0 +1,62 @@
+"""Host memory: how much is available, faulting pages in ahead of use, and a thread that runs only on idle cores.
+
+Used by the staging pool's warm-up (:meth:`persist_core.staging.StagingPool.warm`). Linux only in effect;
+elsewhere each function does nothing (and says so in a debug line) and the first copy faults pages in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, their contents untouched
+_POPULATE_BYTES = 4 << 20  # per madvise call (which holds the mmap lock an allocation needs); yields between calls
+
+_libc: ctypes.CDLL | None = None
+
+
+def fits(nbytes: int) -> bool:
+    """Whether ``nbytes`` more leave a quarter of the host's available memory free (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return True  # not Linux: nothing to go by, as without a warm-up
+    return nbytes <= avail * 3 // 4
+
+
+def idle_priority() -> None:
+    """Run the calling thread only when a core is otherwise idle (Linux ``SCHED_IDLE``; elsewhere a no-op)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # pid 0: this thread
+    except (AttributeError, OSError) as e:
+        log.debug("the warm-up runs at normal priority: %s", e)
+
+
+def populate(address: int, nbytes: int, *, turn: Callable[[], None], stop: Callable[[], bool]) -> bool:
+    """Fault in the pages of ``[address, address + nbytes)`` (page-aligned; writable, bytes unchanged),
+    ``_POPULATE_BYTES`` at a time, each after ``turn()``; whether all were. Stops early on ``stop()`` or where
+    the kernel lacks ``MADV_POPULATE_WRITE`` (then the first write faults the rest in, as without it)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    madvise = _libc.madvise
+    t0 = time.perf_counter()
+    for offset in range(0, nbytes, _POPULATE_BYTES):
+        if stop():
+            return False
+        turn()
+        length = min(_POPULATE_BYTES, nbytes - offset)
+        if madvise(ctypes.c_void_p(address + offset), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) != 0:
+            code = ctypes.get_errno()  # EINVAL: a kernel before 5.14
+            log.log(logging.DEBUG if code in (errno.EINVAL, errno.ENOSYS) else logging.INFO,
+                    "faulting pages in stopped: madvise(MADV_POPULATE_WRITE): %s", os.strerror(code))
+            return False
+    log.debug("faulted in %d bytes in %.3f s", nbytes, time.perf_counter() - t0)
+    return True
