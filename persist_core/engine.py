@@ -534,7 +534,6 @@ class CheckpointEngine:
             self._pipeline.adopt_remote_run()
         return state
 
-
     def _loaded(self, manifest: Manifest) -> None:
         """A load (this engine's, or its reader's under an adapter) returned ``manifest``'s checkpoint: this
         process continues from it (the save decisions' interval counts from now), and the next saves will be

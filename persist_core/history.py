@@ -132,7 +132,7 @@ class SaveHistory:
             slowdown = prior.slowdown
         cost = commit = None
         if done:  # a save costs training its stall, and slower steps for as long as it writes
-            cost = sum(s.stall_s + (slowdown or 0.0) * (s.commit_s or 0.0) for s in done) / len(done)
+            cost = sum(_cost(s.stall_s, s.commit_s or 0.0, slowdown) for s in done) / len(done)
             commit = sum(_duration(s) for s in done) / len(done)
         elif prior is not None:
             cost, commit = prior.cost_s, prior.commit_s
@@ -162,6 +162,11 @@ class SaveHistory:
             "write_slowdown": self.meter.slowdown(),
             "upload_lag_p50_s": _quantile([s.lag_s for s in stats if s.lag_s is not None], 0.5),
         }
+
+
+def _cost(stall_s: float, commit_s: float, slowdown: float | None) -> float:
+    """What one save cost training: its stall, and slower steps for as long as it was written."""
+    return stall_s + (slowdown or 0.0) * commit_s
 
 
 def _duration(stats: SaveStats) -> float:
@@ -252,7 +257,7 @@ def recent_costs(root: Path, n: int = _RECENT, tail_bytes: int = 64 << 10) -> Pr
             rows = rows[-n:]
             slowdown = next((r["write_slowdown"] for r in reversed(rows)
                              if isinstance(r.get("write_slowdown"), (int, float))), None)
-            cost = statistics.fmean(r["stall_s"] + (slowdown or 0.0) * (r["durable_s"] - r["stall_s"]) for r in rows)
+            cost = statistics.fmean(_cost(r["stall_s"], r["durable_s"] - r["stall_s"], slowdown) for r in rows)
             return Prior(cost_s=cost, commit_s=statistics.fmean(r["durable_s"] for r in rows), slowdown=slowdown)
     return None
 
