@@ -21,6 +21,9 @@ Until the remote has been listed once, every local checkpoint counts as un-synce
 Back-pressure: when a new job arrives, queued jobs that have not started and that the remote
 retention policy would not keep are superseded by it. Milestones (kept by the policy) are never
 superseded; with no remote policy, every checkpoint is kept, so none is.
+
+The pieces without state are elsewhere: the job, the remote as known, the order and what a failure says in
+:mod:`persist_core.uploads`; the remote's side of a branch in :class:`persist_core.timeline.RemoteAside`.
 """
 
 from __future__ import annotations
@@ -29,63 +32,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from persist_core.assembly import Coordinator
-from persist_core.errors import CorruptCheckpointError, DirectoryInUseError, PersistError, RemoteError
+from persist_core.errors import DirectoryInUseError, RemoteError
 from persist_core.format.manifest import Manifest
+from persist_core.handle import ErrorLedger
 from persist_core.layout import MANIFEST_NAME
-from persist_core.handle import ErrorLedger, SaveHandle
-from persist_core.policies.retention import RetentionContext, RetentionPolicy, to_delete
+from persist_core.policies.retention import RetentionPolicy
 from persist_core.retainer import Retainer
 from persist_core.tiers.lease import RemoteLease
 from persist_core.tiers.remote import RemoteTier
-from persist_core.tiers.tier import CheckpointInfo
+from persist_core.timeline import RemoteAside
+from persist_core.uploads import KnownRemote, SyncJob, UploadOrder, end_superseded, explain, wrapped
+
+__all__ = ["Backlog", "RemoteSync", "SyncJob"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SyncJob:
-    """One committed local checkpoint to upload, and the handle whose remote phase it ends."""
-
-    local_ckpt: Path
-    manifest: Manifest
-    handle: SaveHandle
-    committed_at: float  # time.monotonic() of the local commit
-
-    @property
-    def step(self) -> int:
-        return self.manifest.step
-
-    def info(self, url: str) -> CheckpointInfo:
-        return CheckpointInfo(step=self.step, time=self.manifest.time, nbytes=self.manifest.nbytes,
-                              path=f"{url}/{self.local_ckpt.name}", tier="remote")
-
-
-class _KnownRemote:
-    """The remote as the sync thread knows it (listed once, then kept up to date): a Tier for retention."""
-
-    kind = "remote"
-
-    def __init__(self, tier: RemoteTier) -> None:
-        self._tier = tier
-        self.infos: dict[int, CheckpointInfo] = {}
-        self.lock = threading.Lock()
-
-    @property
-    def location(self) -> str:
-        return self._tier.url
-
-    def list(self) -> list[CheckpointInfo]:
-        with self.lock:
-            return sorted(self.infos.values(), key=lambda c: c.step)
-
-    def remove(self, step: int) -> None:
-        self._tier.remove(step)
-        with self.lock:
-            self.infos.pop(step, None)
 
 
 #: ``backlog(remote_steps)``: the jobs to queue at start-up for what the remote lacks (sync thread)
@@ -115,14 +78,14 @@ class RemoteSync:
         self.peers: Coordinator | None = None
         self._waiting: dict[int, SyncJob] = {}  # node copies an earlier run left, until peers are set
         self._lease = lease
-        self._abandoned = abandoned
-        self._unmoved: list[tuple[int, int, Manifest, str]] = []
         self._keep = keep_remote
         self._ledger = ledger
         self._backlog = backlog
         self._after_upload = after_upload
         self._latest_step = latest_step
-        self._known = _KnownRemote(tier)
+        self._known = KnownRemote(tier)
+        self._order = UploadOrder(keep_remote, self._known)
+        self._aside = RemoteAside(tier, self._known, abandoned)
         self._retainer = Retainer(self._known, keep_remote, protected=self._queued_steps)
         self._cond = threading.Condition()
         self._queue: list[SyncJob] = []
@@ -136,7 +99,6 @@ class RemoteSync:
         self._listed = False
         self._stopping = False
         self._gave_up = False  # close() after remote_timeout_s: nothing more is started
-        self._branch_at: int | None = None  # set the remote's steps after this aside before the next upload
         # a daemon: close() waits for it, except for a request the remote never answers after giving up
         self._thread = threading.Thread(target=self._run, name="persist-sync", daemon=True)
 
@@ -168,13 +130,13 @@ class RemoteSync:
         what waited for them is queued."""
         with self._cond:
             self.peers = peers
-            self._queue = self._ordered([*self._queue, *self._waiting.values()])
+            self._queue = self._order.ordered([*self._queue, *self._waiting.values()])
             self._waiting.clear()
             self._cond.notify_all()
 
     def known_steps(self) -> set[int]:
         """The remote's committed steps as this thread knows them (empty until it is listed)."""
-        return {i.step for i in self._known.list()}
+        return self._known.steps()
 
     def unsynced_steps(self) -> set[int]:
         """Steps queued, uploading or failed: local retention must keep them."""
@@ -208,23 +170,13 @@ class RemoteSync:
                 superseded = self._supersede()
             finally:
                 self._cond.notify_all()
-        _end_superseded(superseded, "upload superseded by a newer checkpoint (remote is behind)")
+        end_superseded(superseded, "upload superseded by a newer checkpoint (remote is behind)")
 
     def _supersede(self) -> list[SyncJob]:
         """Drop queued jobs, except the newest, that the remote policy would not keep (lock held)."""
-        if self._keep is None or len(self._queue) < 2:
-            return []
-        doomed = self._doomed(([self._active] if self._active else []) + self._queue)
-        newest = max(j.step for j in self._queue)
-        dropped = [j for j in self._queue if j.step in doomed and j.step != newest]
+        dropped = self._order.superseded(self._queue, self._active)
         self._queue = [j for j in self._queue if j not in dropped]
         return dropped
-
-    def _doomed(self, jobs: list[SyncJob]) -> set[int]:
-        """Steps ``keep_remote`` would delete from what the remote holds plus ``jobs`` (lock held)."""
-        assert self._keep is not None
-        infos = sorted([*self._known.list(), *(j.info(self._tier.url) for j in jobs)], key=lambda c: c.step)
-        return {c.step for c in to_delete(infos, self._keep, context=RetentionContext(tier="remote", now=time.time()))}
 
     def adopt_lease(self, root: Path) -> None:
         """Continue the run that holds the remote's lease (see :meth:`RemoteLease.adopt`)."""
@@ -235,40 +187,11 @@ class RemoteSync:
         """A run resumed from ``at`` saves past it: before its next upload, the remote's newer checkpoints
         are set aside (kept under abandoned names); queued or failed uploads of them are dropped."""
         with self._cond:
-            self._branch_at = at
+            self._aside.branch(at)
             dropped = [j for j in [*self._queue, *self._failed.values()] if j.step > at]
             self._queue = [j for j in self._queue if j.step <= at]
             self._failed = {s: j for s, j in self._failed.items() if s <= at}
-        _end_superseded(dropped, f"not uploaded: set aside locally by the branch from step {at}")
-
-    def _finish_set_aside(self) -> None:
-        """Sync thread: a run that set checkpoints aside locally may have died before the remote followed;
-        set aside the remote copies that are the same checkpoints (same manifest), once after listing."""
-        while self._unmoved:
-            step, at, manifest, _ = self._unmoved[0]
-            try:
-                same = step in self._known.infos and self._tier.read_manifest(step) == manifest
-            except CorruptCheckpointError:
-                same = False
-            if same:
-                log.info("[step=%d] setting aside on %s what an earlier run set aside locally", step, self._tier.url)
-                self._tier.set_aside(step, at)
-                with self._known.lock:
-                    self._known.infos.pop(step, None)
-            self._unmoved.pop(0)
-
-    def _set_aside_remote(self) -> None:
-        """Sync thread: set aside the remote's checkpoints newer than the branch point (raises to retry)."""
-        at = self._branch_at
-        if at is None:
-            return
-        for info in [i for i in self._known.list() if i.step > at]:
-            self._tier.set_aside(info.step, at)
-            with self._known.lock:
-                self._known.infos.pop(info.step, None)
-        with self._cond:
-            if self._branch_at == at:
-                self._branch_at = None
+        end_superseded(dropped, f"not uploaded: set aside locally by the branch from step {at}")
 
     def drain(self, timeout: float | None = None) -> bool:
         """Retry failed uploads now and wait until nothing is queued, uploading or failed.
@@ -333,21 +256,19 @@ class RemoteSync:
         Raises:
             RemoteError: the remote cannot be listed (the next upload tries again, and reports it).
         """
-        infos = self._tier.list()
-        with self._known.lock:
-            self._known.infos = {i.step: i for i in infos}
+        self._known.reset(self._tier.list())
         self._listed = True
-        self._unmoved = self._abandoned() if self._abandoned is not None else []
-        backlog = self._backlog(set(self._known.infos))
+        self._aside.listed()
+        backlog = self._backlog(self._known.steps())
         for job in backlog:
             log.info("[step=%d] queueing the upload of %s left unsynced by an earlier run", job.step, job.local_ckpt)
         superseded: list[SyncJob] = []
         if backlog:
             with self._cond:  # the newest first, then milestones, then the rest; superseded as at submit
-                self._queue = self._ordered([*self._queue, *backlog])
+                self._queue = self._order.ordered([*self._queue, *backlog])
                 superseded = self._supersede()
                 self._cond.notify_all()
-        _end_superseded(superseded, "upload superseded by a newer checkpoint (remote is behind)")
+        end_superseded(superseded, "upload superseded by a newer checkpoint (remote is behind)")
 
     def _run(self) -> None:
         try:
@@ -377,23 +298,8 @@ class RemoteSync:
         self._retry_now = False
         jobs = [*self._failed.values(), *self._queue]
         self._failed.clear()
-        self._queue = self._ordered(jobs)
+        self._queue = self._order.ordered(jobs)
         log.info("retrying the upload of steps %s to %s", [j.step for j in self._queue], self._tier.url)
-
-    def _ordered(self, jobs: list[SyncJob]) -> list[SyncJob]:
-        """The newest first, then what the remote policy keeps for good (milestones), then the rest, each
-        oldest first."""
-        jobs = sorted({j.step: j for j in jobs}.values(), key=lambda j: j.step)
-        if not jobs:
-            return []
-        doomed: set[int] = set()
-        if self._keep is not None:
-            try:
-                doomed = self._doomed(jobs)
-            except Exception as e:  # a broken policy only costs the order; retention reports it itself
-                log.warning("ordering the retries by keep_remote failed: %s", e)
-        rest = jobs[:-1]
-        return [jobs[-1], *[j for j in rest if j.step not in doomed], *[j for j in rest if j.step in doomed]]
 
     def _upload(self, job: SyncJob) -> None:
         if job.manifest.node is not None and self.peers is None:
@@ -405,33 +311,12 @@ class RemoteSync:
                      job.step, len(job.manifest.nodes))
             return
         t0 = time.perf_counter()
-        error: BaseException | None = None
-        uploaded = announced = False
-        try:
-            if not self._listed:  # the start-up listing failed: try again before this upload
-                self._start()
-            if self._lease is not None:
-                self._lease.ensure()  # another run's live lease: nothing is written, retried later
-            self._set_aside_remote()  # a new branch's first upload waits for the old branch to move aside
-            self._finish_set_aside()
-            if job.manifest.node is None:  # this directory holds every file
-                self._tier.upload(job.local_ckpt, job.manifest)
-            else:  # a node's copy: every rank uploads its own files, the manifest after all of them
-                assert self.peers is not None
-                self.peers.before(job.step)
-                announced = True
-                self._tier.upload(job.local_ckpt, job.manifest, files=tuple(f for f in job.manifest.held() if f.rank == 0))
-            uploaded = True
-            with self._known.lock:
-                self._known.infos[job.step] = job.info(self._tier.url)
-            self._retainer.apply()
-        except BaseException as e:  # recorded on the handle, raised once by the engine
-            error = e
+        uploaded, announced, error = self._attempt(job)
         upload_s = time.perf_counter() - t0
         vanished = not uploaded and not (job.local_ckpt / MANIFEST_NAME).exists()
         if vanished:  # nothing to retry: say who lost it instead of a raw FileNotFoundError
-            error = _wrapped(f"checkpoint step={job.step} was removed from {job.local_ckpt.parent} by another process "
-                             f"before its upload to {self._tier.url}; it is not retried", error)
+            error = wrapped(f"checkpoint step={job.step} was removed from {job.local_ckpt.parent} by another process "
+                            f"before its upload to {self._tier.url}; it is not retried", error)
         with self._cond:
             self._active = None  # uploaded, or failed and kept (protected) for a retry
             if vanished:
@@ -449,44 +334,52 @@ class RemoteSync:
                 self.peers.after(job.step, uploaded=uploaded)
             except Exception as e:
                 error = error or e
-        handle = job.handle
         if uploaded:
-            handle._update(upload_s=upload_s, upload_gbps=job.manifest.nbytes / upload_s / 1e9 if upload_s > 0 else None,
-                           lag_s=time.monotonic() - job.committed_at,
-                           lag_steps=max(0, self._latest_step() - job.step))
-        if error is None:
+            job.handle._update(upload_s=upload_s, lag_s=time.monotonic() - job.committed_at,
+                               upload_gbps=job.manifest.nbytes / upload_s / 1e9 if upload_s > 0 else None,
+                               lag_steps=max(0, self._latest_step() - job.step))
             try:
-                self._after_upload(job)
+                if error is None:
+                    self._after_upload(job)
             except BaseException as e:
                 error = e
-        if error is not None:
-            if isinstance(error, DirectoryInUseError):
-                pass  # says it all: the holder and the fix
-            elif not uploaded and not vanished and (hint := self._tier.hint(error)):
-                error = _wrapped(f"uploading checkpoint step={job.step} to {self._tier.url} failed{hint}", error)
-            elif uploaded:
-                error = _wrapped(f"checkpoint step={job.step} was uploaded, but the retention that follows failed", error)
-            if job.step not in self._reported:  # once per checkpoint; retries only log
-                self._reported.add(job.step)
-                log.error("[step=%d] %s (kept locally; retried while the job runs)", job.step, error)
-                in_use = isinstance(error, DirectoryInUseError)  # a misconfiguration: the next save says so
-                self._ledger.fail(handle, error, remote=not uploaded and not vanished and not in_use)
-            else:
-                log.debug("[step=%d] retry failed: %s", job.step, error)
-        else:
-            handle._set_remote_done()
+        self._conclude(job, error, uploaded=uploaded, vanished=vanished)
 
+    def _attempt(self, job: SyncJob) -> tuple[bool, bool, BaseException | None]:
+        """Upload ``job`` (and apply remote retention after it): ``(uploaded, announced to the other ranks,
+        what it raised)``."""
+        uploaded = announced = False
+        try:
+            if not self._listed:  # the start-up listing failed: try again before this upload
+                self._start()
+            if self._lease is not None:
+                self._lease.ensure()  # another run's live lease: nothing is written, retried later
+            self._aside.apply()  # a new branch's first upload waits for the old branch to move aside
+            if job.manifest.node is None:  # this directory holds every file
+                self._tier.upload(job.local_ckpt, job.manifest)
+            else:  # a node's copy: every rank uploads its own files, the manifest after all of them
+                assert self.peers is not None
+                self.peers.before(job.step)
+                announced = True
+                self._tier.upload(job.local_ckpt, job.manifest, files=tuple(f for f in job.manifest.held() if f.rank == 0))
+            uploaded = True
+            self._known.add(job.info(self._tier.url))
+            self._retainer.apply()
+        except BaseException as e:  # recorded on the handle, raised once by the engine
+            return uploaded, announced, e
+        return uploaded, announced, None
 
-def _end_superseded(jobs: list[SyncJob], why: str) -> None:
-    """End the remote phase of jobs that will not be uploaded by this engine (each handle says so)."""
-    for job in jobs:
-        log.info("[step=%d] %s", job.step, why)
-        job.handle._update(superseded=True)
-        job.handle._set_remote_done()
-
-
-def _wrapped(message: str, error: BaseException) -> BaseException:
-    kind = RemoteError if isinstance(error, RemoteError) else PersistError
-    wrapped = kind(f"{message}: {type(error).__name__}: {error}")
-    wrapped.__cause__ = error
-    return wrapped
+    def _conclude(self, job: SyncJob, error: BaseException | None, *, uploaded: bool, vanished: bool) -> None:
+        """End ``job``'s remote phase, or record its failure: in the ledger once, the retries only logged."""
+        if error is None:
+            job.handle._set_remote_done()
+            return
+        if not vanished:
+            error = explain(error, job, self._tier, uploaded=uploaded)
+        if job.step in self._reported:
+            log.debug("[step=%d] retry failed: %s", job.step, error)
+            return
+        self._reported.add(job.step)
+        log.error("[step=%d] %s (kept locally; retried while the job runs)", job.step, error)
+        in_use = isinstance(error, DirectoryInUseError)  # a misconfiguration: the next save says so
+        self._ledger.fail(job.handle, error, remote=not uploaded and not vanished and not in_use)
