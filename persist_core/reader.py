@@ -211,9 +211,16 @@ class CheckpointReader:
             UnsafeCheckpointError: a leaf names a type outside the allowlist (names it and the opt-in).
             ConfigError: a target of another shape than saved, or one the checkpoint lacks.
         """
+        return self._load_listed(step, self._candidates(step), into=into, map_location=map_location, verify=verify,
+                                 rank=rank, weights_only=weights_only)
+
+    def _load_listed(self, step: int | None, listing: tuple[list[int], set[int], set[int]], *, into: Any = None,
+                     map_location: Any = "cpu", verify: bool | None = None, rank: int = 0,
+                     weights_only: bool = True) -> Any:
+        """:meth:`load` from what :meth:`_candidates` listed: ``(steps to try, local steps, remote steps)``."""
         opts = LoadOptions(verify=self._verify if verify is None else bool(verify), map_location=map_location,
                            rank=rank, weights_only=check_weights_only(weights_only))
-        order, local, remote = self._candidates(step)
+        order, local, remote = listing
         for candidate in order:
             try:
                 if into is not None:
@@ -245,11 +252,6 @@ class CheckpointReader:
                 f"no committed checkpoint for step={step} in {where}; committed steps: {sorted(local | remote)}")
         return ([step] if step is not None else sorted(local | remote, reverse=True)), local, remote
 
-    def gettable(self) -> list[int]:
-        """The committed steps this process can load: in ``local_dir``, or on the remote (restore agreement
-        across ranks takes the newest that every rank can get)."""
-        _, local, remote = self._candidates(None)
-        return sorted(local | remote)
 
     def _blocks(self, ckpt: Path, manifest: Manifest, opts: LoadOptions) -> Callable[..., None]:
         """``read_blocks`` for a local copy: the files it holds from disk, the others' (a node's copy: the
@@ -437,12 +439,13 @@ def agreed_load(reader: CheckpointReader, chan: Any, **kwargs: Any) -> Any:
     Raises:
         CheckpointNotFoundError: no step every rank can load (each rank's steps named).
     """
-    views = chan.all_gather(reader.gettable())
+    _, local, remote = reader._candidates(None)  # listed once: each round loads from this listing
+    views = chan.all_gather(sorted(local | remote))
     common = sorted(set.intersection(*(set(v) for v in views)), reverse=True)
     for step in common:
         state, error, mine = None, None, None
         try:
-            state = reader.load(step, **kwargs)
+            state = reader._load_listed(step, ([step], local, remote), **kwargs)
         except Exception as e:  # said to every rank first, so none waits for this one in the next round
             mine = e
             error = (isinstance(e, (CorruptCheckpointError, CheckpointNotFoundError)), f"{type(e).__name__}: {e}")

@@ -103,3 +103,30 @@ def test_a_streamed_restore_that_fails_verification_leaves_no_local_copy(tmp_pat
         with pytest.raises(CorruptCheckpointError, match="checksum"):
             reader.load(12)
     assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == []
+
+
+class _OneRank:
+    """The decision channel of a job of one rank (what ``agreed_load`` gathers over)."""
+
+    world_size = 1
+
+    def all_gather(self, value):
+        return [value]
+
+
+def test_agreeing_on_the_restore_lists_the_remote_once(tmp_path, monkeypatch):
+    from persist_core.reader import agreed_load
+    from persist_core.tiers.remote import RemoteTier
+
+    url = f"memory:///reader-{uuid.uuid4().hex[:8]}"
+    with CheckpointEngine(tmp_path / "a", remote_url=url) as engine:
+        for step in (1, 2):
+            engine.save({"w": torch.full((8,), float(step)), "step": step}, step=step)
+    listed = []
+    original = RemoteTier.committed_steps
+    monkeypatch.setattr(RemoteTier, "committed_steps", lambda self: listed.append(1) or original(self))
+    with CheckpointReader(tmp_path / "fresh", remote_url=url) as reader:
+        state = agreed_load(reader, _OneRank(), rank=0)
+        assert reader.loaded_step == 2 and reader.loaded_from_remote
+    assert_state_equal(state, {"w": torch.full((8,), 2.0), "step": 2})
+    assert len(listed) == 1  # what the ranks agreed on is what each loads from: not listed again
