@@ -49,8 +49,9 @@ class Location:
     def manifest(self, step: int) -> Manifest:
         return self.tier.read_manifest(step)
 
-    def step_or_latest(self, step: int | None) -> int:
-        steps = [c.step for c in self.list()]
+    def step_or_latest(self, step: int | None, steps: list[int] | None = None) -> int:
+        """``step`` if it is committed here, the newest when ``None`` (``steps``: what :meth:`list` said)."""
+        steps = [c.step for c in self.list()] if steps is None else steps
         if step is None:
             if not steps:
                 raise CommandError(f"no committed checkpoint in {self.name}")

@@ -16,7 +16,7 @@ from persist_core.layout import checkpoint_dirname
 from persist_core.reader import CheckpointReader
 from persist_core.tiers import RemoteTier
 from persist_core.tiers.local import discover, read_manifest
-from persist_core.cli.app import CommandError, is_url, main, open_location, progress, took
+from persist_core.cli.app import CommandError, Location, is_url, main, open_location, progress, took
 
 
 def _exporters() -> dict[str, Any]:
@@ -107,10 +107,11 @@ def cp(ctx: click.Context, source: str, target: str, steps: tuple[int, ...], qui
       persist cp s3://bucket/run-7 gs://archive/run-7 --step 4000
     """
     src = open_location(ctx, source)
-    todo = list(steps) or [src.step_or_latest(None)]
+    there = [c.step for c in src.list()]
+    todo = list(steps) or [src.step_or_latest(None, there)]
     for s_ in todo:
-        src.step_or_latest(s_)  # says which steps there are when it is not one of them
-    copied = _copy_steps(ctx, source, target, todo, quiet=quiet or as_json)
+        src.step_or_latest(s_, there)  # says which steps there are when it is not one of them
+    copied = _copy_steps(ctx, src, target, todo, quiet=quiet or as_json)
     if as_json:
         click.echo(json.dumps({"source": source, "target": target, "copied": copied}))
 
@@ -131,54 +132,66 @@ def sync(ctx: click.Context, source: str, target: str, quiet: bool, as_json: boo
     """
     have = set(open_location(ctx, target).tier.committed_steps()) if is_url(target) or os.path.isdir(
         target.removeprefix("file://")) else set()
-    todo = [c.step for c in open_location(ctx, source).list() if c.step not in have]
-    copied = _copy_steps(ctx, source, target, todo, quiet=quiet or as_json)
+    src = open_location(ctx, source)
+    todo = [c.step for c in src.list() if c.step not in have]
+    copied = _copy_steps(ctx, src, target, todo, quiet=quiet or as_json)
     if as_json:
         click.echo(json.dumps({"source": source, "target": target, "copied": copied}))
     elif not todo and not quiet:
         click.echo(f"{target} has every committed checkpoint of {source}")
 
 
-def _copy_steps(ctx: click.Context, source: str, target: str, steps: list[int], *, quiet: bool) -> list[int]:
-    """Copy ``steps`` from ``source`` to ``target``: into a local directory by a verified download (a local
+def _copy_steps(ctx: click.Context, src: Location, target: str, steps: list[int], *, quiet: bool) -> list[int]:
+    """Copy ``steps`` from ``src`` to ``target``: into a local directory by a verified download (a local
     source is read as a ``file://`` remote); to a remote by an upload, from a verified local copy (the
-    source's own directory, or a temporary download)."""
-    import tempfile
-
-    source_url = source if is_url(source) else "file://" + str(Path(source.removeprefix("file://")).absolute())
+    source's own directory, or a temporary download). Each location is opened once for all the steps."""
+    source = src.name
+    source_url = source if is_url(source) else "file://" + str(src.root)
     copied = []
-    for s_ in steps:
-        t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
         if not is_url(target):
             os.makedirs(target.removeprefix("file://"), exist_ok=True)
-            with CheckpointReader(target.removeprefix("file://"), remote_url=source_url,
-                                  storage_options=ctx.obj) as reader:
-                nbytes = open_location(ctx, source).manifest(s_).nbytes
-                with progress(nbytes, f"copy step {s_}", quiet) as advance:
-                    path = str(reader.fetch(s_, advance))
+            into = stack.enter_context(CheckpointReader(target.removeprefix("file://"), remote_url=source_url,
+                                                        storage_options=ctx.obj))
         else:
-            with contextlib.ExitStack() as stack:
-                dst = RemoteTier(target, ctx.obj)
-                stack.callback(dst.close)
-                if is_url(source):  # remote -> remote: through a verified local copy
-                    scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="persist-cp-"))
-                    reader = stack.enter_context(CheckpointReader(scratch, remote_url=source, storage_options=ctx.obj))
-                    ckpt = reader.fetch(s_)
-                else:
-                    ckpt = Path(source.removeprefix("file://")).absolute() / checkpoint_dirname(s_)
-                manifest = read_manifest(ckpt)
-                if manifest.elsewhere():
-                    raise CommandError(f"{ckpt} holds node {manifest.node}'s files only (the checkpoint was written on "
-                                 f"{len(manifest.nodes)} nodes); copy it from the remote the run uploaded to")
-                nbytes = manifest.nbytes
+            dst = RemoteTier(target, ctx.obj)
+            stack.callback(dst.close)
+        for s_ in steps:
+            t0 = time.perf_counter()
+            if not is_url(target):
+                nbytes = src.manifest(s_).nbytes
                 with progress(nbytes, f"copy step {s_}", quiet) as advance:
-                    dst.upload(ckpt, manifest)
-                    advance(nbytes)
-            path = f"{target.rstrip('/')}/{checkpoint_dirname(s_)}"
-        copied.append(s_)
-        if not quiet:
-            click.echo(f"step {s_} -> {path}: {took(nbytes, time.perf_counter() - t0)}")
+                    path = str(into.fetch(s_, advance))
+            else:
+                nbytes = _upload_step(ctx, src, dst, s_, quiet)
+                path = f"{target.rstrip('/')}/{checkpoint_dirname(s_)}"
+            copied.append(s_)
+            if not quiet:
+                click.echo(f"step {s_} -> {path}: {took(nbytes, time.perf_counter() - t0)}")
     return copied
+
+
+def _upload_step(ctx: click.Context, src: Location, dst: RemoteTier, step: int, quiet: bool) -> int:
+    """Upload ``step`` of ``src`` to ``dst`` from a verified local copy (a remote source's through a temporary
+    download, removed after); its bytes."""
+    import tempfile
+
+    with contextlib.ExitStack() as stack:
+        if src.remote is not None:  # remote -> remote: through a verified local copy
+            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="persist-cp-"))
+            reader = stack.enter_context(CheckpointReader(scratch, remote_url=src.name, storage_options=ctx.obj))
+            ckpt = reader.fetch(step)
+        else:
+            assert src.root is not None
+            ckpt = src.root / checkpoint_dirname(step)
+        manifest = read_manifest(ckpt)
+        if manifest.elsewhere():
+            raise CommandError(f"{ckpt} holds node {manifest.node}'s files only (the checkpoint was written on "
+                               f"{len(manifest.nodes)} nodes); copy it from the remote the run uploaded to")
+        with progress(manifest.nbytes, f"copy step {step}", quiet) as advance:
+            dst.upload(ckpt, manifest)
+            advance(manifest.nbytes)
+    return manifest.nbytes
 
 
 @main.command()

@@ -430,6 +430,33 @@ def test_cp_and_sync_between_any_two_locations_verified_manifest_last(tmp_path, 
     assert done.exit_code == 2 and "no committed checkpoint for step 7" in done.output
 
 
+
+def test_copying_many_steps_lists_the_source_once_and_opens_each_location_once(tmp_path, monkeypatch):
+    import uuid
+
+    from persist_core.tiers.remote import RemoteTier
+
+    mem = f"memory:///cli-{uuid.uuid4().hex[:8]}"
+    with CheckpointEngine(tmp_path / "run", remote_url=mem) as engine:
+        for step in range(1, 6):
+            engine.save({"w": torch.full((100,), float(step))}, step=step).wait()
+    listed, opened = [], []
+    list_remote, init_remote = RemoteTier.list, RemoteTier.__init__
+    monkeypatch.setattr(RemoteTier, "list", lambda self: listed.append(self.url) or list_remote(self))
+    monkeypatch.setattr(RemoteTier, "__init__", lambda self, *a, **k: opened.append(a[0]) or init_remote(self, *a, **k))
+    steps = [a for s in range(1, 6) for a in ("--step", str(s))]
+    done = CliRunner().invoke(main, ["cp", mem, str(tmp_path / "copy"), *steps, "--json"])  # remote -> local
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.output)["copied"] == [1, 2, 3, 4, 5]
+    with CheckpointReader(tmp_path / "copy") as reader:
+        assert [c.step for c in reader.list()] == [1, 2, 3, 4, 5]
+        assert torch.equal(reader.load(4)["w"], torch.full((100,), 4.0))
+    assert listed == [mem] and opened.count(mem) <= 2  # the command's source, and the one reader copying every step
+    listed.clear()
+    done = CliRunner().invoke(main, ["sync", str(tmp_path / "run"), mem + "-mirror", "--json"])  # local -> remote
+    assert done.exit_code == 0 and json.loads(done.output)["copied"] == [1, 2, 3, 4, 5], done.output
+    assert opened.count(mem + "-mirror") <= 2  # the target's listing, and one tier uploading every step
+
 def test_gc_and_pull_report_as_json(tmp_path):
     d = tmp_path / "ckpt"
     url = _three_saves(d)
