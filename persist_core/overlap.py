@@ -47,6 +47,7 @@ class Turn:
         self._until = 0.0
         self.max_hold_s = max_hold_s
         self.held_s = 0.0  # total time writers waited for updates (the price in D of not slowing them)
+        self._held_lock = threading.Lock()  # several writer threads add to held_s
 
     def hold(self) -> None:
         self._until = time.monotonic() + self.max_hold_s
@@ -62,7 +63,8 @@ class Turn:
         left = self._until - t0
         if left > 0:
             self._open.wait(left)
-        self.held_s += time.monotonic() - t0
+        with self._held_lock:
+            self.held_s += time.monotonic() - t0
 
 
 class Guard:
