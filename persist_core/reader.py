@@ -3,15 +3,14 @@
 It never writes a checkpoint, uploads or deletes one, so any number of processes (every rank of
 a job, a CLI, an evaluation job) may read the same ``local_dir`` and ``remote_url`` while one
 :class:`~persist_core.CheckpointEngine` writes there. The one thing it adds to ``local_dir`` is a
-checkpoint downloaded from the remote, put in place with a rename exactly as a writer commits.
+checkpoint downloaded from the remote, put in place with a rename exactly as a writer commits
+(:mod:`persist_core.restore`).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,10 +20,10 @@ from typing import Any, TypeVar
 from persist_core import _knobs
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, PersistError, RemoteError
 from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname, parse_shard_filename
-from persist_core.ownership import claim_tmp, discard
-from persist_core.fileio import fsync_dir
+from persist_core.ownership import discard
 from persist_core.format.manifest import Manifest
 from persist_core.planning.load import LoadOptions, LoadStats, check_weights_only, load_into
+from persist_core.restore import RemoteRestore
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.local import (
     LocalTier,
@@ -34,9 +33,7 @@ from persist_core.tiers.local import (
     load_checkpoint,
     read_blocks,
     read_manifest,
-    read_shard,
 )
-from persist_core.tiers.tee import LocalCopy
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -85,8 +82,7 @@ class CheckpointReader:
         self._owns_tier = tier is None and remote_url is not None
         self._tier = tier if tier is not None else (RemoteTier(remote_url, storage_options) if remote_url else None)
         self._pool = ThreadPoolExecutor(_knobs.write_threads(), thread_name_prefix="persist-read")
-        self._downloads = 0
-        self._copies: list[threading.Thread] = []  # committing the local copies of streamed restores
+        self._restore = RemoteRestore(self._root, self._tier, self._pool) if self._tier is not None else None
         self.loaded_step: int | None = None  # the step the last successful load() returned (a resume point)
         self.loaded_from_remote = False  # ... and it was downloaded (a fresh machine resuming the remote's run)
         self.last_load = LoadStats()  # what the last load(into=...) needed and read
@@ -226,9 +222,9 @@ class CheckpointReader:
                 if into is not None:
                     state, from_remote = self._read_into(candidate, candidate in local, candidate in remote, into, opts)
                 else:
-                    downloads = self._downloads
+                    downloads = self._downloaded()
                     state = self._read_step(candidate, candidate in local, candidate in remote, opts)
-                    from_remote = self._downloads > downloads
+                    from_remote = self._downloaded() > downloads
             except CorruptCheckpointError as e:
                 if step is not None:
                     raise
@@ -251,7 +247,6 @@ class CheckpointReader:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint for step={step} in {where}; committed steps: {sorted(local | remote)}")
         return ([step] if step is not None else sorted(local | remote, reverse=True)), local, remote
-
 
     def _blocks(self, ckpt: Path, manifest: Manifest, opts: LoadOptions) -> Callable[..., None]:
         """``read_blocks`` for a local copy: the files it holds from disk, the others' (a node's copy: the
@@ -317,46 +312,17 @@ class CheckpointReader:
                     raise
                 log.warning("[step=%d] local copy does not verify (%s); downloading from %s", step, e, self._tier.url)
                 self._set_aside(ckpt)
-        return self._stream(step, opts)
-
-    def _stream(self, step: int, opts: LoadOptions) -> Any:
-        """A checkpoint only the remote holds: ranged, verified reads straight into the state's tensors (no
-        file written and read back first), each run of blocks also written into a local copy, which a thread
-        commits into ``local_dir`` afterwards (fsync, manifest last, rename) for the next restore."""
-        assert self._tier is not None
-        tier, stats = self._tier, self.last_load
-        manifest = tier.read_manifest(step)
-        self._manifest = manifest
-        name = f"{tier.url}/{checkpoint_dirname(step)}"
-        self._downloads += 1
-        copy = LocalCopy(self._root, manifest)
-
-        def shard(f: Any) -> Any:
-            def fill(blocks: list[tuple[list[memoryview], int, int | None, int]]) -> None:
-                views = [v for vs, _, _, _ in blocks for v in vs]
-                tier.read_blocks(step, f, blocks[0][3], views, verify=opts.verify)
-                stats.count_remote(sum(len(v) for v in views), f.name)
-                copy.write(f, blocks[0][3], views)
-
-            return read_shard(f, head=lambda n: tier.read_range(step, f, 0, n), fill=fill, pool=requests,
-                              verify=opts.verify, where=f"{name}/{f.name}", span_bytes=_knobs.remote_read_bytes())
-
-        try:  # as many requests in flight as the tier's uploads and downloads have
-            with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="persist-stream") as requests:
-                state = load_checkpoint(name, manifest, pool=self._pool, options=opts, shard=shard)
-        except BaseException:
-            copy.abandon()
-            raise
-        log.info("[step=%d] streamed from %s (%d bytes)", step, tier.url, stats.remote_bytes)
-        thread = threading.Thread(target=copy.finish, name="persist-local-copy", daemon=True)
-        thread.start()
-        self._copies.append(thread)
+        assert self._restore is not None
+        state, self._manifest = self._restore.stream(step, opts, self.last_load)
         return state
+
+    def _downloaded(self) -> int:
+        return self._restore.downloads if self._restore is not None else 0
 
     def wait_copies(self) -> None:
         """Wait until the local copies that streamed restores write are committed (``close()`` does)."""
-        while self._copies:
-            self._copies.pop().join()
+        if self._restore is not None:
+            self._restore.wait_copies()
 
     def fetch(self, step: int, progress: Callable[[int], None] | None = None) -> Path:
         """Make ``local_dir`` hold checkpoint ``step``, downloading it (verified) if it is not there.
@@ -375,29 +341,9 @@ class CheckpointReader:
         if self._tier is None or step not in self._tier.committed_steps():
             raise CheckpointNotFoundError(f"no committed checkpoint for step={step} in {self._root}"
                                           + (f" or {self._tier.url}" if self._tier else ""))
-        self._download(step, progress)
+        assert self._restore is not None
+        self._restore.download(step, progress)
         return ckpt
-
-    def _download(self, step: int, progress: Callable[[int], None] | None = None) -> Manifest:
-        """Download ``step`` into ``local_dir`` and rename it into place (or take another process's copy).
-
-        The download goes into an owned temporary directory: a failure or a kill leaves nothing alive.
-        """
-        assert self._tier is not None
-        ckpt = checkpoint_dir(self._root, step)
-        self._downloads += 1
-        with claim_tmp(self._root, step) as tmp:
-            manifest = self._tier.download(step, tmp, progress)
-            try:
-                os.rename(tmp, ckpt)
-                fsync_dir(self._root)
-                log.info("[step=%d] downloaded from %s into %s", step, self._tier.url, ckpt)
-            except OSError as e:
-                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise
-                # another process (a rank on this node) put its download in place first: use that one
-                manifest = read_manifest(ckpt)
-        return manifest
 
     def _set_aside_here(self, remote_only: set[int]) -> set[int]:
         """Remote steps that are checkpoints this directory set aside (a run died before the remote followed)."""

@@ -1,0 +1,97 @@
+"""Bringing a checkpoint only the remote holds onto this machine, for :class:`~persist_core.reader.CheckpointReader`.
+
+Two ways: :meth:`RemoteRestore.stream` reads it by ranged, verified requests straight into the state's tensors
+(no file written and read back first) and writes each run of blocks into a local copy, which a thread commits
+into ``local_dir`` afterwards for the next restore; :meth:`RemoteRestore.download` puts it into ``local_dir``
+whole (``fetch``: the CLI's ``pull`` and ``cp``). Either way the files go into an owned temporary directory
+first and are renamed into place as a writer commits: a failure or a kill leaves nothing a reader takes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from persist_core import _knobs
+from persist_core.fileio import fsync_dir
+from persist_core.format.manifest import Manifest
+from persist_core.layout import checkpoint_dirname
+from persist_core.ownership import claim_tmp
+from persist_core.planning.load import LoadOptions, LoadStats
+from persist_core.tiers.local import checkpoint_dir, load_checkpoint, read_manifest, read_shard
+from persist_core.tiers.remote import RemoteTier
+from persist_core.tiers.tee import LocalCopy
+
+log = logging.getLogger(__name__)
+
+
+class RemoteRestore:
+    """Remote-only checkpoints of ``tier`` brought into ``root``; ``pool`` decodes the tensors.
+
+    ``downloads`` counts the checkpoints brought over (streamed or downloaded).
+    """
+
+    def __init__(self, root: Path, tier: RemoteTier, pool: ThreadPoolExecutor) -> None:
+        self._root = root
+        self._tier = tier
+        self._pool = pool
+        self.downloads = 0
+        self._copies: list[threading.Thread] = []  # committing the local copies of streamed restores
+
+    def stream(self, step: int, opts: LoadOptions, stats: LoadStats) -> tuple[Any, Manifest]:
+        """``(the state, its manifest)``, streamed (see the module); what it read is counted in ``stats``."""
+        tier = self._tier
+        manifest = tier.read_manifest(step)
+        name = f"{tier.url}/{checkpoint_dirname(step)}"
+        self.downloads += 1
+        copy = LocalCopy(self._root, manifest)
+
+        def shard(f: Any) -> Any:
+            def fill(blocks: list[tuple[list[memoryview], int, int | None, int]]) -> None:
+                views = [v for vs, _, _, _ in blocks for v in vs]
+                tier.read_blocks(step, f, blocks[0][3], views, verify=opts.verify)
+                stats.count_remote(sum(len(v) for v in views), f.name)
+                copy.write(f, blocks[0][3], views)
+
+            return read_shard(f, head=lambda n: tier.read_range(step, f, 0, n), fill=fill, pool=requests,
+                              verify=opts.verify, where=f"{name}/{f.name}", span_bytes=_knobs.remote_read_bytes())
+
+        try:  # as many requests in flight as the tier's uploads and downloads have
+            with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="persist-stream") as requests:
+                state = load_checkpoint(name, manifest, pool=self._pool, options=opts, shard=shard)
+        except BaseException:
+            copy.abandon()
+            raise
+        log.info("[step=%d] streamed from %s (%d bytes)", step, tier.url, stats.remote_bytes)
+        thread = threading.Thread(target=copy.finish, name="persist-local-copy", daemon=True)
+        thread.start()
+        self._copies.append(thread)
+        return state, manifest
+
+    def wait_copies(self) -> None:
+        """Wait until the local copies that streamed restores write are committed."""
+        while self._copies:
+            self._copies.pop().join()
+
+    def download(self, step: int, progress: Callable[[int], None] | None = None) -> Manifest:
+        """Download ``step`` into ``root`` and rename it into place (or take another process's copy)."""
+        ckpt = checkpoint_dir(self._root, step)
+        self.downloads += 1
+        with claim_tmp(self._root, step) as tmp:
+            manifest = self._tier.download(step, tmp, progress)
+            try:
+                os.rename(tmp, ckpt)
+                fsync_dir(self._root)
+                log.info("[step=%d] downloaded from %s into %s", step, self._tier.url, ckpt)
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                # another process (a rank on this node) put its download in place first: use that one
+                manifest = read_manifest(ckpt)
+        return manifest
