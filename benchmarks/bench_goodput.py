@@ -107,11 +107,11 @@ def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: f
         engine.maybe_save(lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step)
         print(json.dumps({"event": "step", "step": step}), flush=True)
         if step - start == 3:  # where the calibration's rates start (see run_policy): what came before
-            print(json.dumps({"event": "steady", "saves": engine.summary()["saves"],
-                              "fence_s": engine._overlap.fence_s}), flush=True)
+            steady = engine.summary()
+            print(json.dumps({"event": "steady", "saves": steady["saves"], "fence_s": steady["fence_wait_s"]}), flush=True)
         if step % 10 == 0:
             summary = {**engine.summary(), "steps": step - start}
-            print(json.dumps({"event": "summary", "summary": summary, "fence_s": engine._overlap.fence_s}), flush=True)
+            print(json.dumps({"event": "summary", "summary": summary, "fence_s": summary["fence_wait_s"]}), flush=True)
 
 
 def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: list[float], local: Path) -> dict:

@@ -133,12 +133,11 @@ def cpu_step(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 handle = engine.save(state(), step=i)
                 stall = time.perf_counter() - t0
-                before = engine._overlap.fence_s
                 took = step()
                 if i:
                     stalls.append(stall)
                     steps.append(took)
-                    fences.append(engine._overlap.fence_s - before)
+                    fences.append(handle.stats.fence_s)  # what this step's update waited for the save's copy
                 handle.wait()
             nbytes = handle.stats.nbytes
             if guard is not None:

@@ -70,14 +70,14 @@ def child(work: str, width: int, step_ms: float, steps: int, variant: str) -> No
     start = state["step"]
     del state
     engine.guard(opt)
-    handles, fence0 = [], engine._overlap.fence_s
+    handles, fence0 = [], engine.summary()["fence_wait_s"]
     for step in range(start + 1, start + 1 + steps):
         time.sleep(step_ms / 1000)
         opt.step()  # the guard's fence: waits for the previous save's background copy
         handles.append(engine.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step))
     time.sleep(step_ms / 1000)
     opt.step()
-    fence_s = engine._overlap.fence_s - fence0
+    fence_s = engine.summary()["fence_wait_s"] - fence0
     total_s = time.perf_counter() - t0
     engine.close()
     nbytes = handles[0].stats.nbytes

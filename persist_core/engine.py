@@ -183,6 +183,7 @@ class CheckpointEngine:
         self._overlap = Overlap()
         self._pool = StagingPool(settings.max_pending, pin=torch.cuda.is_available(), turn=self._overlap.turn.wait)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._guarded: SaveHandle | None = None  # the last save whose copy went to the background
         self._pipeline = Pipeline(self._root, pool=self._pool, coll=self._coll, ops=file_ops or OsFileOps(),
                                   ledger=self._ledger, settings=settings, tier=tier, keep_local=keep_local,
                                   keep_remote=keep_remote, latest_step=lambda: self._latest_step,
@@ -263,6 +264,7 @@ class CheckpointEngine:
             self._writer.submit(job)
             handle._set_staged()
         else:
+            self._guarded = handle  # the next fence waits for this one's copy
             self._overlap.run(lambda: self._finish_staging(job, staged.later))
         log.debug("[rank=%d][step=%d] staged %d bytes in %.3f s", self._coll.rank, step, handle.stats.nbytes,
                   handle.stats.staging_s)
@@ -300,8 +302,10 @@ class CheckpointEngine:
         optimizer state); the seconds waited. Guarded optimizers call it from their step pre-hook. From here to
         the optimizer's step post-hook the background writes hold off (the update has the host's cores)."""
         waited = self._overlap.before_update()
-        if waited > 0:
-            log.debug("[rank=%d] the update waited %.3f s for the checkpoint copy", self._coll.rank, waited)
+        if waited > 0 and self._guarded is not None:  # the copy waited for is the last guarded save's
+            self._guarded._update(fence_s=self._guarded.stats.fence_s + waited)
+            log.debug("[rank=%d] the update waited %.3f s for the copy of step %d", self._coll.rank, waited,
+                      self._guarded.step)
         return waited
 
     def after_update(self) -> None:
@@ -386,7 +390,11 @@ class CheckpointEngine:
     def summary(self) -> dict[str, float | int | None]:
         """How checkpointing went so far: saves, intervals, stall fraction, slowdown, upload lag.
 
-        See :meth:`SaveHistory.summary` for the keys; with a remote also ``remote_behind_steps``,
+        Keys: ``saves``, ``interval_p50_s``/``interval_p90_s``/``interval_p50_steps`` (between saves' starts),
+        ``stall_p50_s`` and ``stall_fraction`` (what ``save()`` blocked, of the time since the engine started),
+        ``fence_wait_s`` (what guarded updates waited for background copies, all told: not in the stall),
+        ``save_p50_s`` (``save()`` to committed), ``write_slowdown`` (see :class:`DecisionContext`),
+        ``upload_lag_p50_s``; with a remote also ``remote_behind_steps``,
         ``remote_behind_bytes``, ``oldest_unsynced_age_s`` and ``upload_failures`` (how far behind the
         remote is). ``None`` where nothing is measured yet.
         """

@@ -28,6 +28,8 @@ class SaveStats:
         wait_s: time ``save()`` waited for the previous checkpoint's write to free its buffer.
         staging_s: time copying the state into the staging buffer (device-to-host included).
         stall_s: everything ``save()`` blocked the caller for (``wait_s + staging_s`` + planning).
+        fence_s: how long the next guarded update waited at the fence for this save's background copy
+            (0 when the copy ended within the step, and for saves without a guard); apart from ``stall_s``.
         write_s: time writing and fsyncing the shard files.
         write_gbps: ``nbytes / write_s`` in GB/s (10**9 bytes).
         commit_s: from ``save()`` returning to the checkpoint being committed and durable.
@@ -44,6 +46,7 @@ class SaveStats:
     wait_s: float = 0.0
     staging_s: float = 0.0
     stall_s: float = 0.0
+    fence_s: float = 0.0
     write_s: float | None = None
     write_gbps: float | None = None
     commit_s: float | None = None
@@ -55,9 +58,9 @@ class SaveStats:
     superseded: bool = False
 
     def metrics(self, prefix: str = "persist/") -> dict[str, float]:
-        """The numbers adapters report to loggers: stall, bytes, save -> durable, write/upload speed and lag
+        """The numbers adapters report to loggers: stall, the fence's wait, bytes, save -> durable, write/upload speed and lag
         once known, and whether its upload was superseded."""
-        out = {f"{prefix}stall_s": self.stall_s, f"{prefix}bytes": float(self.nbytes),
+        out = {f"{prefix}stall_s": self.stall_s, f"{prefix}fence_s": self.fence_s, f"{prefix}bytes": float(self.nbytes),
                f"{prefix}superseded": float(self.superseded)}
         if self.commit_s is not None:
             out[f"{prefix}durable_s"] = self.stall_s + self.commit_s  # save() called -> committed and durable

@@ -159,6 +159,7 @@ class SaveHistory:
             "stall_p50_s": _quantile([s.stall_s for s in stats], 0.5),
             "save_p50_s": _quantile([_duration(s) for s in stats if s.commit_s is not None], 0.5),
             "stall_fraction": sum(s.stall_s for s in stats) / elapsed if elapsed > 0 else None,
+            "fence_wait_s": sum(s.fence_s for s in stats),
             "write_slowdown": self.meter.slowdown(),
             "upload_lag_p50_s": _quantile([s.lag_s for s in stats if s.lag_s is not None], 0.5),
         }

@@ -208,3 +208,28 @@ def test_a_fence_whose_step_never_runs_is_ended_by_after_update_or_by_removing_t
         t0 = time.perf_counter()
         turn.wait()
         assert time.perf_counter() - t0 < 0.5  # not the 1 s a forgotten hold lasts
+
+
+def test_the_wait_at_the_fence_is_reported_apart_from_the_stall(tmp_path):
+    model, opt = _model_and_optimizer()
+    gate = threading.Event()
+    with CheckpointEngine(tmp_path) as engine:
+        engine.guard(opt)
+        _gate_the_copy(engine, gate)
+        handle = engine.save({"model": model.state_dict(), "optim": opt.state_dict()["state"]}, step=1)
+        opener = threading.Timer(0.3, gate.set)  # the copy ends 0.3 s from now, after the update asked for it
+        opener.start()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()  # waits at the fence until the copy is done
+        handle.wait()
+        opener.join()
+        stats = handle.stats
+        assert stats.fence_s >= 0.25  # what the update waited for this save's copy
+        assert stats.stall_s < stats.fence_s  # save() itself returned after planning
+        assert stats.metrics()["persist/fence_s"] == stats.fence_s
+        summary = engine.summary()
+        assert summary["fence_wait_s"] == pytest.approx(stats.fence_s)
+        assert summary["stall_p50_s"] == pytest.approx(stats.stall_s)
+        engine.save({"model": model.state_dict()}, step=2).wait()  # unguarded tensors only: no fence
+        opt.step()
+        assert engine.summary()["fence_wait_s"] == pytest.approx(stats.fence_s)
