@@ -25,15 +25,8 @@ from persist_core.format.manifest import Manifest
 from persist_core.planning.load import LoadOptions, LoadStats, check_weights_only, load_into
 from persist_core.restore import RemoteRestore
 from persist_core.tiers.remote import RemoteTier
-from persist_core.tiers.local import (
-    LocalTier,
-    checkpoint_dir,
-    committed_steps,
-    discover,
-    load_checkpoint,
-    read_blocks,
-    read_manifest,
-)
+from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_manifest
+from persist_core.tiers.shards import load_checkpoint, read_blocks
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)

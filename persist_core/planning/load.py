@@ -9,7 +9,7 @@ read whole. :func:`assemble` builds a sharded tensor whole from the entries a fu
 
 Who calls what: :class:`~persist_core.reader.CheckpointReader` calls :func:`load_into` with a
 ``read_blocks`` for the tier the checkpoint is on (local ``pread`` or remote ranged reads);
-:func:`persist_core.tiers.local.load_checkpoint` calls :func:`assemble` and :func:`per_rank_values`.
+:func:`persist_core.tiers.shards.load_checkpoint` calls :func:`assemble` and :func:`per_rank_values`.
 """
 
 from __future__ import annotations
