@@ -14,18 +14,25 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format.manifest import Manifest
 from persist_core.tiers.local import LocalTier
 
 if TYPE_CHECKING:
-    from persist_core.sync import RemoteSync
     from persist_core.tiers.remote import RemoteTier
     from persist_core.uploads import KnownRemote
 
 log = logging.getLogger(__name__)
+
+
+class Uploads(Protocol):
+    """What the timeline needs of the upload queue (:class:`~persist_core.sync.RemoteSync`)."""
+
+    def known_steps(self) -> set[int]: ...
+
+    def start_branch(self, at: int) -> None: ...
 
 
 class Timeline:
@@ -38,7 +45,7 @@ class Timeline:
         leader: this rank sets aside (rank 0); the others only agree.
     """
 
-    def __init__(self, root: Path, local: LocalTier, sync: RemoteSync | None, *, leader: bool) -> None:
+    def __init__(self, root: Path, local: LocalTier, sync: Uploads | None, *, leader: bool) -> None:
         self._root = root
         self._local = local
         self._sync = sync
