@@ -206,6 +206,17 @@ def calibrate(args: argparse.Namespace, setting: str, out: Path) -> dict:
             "restart_s": _med([x for pair in pairs for r in pair for x in r["restarts"]])}
 
 
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student's t, 97.5%
+
+
+def _interval(ratios: list[float]) -> str:
+    """The 95% interval of the mean of per-sequence ratios (Student's t): how much the sequences say."""
+    if len(ratios) < 2:
+        return "one sequence: no interval"
+    mean, half = statistics.mean(ratios), _T975.get(len(ratios) - 1, 2.2) * statistics.stdev(ratios) / len(ratios) ** 0.5
+    return f"their mean {mean:.3f}x, 95% interval {mean - half:.2f}-{mean + half:.2f}x"
+
+
 def _goodput(r: dict, restart_s: float, step_s: float) -> tuple[float, float]:
     """(steps reached / horizon, the same with every restart counted at the median restart time of the cell:
     the time a slower-than-usual interpreter start cost, at this job's own rate, given back)."""
@@ -307,8 +318,9 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
         verdicts[mtbf] = {"p50_over_d": p50, "continuous": cont, "optimal": optimal}
         table += ["", f"continuous: P50 interval / save duration {'-' if p50 is None else format(p50, '.2f') + 'x'}; "
                   f"goodput (restart-normalized) / the best fixed interval ({fixed}) {cont:.3f}x (per sequence "
-                  f"{', '.join(f'{x:.3f}' for x in cont_k)}); optimal / best fixed {optimal:.3f}x (per sequence "
-                  f"{', '.join(f'{x:.3f}' for x in optimal_k)})", ""]
+                  f"{', '.join(f'{x:.3f}' for x in cont_k)}; {_interval(cont_k)}); optimal / best fixed "
+                  f"{optimal:.3f}x (per sequence {', '.join(f'{x:.3f}' for x in optimal_k)}; {_interval(optimal_k)})",
+                  ""]
         print("\n".join(table), flush=True)
         lines += table
     return lines, verdicts
