@@ -74,8 +74,6 @@ class PersistOverlap(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._guard is not None:
-            engine = self._io._get_engine()
-            engine.fence()
-            self.overlapped = engine._overlap.runs
-            self._guard.remove()
+            self._guard.remove()  # after the pending copy (not an update's wait: no step follows)
+            self.overlapped = self._io._get_engine()._overlap.runs
             self._guard = None

@@ -74,7 +74,9 @@ class Guard:
         self._overlap, self._optimizers, self._hooks = overlap, optimizers, hooks
 
     def remove(self) -> None:
-        """Undo the guard (idempotent): the next ``save()`` returns once everything is copied, as without one."""
+        """Undo the guard (idempotent): a pending background copy finishes first (no update waits for it once
+        the hooks are gone), and the next ``save()`` returns once everything is copied, as without one."""
+        self._overlap.fence()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

@@ -233,3 +233,25 @@ def test_the_wait_at_the_fence_is_reported_apart_from_the_stall(tmp_path):
         engine.save({"model": model.state_dict()}, step=2).wait()  # unguarded tensors only: no fence
         opt.step()
         assert engine.summary()["fence_wait_s"] == pytest.approx(stats.fence_s)
+
+
+def test_removing_the_guard_lets_a_pending_copy_finish_first(tmp_path):
+    model, opt = _model_and_optimizer()
+    gate = threading.Event()
+    with CheckpointEngine(tmp_path) as engine:
+        guard = engine.guard(opt)
+        _gate_the_copy(engine, gate)
+        before = _snapshot(model, opt)
+        handle = engine.save({"model": model.state_dict(), "optim": opt.state_dict()["state"]}, step=1)
+        opener = threading.Timer(0.2, gate.set)
+        opener.start()
+        guard.remove()  # no update will wait for the copy now: it ends before remove() returns
+        opener.join()
+        handle.wait_staged(timeout=0)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()  # unguarded from here: changes the parameters at once
+        handle.wait()
+        saved = engine.load(1)
+    assert_state_equal(saved["model"], before["model"])
+    assert_state_equal(saved["optim"], before["optim"])
+    assert handle.stats.fence_s == 0  # no update waited for it
