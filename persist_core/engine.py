@@ -181,6 +181,8 @@ class CheckpointEngine:
         self._ledger = ErrorLedger()
         self._history = SaveHistory(clock, prior=recent_costs(self._root))  # a restarted job: what saves cost
         self._overlap = Overlap()
+        if tier is not None:
+            tier.turn = self._overlap.turn.wait  # uploads, too, hold off while a guarded update runs
         self._pool = StagingPool(settings.max_pending, pin=torch.cuda.is_available(), turn=self._overlap.turn.wait)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._guarded: SaveHandle | None = None  # the last save whose copy went to the background

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +66,22 @@ class S3Transfer:
         bucket, key, _ = self._fs.split_path(path)
         return bucket, key
 
-    def put_file(self, local: Path, path: str) -> None:
-        """Upload ``local`` to ``path``: one PUT when small, else a multipart upload (aborted on failure)."""
+    def put_file(self, local: Path, path: str, *, turn: Callable[[], None] | None = None) -> None:
+        """Upload ``local`` to ``path``: one PUT when small, else a multipart upload (aborted on failure).
+        ``turn``: called by the transfer threads as they read each piece to send (it may wait)."""
+        from s3transfer.subscribers import BaseSubscriber
+
+        class Yielding(BaseSubscriber):  # type: ignore[misc]
+            def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
+                assert turn is not None
+                turn()
+
         bucket, key = self._split(path)
         part_bytes = max(self.part_bytes, -(-os.path.getsize(local) // _MAX_PARTS))
         if part_bytes != self._manager_part_bytes:  # a huge shard needs bigger parts (S3 allows 10,000)
             self._manager.shutdown()
             self._manager = self._make_manager(part_bytes)
-        self._manager.upload(str(local), bucket, key).result()
+        self._manager.upload(str(local), bucket, key, subscribers=[Yielding()] if turn is not None else None).result()
 
     def size(self, path: str) -> int:
         """The object's size, asked of S3 itself (a HEAD; never a cached listing)."""

@@ -33,7 +33,7 @@ from persist_core.layout import (
     parse_abandoned_dirname,
     parse_checkpoint_dirname,
 )
-from persist_core.fileio import fsync_dir
+from persist_core.fileio import fsync_dir, no_wait
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.tiers.tier import CheckpointInfo
 
@@ -77,6 +77,9 @@ class RemoteTier:
         self.concurrency = _knobs.remote_concurrency()
         self.retries = _knobs.remote_retries()
         self.backoff_s = _knobs.remote_backoff_s()
+        #: called by the upload threads before each piece they send: the engine gives its guarded update's turn,
+        #: so uploads hold off while an update runs on the host, as the local writes do
+        self.turn: Callable[[], None] = no_wait
         self._s3: S3Transfer | None = None
         if self._is_s3:
             try:
@@ -233,11 +236,12 @@ class RemoteTier:
 
     def _put(self, local: Path, target: str) -> None:
         if self._s3 is not None:
-            self._s3.put_file(local, target)
+            self._s3.put_file(local, target, turn=self.turn)
         elif self._is_s3:
-            self.fs.put_file(str(local), target, chunksize=self.part_bytes, max_concurrency=self.concurrency)
+            self.fs.put_file(str(local), target, chunksize=self.part_bytes, max_concurrency=self.concurrency,
+                             callback=_Yielding(self.turn))
         else:
-            self.fs.put_file(str(local), target)
+            self.fs.put_file(str(local), target, callback=_Yielding(self.turn))
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         if self._s3 is not None:
@@ -391,6 +395,17 @@ class RemoteTier:
             done += os.pwrite(fd, view[done:], start + done)
         if progress is not None:
             progress(len(view))
+
+
+class _Yielding(fsspec.callbacks.Callback):
+    """An fsspec progress callback that waits for ``turn`` at each piece a transfer reports."""
+
+    def __init__(self, turn: Callable[[], None]) -> None:
+        super().__init__()
+        self._turn = turn
+
+    def call(self, *args: Any, **kwargs: Any) -> None:
+        self._turn()
 
 
 def _with_timeouts(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:

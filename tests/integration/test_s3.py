@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import time
+import traceback
 
 import pytest
 import torch
@@ -176,3 +177,23 @@ def test_a_remote_that_stops_answering_mid_request_costs_bounded_time(tmp_path, 
         engine.close()
     assert time.monotonic() - t0 < 45  # without the bound: minutes (s3fs x botocore attempts x 60 s reads)
     assert [c.step for c in CheckpointReader(tmp_path / "a").list()] == [1]  # committed locally, kept
+
+
+def test_upload_threads_wait_for_the_turn_a_guarded_update_holds(tmp_path, bucket, s3_options, small_parts, monkeypatch):
+    import threading
+
+    from persist_core.overlap import Turn
+
+    callers: list[str] = []
+    wait = Turn.wait
+    def recording(self):  # who asks for the turn while sending an upload (not the retention after it)
+        if any(frame.name in ("put_file", "on_progress", "call") for frame in traceback.extract_stack()):
+            callers.append(threading.current_thread().name)
+        return wait(self)
+
+    monkeypatch.setattr(Turn, "wait", recording)
+    with CheckpointEngine(tmp_path / "nvme", remote_url=f"s3://{bucket}/turn", storage_options=s3_options) as engine:
+        engine.save(state_for(1, n=1536), step=1).wait_remote()  # ~9.4 MB: a multipart upload on s3transfer's threads
+        assert [i.step for i in engine.list(tier="remote")] == [1]
+    # the writer threads wait for the turn before each block; so do the threads sending the upload's parts
+    assert any(not name.startswith("persist-") for name in callers), callers  # s3transfer's threads

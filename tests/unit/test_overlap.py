@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -255,3 +256,21 @@ def test_removing_the_guard_lets_a_pending_copy_finish_first(tmp_path):
     assert_state_equal(saved["model"], before["model"])
     assert_state_equal(saved["optim"], before["optim"])
     assert handle.stats.fence_s == 0  # no update waited for it
+
+
+def test_uploads_through_fsspec_wait_for_the_turn_too(tmp_path, monkeypatch):
+    import uuid
+
+    from persist_core.overlap import Turn
+
+    callers: list[str] = []
+    wait = Turn.wait
+    def recording(self):  # who asks for the turn while sending an upload (not the retention after it)
+        if any(frame.name in ("put_file", "on_progress", "call") for frame in traceback.extract_stack()):
+            callers.append(threading.current_thread().name)
+        return wait(self)
+
+    monkeypatch.setattr(Turn, "wait", recording)
+    with CheckpointEngine(tmp_path, remote_url=f"memory:///turn-{uuid.uuid4().hex[:8]}") as engine:
+        engine.save({"w": torch.zeros(1 << 20)}, step=1).wait_remote()
+    assert "persist-sync" in callers  # the upload (fsspec's put_file on the sync thread) asked for its turn
