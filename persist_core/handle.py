@@ -58,8 +58,8 @@ class SaveStats:
     superseded: bool = False
 
     def metrics(self, prefix: str = "persist/") -> dict[str, float]:
-        """The numbers adapters report to loggers: stall, the fence's wait, bytes, save -> durable, write/upload speed and lag
-        once known, and whether its upload was superseded."""
+        """The numbers adapters report to loggers: stall, the fence's wait, bytes, save -> durable, write/upload
+        speed and lag once known, and whether its upload was superseded."""
         out = {f"{prefix}stall_s": self.stall_s, f"{prefix}fence_s": self.fence_s, f"{prefix}bytes": float(self.nbytes),
                f"{prefix}superseded": float(self.superseded)}
         if self.commit_s is not None:
