@@ -215,9 +215,7 @@ class CheckpointReader:
                 if into is not None:
                     state, from_remote = self._read_into(candidate, candidate in local, candidate in remote, into, opts)
                 else:
-                    downloads = self._downloaded()
-                    state = self._read_step(candidate, candidate in local, candidate in remote, opts)
-                    from_remote = self._downloaded() > downloads
+                    state, from_remote = self._read_step(candidate, candidate in local, candidate in remote, opts)
             except CorruptCheckpointError as e:
                 if step is not None:
                     raise
@@ -289,7 +287,8 @@ class CheckpointReader:
         return load_into(manifest, into, pool=self._pool, options=opts, where=f"{tier.url}/{checkpoint_dirname(step)}",
                          stats=stats, read_blocks=remote_blocks), True
 
-    def _read_step(self, step: int, in_local: bool, in_remote: bool, opts: LoadOptions) -> Any:
+    def _read_step(self, step: int, in_local: bool, in_remote: bool, opts: LoadOptions) -> tuple[Any, bool]:
+        """``(the state, whether it was streamed from the remote)``."""
         ckpt = checkpoint_dir(self._root, step)
         self.last_load = LoadStats()
         if in_local:
@@ -298,8 +297,8 @@ class CheckpointReader:
                 self._manifest = manifest
                 if manifest.elsewhere():  # a node's copy: this node's files from disk, the others' streamed
                     return load_into(manifest, {}, pool=self._pool, options=opts, where=str(ckpt),
-                                     stats=self.last_load, read_blocks=self._blocks(ckpt, manifest, opts))
-                return load_checkpoint(ckpt, manifest, pool=self._pool, options=opts)
+                                     stats=self.last_load, read_blocks=self._blocks(ckpt, manifest, opts)), False
+                return load_checkpoint(ckpt, manifest, pool=self._pool, options=opts), False
             except CorruptCheckpointError as e:
                 if not in_remote:
                     raise
@@ -307,10 +306,7 @@ class CheckpointReader:
                 self._set_aside(ckpt)
         assert self._restore is not None
         state, self._manifest = self._restore.stream(step, opts, self.last_load)
-        return state
-
-    def _downloaded(self) -> int:
-        return self._restore.downloads if self._restore is not None else 0
+        return state, True
 
     def wait_copies(self) -> None:
         """Wait until the local copies that streamed restores write are committed (``close()`` does)."""

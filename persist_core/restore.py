@@ -33,16 +33,12 @@ log = logging.getLogger(__name__)
 
 
 class RemoteRestore:
-    """Remote-only checkpoints of ``tier`` brought into ``root``; ``pool`` decodes the tensors.
-
-    ``downloads`` counts the checkpoints brought over (streamed or downloaded).
-    """
+    """Remote-only checkpoints of ``tier`` brought into ``root``; ``pool`` decodes the tensors."""
 
     def __init__(self, root: Path, tier: RemoteTier, pool: ThreadPoolExecutor) -> None:
         self._root = root
         self._tier = tier
         self._pool = pool
-        self.downloads = 0
         self._copies: list[threading.Thread] = []  # committing the local copies of streamed restores
 
     def stream(self, step: int, opts: LoadOptions, stats: LoadStats) -> tuple[Any, Manifest]:
@@ -50,7 +46,6 @@ class RemoteRestore:
         tier = self._tier
         manifest = tier.read_manifest(step)
         name = f"{tier.url}/{checkpoint_dirname(step)}"
-        self.downloads += 1
         copy = LocalCopy(self._root, manifest)
 
         def shard(f: Any) -> Any:
@@ -83,7 +78,6 @@ class RemoteRestore:
     def download(self, step: int, progress: Callable[[int], None] | None = None) -> Manifest:
         """Download ``step`` into ``root`` and rename it into place (or take another process's copy)."""
         ckpt = checkpoint_dir(self._root, step)
-        self.downloads += 1
         with claim_tmp(self._root, step) as tmp:
             manifest = self._tier.download(step, tmp, progress)
             try:
