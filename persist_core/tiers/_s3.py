@@ -9,6 +9,7 @@ threads, aborted on failure). Only :class:`persist_core.remote.RemoteTier` uses 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -69,19 +70,13 @@ class S3Transfer:
     def put_file(self, local: Path, path: str, *, turn: Callable[[], None] | None = None) -> None:
         """Upload ``local`` to ``path``: one PUT when small, else a multipart upload (aborted on failure).
         ``turn``: called by the transfer threads as they read each piece to send (it may wait)."""
-        from s3transfer.subscribers import BaseSubscriber
-
-        class Yielding(BaseSubscriber):  # type: ignore[misc]
-            def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
-                assert turn is not None
-                turn()
-
         bucket, key = self._split(path)
         part_bytes = max(self.part_bytes, -(-os.path.getsize(local) // _MAX_PARTS))
         if part_bytes != self._manager_part_bytes:  # a huge shard needs bigger parts (S3 allows 10,000)
             self._manager.shutdown()
             self._manager = self._make_manager(part_bytes)
-        self._manager.upload(str(local), bucket, key, subscribers=[Yielding()] if turn is not None else None).result()
+        subscribers = None if turn is None else [_yielding()(turn)]
+        self._manager.upload(str(local), bucket, key, subscribers=subscribers).result()
 
     def size(self, path: str) -> int:
         """The object's size, asked of S3 itself (a HEAD; never a cached listing)."""
@@ -97,3 +92,19 @@ class S3Transfer:
         """Bytes ``[start, end)`` of the object at ``path``."""
         bucket, key = self._split(path)
         return self._client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"].read()
+
+
+@functools.cache
+def _yielding() -> type:
+    """The s3transfer subscriber that calls ``turn`` at each piece a transfer thread reads to send (the
+    class is made once, on first use: s3transfer is imported only with the S3 tier)."""
+    from s3transfer.subscribers import BaseSubscriber
+
+    class Yielding(BaseSubscriber):  # type: ignore[misc]
+        def __init__(self, turn: Callable[[], None]) -> None:
+            self._turn = turn
+
+        def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
+            self._turn()
+
+    return Yielding
