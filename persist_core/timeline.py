@@ -4,8 +4,8 @@ which starts a new branch and sets the old branch's newer checkpoints aside on b
 The engine asks :meth:`Timeline.check` before every save (caller's thread). Setting aside is one
 durable rename per local checkpoint (:meth:`LocalTier.set_aside`), done at once, and a request to
 the upload queue (:meth:`RemoteSync.start_branch`), whose :class:`RemoteAside` moves the remote's newer
-checkpoints before its next upload (sync thread). Set-aside checkpoints are kept, listed as abandoned, never pruned and never
-the latest: retention and ``load()`` see only the live branch.
+checkpoints before its next upload (sync thread). Set-aside checkpoints are kept, listed as abandoned,
+never pruned and never the latest: retention and ``load()`` see only the live branch.
 """
 
 from __future__ import annotations

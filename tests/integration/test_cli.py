@@ -430,7 +430,6 @@ def test_cp_and_sync_between_any_two_locations_verified_manifest_last(tmp_path, 
     assert done.exit_code == 2 and "no committed checkpoint for step 7" in done.output
 
 
-
 def test_copying_many_steps_lists_the_source_once_and_opens_each_location_once(tmp_path, monkeypatch):
     import uuid
 
@@ -456,6 +455,7 @@ def test_copying_many_steps_lists_the_source_once_and_opens_each_location_once(t
     done = CliRunner().invoke(main, ["sync", str(tmp_path / "run"), mem + "-mirror", "--json"])  # local -> remote
     assert done.exit_code == 0 and json.loads(done.output)["copied"] == [1, 2, 3, 4, 5], done.output
     assert opened.count(mem + "-mirror") <= 2  # the target's listing, and one tier uploading every step
+
 
 def test_gc_and_pull_report_as_json(tmp_path):
     d = tmp_path / "ckpt"

@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import time
-import traceback
 
 import pytest
 import torch
 
 from persist_core import AnyOf, CheckpointEngine, CheckpointReader, KeepEveryNSteps, KeepLastN, RemoteError
+from tests.support.fakes import record_upload_turns
 from tests.support.states import assert_state_equal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,18 +180,7 @@ def test_a_remote_that_stops_answering_mid_request_costs_bounded_time(tmp_path, 
 
 
 def test_upload_threads_wait_for_the_turn_a_guarded_update_holds(tmp_path, bucket, s3_options, small_parts, monkeypatch):
-    import threading
-
-    from persist_core.overlap import Turn
-
-    callers: list[str] = []
-    wait = Turn.wait
-    def recording(self):  # who asks for the turn while sending an upload (not the retention after it)
-        if any(frame.name in ("put_file", "on_progress", "call") for frame in traceback.extract_stack()):
-            callers.append(threading.current_thread().name)
-        return wait(self)
-
-    monkeypatch.setattr(Turn, "wait", recording)
+    callers = record_upload_turns(monkeypatch)
     with CheckpointEngine(tmp_path / "nvme", remote_url=f"s3://{bucket}/turn", storage_options=s3_options) as engine:
         engine.save(state_for(1, n=1536), step=1).wait_remote()  # ~9.4 MB: a multipart upload on s3transfer's threads
         assert [i.step for i in engine.list(tier="remote")] == [1]

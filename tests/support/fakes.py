@@ -97,3 +97,23 @@ class TwoRanksWithoutDecisions:
 
     def all_gather(self, obj: Any) -> list[Any]:
         return [obj, obj]
+
+
+def record_upload_turns(monkeypatch: Any) -> list[str]:
+    """The names of the threads that ask for the guarded update's turn while sending an upload (inside a
+    transfer's ``put_file`` or its progress callback: not the local writes, not the retention after it);
+    the real turn is waited for as before."""
+    import traceback
+
+    from persist_core.overlap import Turn
+
+    callers: list[str] = []
+    wait = Turn.wait
+
+    def recording(self: Turn) -> None:
+        if any(frame.name in ("put_file", "on_progress", "call") for frame in traceback.extract_stack()):
+            callers.append(threading.current_thread().name)
+        wait(self)
+
+    monkeypatch.setattr(Turn, "wait", recording)
+    return callers

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
-import traceback
 
 import pytest
 import torch
 
 from persist_core import CheckpointEngine, ConfigError
+from tests.support.fakes import record_upload_turns
 from tests.support.states import assert_state_equal
 
 
@@ -261,16 +261,7 @@ def test_removing_the_guard_lets_a_pending_copy_finish_first(tmp_path):
 def test_uploads_through_fsspec_wait_for_the_turn_too(tmp_path, monkeypatch):
     import uuid
 
-    from persist_core.overlap import Turn
-
-    callers: list[str] = []
-    wait = Turn.wait
-    def recording(self):  # who asks for the turn while sending an upload (not the retention after it)
-        if any(frame.name in ("put_file", "on_progress", "call") for frame in traceback.extract_stack()):
-            callers.append(threading.current_thread().name)
-        return wait(self)
-
-    monkeypatch.setattr(Turn, "wait", recording)
+    callers = record_upload_turns(monkeypatch)
     with CheckpointEngine(tmp_path, remote_url=f"memory:///turn-{uuid.uuid4().hex[:8]}") as engine:
         engine.save({"w": torch.zeros(1 << 20)}, step=1).wait_remote()
     assert "persist-sync" in callers  # the upload (fsspec's put_file on the sync thread) asked for its turn
