@@ -22,31 +22,26 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
-import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import _load as torch_load
 from lightning.pytorch.callbacks import Callback
 
 from lightning_persist._links import Links, keep_linked
+from lightning_persist._paths import device, is_url, kind_of, path_key, restricted, shard_checkpoint
 from lightning_persist._strategies import check_strategy
+from lightning_persist._trainer import exit_as_sigterm, find_trainer, loggers_sink, rank_zero_info
 from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
 from persist_core import PersistError, RetentionPolicy
 from persist_core.distributed import decision_channel
-from persist_core.layout import FULL, MANIFEST_NAME, WEIGHTS_ONLY, shard_filename
+from persist_core.layout import FULL, shard_filename
 from persist_core.reader import checkpoint_of
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistOptions, PersistSession
 
 log = logging.getLogger(__name__)
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
 
 
 class PersistCheckpointIO(CheckpointIO):
@@ -184,7 +179,7 @@ class PersistCheckpointIO(CheckpointIO):
                 "pass storage_options=... to PersistCheckpointIO(...) for the remote tier"
             )
         self._links.raise_errors()
-        target = self._path_key(path)
+        target = path_key(path)
         if os.path.isdir(target) and not os.path.islink(target):
             raise ConfigError(f"checkpoint path {target!r} is an existing directory; remove it or choose another dirpath")
         trainer = self._report()
@@ -194,7 +189,7 @@ class PersistCheckpointIO(CheckpointIO):
         self._links.adopt(str(self.local_dir))
         self._links.adopt(os.path.dirname(target))
         step = self._step_of(checkpoint)
-        kind = _kind_of(checkpoint)
+        kind = kind_of(checkpoint)
         self._get_engine(kind)
         handle = self._session.save(checkpoint, step, kind=kind,
                                     metadata={"lightning_path": os.path.basename(target), "kind": kind})
@@ -223,37 +218,37 @@ class PersistCheckpointIO(CheckpointIO):
             CheckpointNotFoundError: nothing there (a ``FileNotFoundError``).
             CorruptCheckpointError: the checkpoint does not verify.
         """
-        self._strategy_seen = check_strategy(_find_trainer(), self._strategy_seen)
+        self._strategy_seen = check_strategy(find_trainer(), self._strategy_seen)
+
+        def read(reader: CheckpointReader, step: int) -> dict[str, Any]:
+            return reader.load(step, map_location=device(map_location), into=into, rank=self._rank,
+                               weights_only=restricted(weights_only))
+
         text = os.fspath(path)
         agreed = self._agreed_step(text)
         if agreed is not None:  # several ranks: every one loads the step rank 0's path names, from its own tiers
-            kind, step = agreed
-            reader = self._get_reader() if kind == FULL else self._get_engine(kind).reader
-            return reader.load(step, map_location=_device(map_location), into=into, rank=self._rank,
-                               weights_only=_weights_only(weights_only))
-        if not _is_url(text):
-            text = self._path_key(text)
+            return read(self._reader_of(agreed[0]), agreed[1])
+        if not is_url(text):
+            text = path_key(text)
             key = self._links.intended(text)
             handle = None if key is None else self._session.handle(key[1], key[0])
             if handle is not None and key is not None:  # saved by this plugin: wait for it, if need be, and read it
                 handle.wait_local()
-                kind, step = key
-                reader = self._get_reader() if kind == FULL else self._get_engine(kind).reader
-                return reader.load(step, map_location=_device(map_location), into=into, rank=self._rank,
-                                   weights_only=_weights_only(weights_only))
-            if os.path.isfile(text) and _checkpoint_dir(text) is None:  # a plain torch.save file
+                return read(self._reader_of(key[0]), key[1])
+            if os.path.isfile(text) and shard_checkpoint(text) is None:  # a plain torch.save file
                 return torch_load(text, map_location=map_location or "cpu", weights_only=weights_only)
             self._links.adopt(os.path.dirname(text))
             if not os.path.lexists(text):
                 raise CheckpointNotFoundError(f"checkpoint {text!r} does not exist")
         reader = self._get_reader()
-        real = checkpoint_of(Path(os.path.realpath(text))) if not _is_url(text) else None
+        real = checkpoint_of(Path(os.path.realpath(text))) if not is_url(text) else None
         if real is not None and real.parent != Path(os.path.realpath(reader.local_dir)):
             with CheckpointReader(real.parent, verify=self._session.options.verify) as other:  # another run's local_dir
-                return other.load(other.step_of(real), map_location=_device(map_location), into=into, rank=self._rank,
-                                  weights_only=_weights_only(weights_only))
-        return reader.load(reader.step_of(text), map_location=_device(map_location), into=into, rank=self._rank,
-                           weights_only=_weights_only(weights_only))
+                return read(other, other.step_of(real))
+        return read(reader, reader.step_of(text))
+
+    def _reader_of(self, kind: str) -> CheckpointReader:
+        return self._get_reader() if kind == FULL else self._get_engine(kind).reader
 
     @property
     def _rank(self) -> int:
@@ -273,7 +268,7 @@ class PersistCheckpointIO(CheckpointIO):
             return None
         mine: tuple[str, int] | None = None
         try:
-            key = None if _is_url(text) else self._links.intended(self._path_key(text))
+            key = None if is_url(text) else self._links.intended(path_key(text))
             if key is not None:
                 handle = self._session.handle(key[1], key[0])
                 if handle is not None:
@@ -281,7 +276,7 @@ class PersistCheckpointIO(CheckpointIO):
                 mine = (key[0], key[1])
             else:
                 reader = self._get_reader()
-                real = None if _is_url(text) else checkpoint_of(Path(os.path.realpath(text)))
+                real = None if is_url(text) else checkpoint_of(Path(os.path.realpath(text)))
                 if real is None or real.parent == Path(os.path.realpath(reader.local_dir)):
                     mine = (FULL, reader.step_of(text))
         except (PersistError, OSError):
@@ -299,8 +294,8 @@ class PersistCheckpointIO(CheckpointIO):
         directory at ``path`` that is not one of this plugin's checkpoints (another IO's, a strategy's
         own) is deleted, as the default IO deletes it.
         """
-        self._strategy_seen = check_strategy(_find_trainer(), self._strategy_seen)
-        target = self._path_key(path)
+        self._strategy_seen = check_strategy(find_trainer(), self._strategy_seen)
+        target = path_key(path)
         if os.path.isdir(target) and not os.path.islink(target) and self._links.checkpoint_named(target) is None:
             shutil.rmtree(target)
         self._links.remove(target)
@@ -331,16 +326,16 @@ class PersistCheckpointIO(CheckpointIO):
         ``exit_after_sigterm`` (the default), the process exits with status 143 (128 + SIGTERM), as
         SIGTERM would have ended it, instead of Lightning's 0 — so a scheduler sees a preemption.
         """
-        trainer = _find_trainer()
+        trainer = find_trainer()
         self._strategy_seen = check_strategy(trainer, self._strategy_seen, refuse=False)
         preempted = bool(getattr(trainer, "received_sigterm", False))
         try:
-            self._session.close(preempted=preempted, sink=self._sink(trainer), announce=_rank_zero_info)
+            self._session.close(preempted=preempted, sink=loggers_sink(trainer), announce=rank_zero_info)
             self._links.sweep()
             self._links.raise_errors()
         finally:
             if preempted and self._exit_after_sigterm:
-                _exit_as_sigterm()
+                exit_as_sigterm()
 
     def autosave(self, policy: SavePolicy, filename: str = "autosave.ckpt") -> Callback:
         """A callback that saves when ``policy`` says so (and at a SIGTERM), through this plugin.
@@ -381,18 +376,6 @@ class PersistCheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------------ internals
 
-    @staticmethod
-    def _path_key(path: str | os.PathLike[str]) -> str:
-        text = os.fspath(path)
-        if text.startswith("file://"):
-            text = text[len("file://") :]
-        if _is_url(text):
-            raise ConfigError(
-                f"checkpoint path {text!r} is remote; PersistCheckpointIO writes to local_dir and uploads to remote_url, "
-                "so point ModelCheckpoint(dirpath=...) at a local directory and pass the URL as remote_url"
-            )
-        return os.path.abspath(text)
-
     def _step_of(self, checkpoint: dict[str, Any]) -> int:
         for key in ("global_step", "step"):
             value = checkpoint.get(key)
@@ -407,92 +390,6 @@ class PersistCheckpointIO(CheckpointIO):
 
         Returns the Trainer on the call stack, if any.
         """
-        trainer = _find_trainer()
-        self._session.report(self._sink(trainer))
+        trainer = find_trainer()
+        self._session.report(loggers_sink(trainer))
         return trainer
-
-    @staticmethod
-    def _sink(trainer: Any | None) -> Any:
-        if trainer is None:
-            return None
-
-        def to_loggers(metrics: dict[str, float], step: int) -> None:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
-
-        return to_loggers
-
-
-def _rank_zero_info(text: str) -> None:
-    """The console channel of a default Lightning run (its rank-zero INFO logger)."""
-    from lightning.pytorch.utilities import rank_zero_info
-
-    rank_zero_info(text)
-
-
-_SIGTERM_STATUS = 128 + signal.SIGTERM
-
-
-def _exit_as_sigterm() -> None:
-    """End with the status SIGTERM gives (143) once everything is flushed.
-
-    Lightning 2.x stops on SIGTERM by raising ``SIGTERMException`` (a ``SystemExit`` without a code,
-    so status 0) and tears the strategy down while handling it: that exception gets the status.
-    When it stopped without one (an older Lightning), raise it here.
-    """
-    in_flight = sys.exc_info()[1]
-    if isinstance(in_flight, SystemExit):
-        if in_flight.code in (None, 0):
-            in_flight.code = _SIGTERM_STATUS
-        return
-    if in_flight is None:
-        raise SystemExit(_SIGTERM_STATUS)
-
-
-def _checkpoint_dir(path: str) -> Path | None:
-    """The committed checkpoint directory whose shard file ``path`` is (through links), or ``None``."""
-    real = Path(os.path.realpath(path))
-    ckpt = checkpoint_of(real)
-    return ckpt if ckpt != real and (ckpt / MANIFEST_NAME).is_file() else None
-
-
-def _kind_of(checkpoint: dict[str, Any]) -> str:
-    """``weights-only`` for what Lightning's ``dump_checkpoint(weights_only=True)`` makes, else ``full``."""
-    lightning = "pytorch-lightning_version" in checkpoint and "state_dict" in checkpoint
-    return WEIGHTS_ONLY if lightning and "optimizer_states" not in checkpoint else FULL
-
-
-def _weights_only(value: bool | None) -> bool:
-    """Lightning passes ``None`` for "torch.load's default", which is restricted unpickling since torch 2.6."""
-    return True if value is None else value
-
-
-def _device(map_location: Any) -> Any:
-    if map_location is None:
-        return "cpu"
-    if isinstance(map_location, (str, torch.device)):
-        return map_location
-    raise ConfigError(f"map_location={map_location!r} is not supported; pass None (CPU), a device string or a torch.device")
-
-
-def _find_trainer() -> Any | None:
-    """The Trainer whose ``save_checkpoint`` is on the call stack, to log through its loggers.
-
-    ``CheckpointIO`` has no reference to its Trainer; Lightning calls it from
-    ``Trainer.save_checkpoint`` a few frames up. ``None`` under Fabric or when called directly.
-    """
-    trainer_cls = sys.modules.get("lightning.pytorch.trainer.trainer")
-    classes = [getattr(m, "Trainer", None) for m in (trainer_cls, sys.modules.get("pytorch_lightning.trainer.trainer"))]
-    classes = tuple(c for c in classes if c is not None)
-    if not classes:
-        return None
-    frame = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            return None
-        for name in ("self", "trainer"):  # the Trainer's own methods; callbacks' hooks (ModelCheckpoint)
-            candidate = frame.f_locals.get(name)
-            if isinstance(candidate, classes):
-                return candidate
-        frame = frame.f_back
-    return None
