@@ -32,10 +32,10 @@ from types import TracebackType
 from typing import Any
 
 from accelerate_persist import _state
+from accelerate_persist._dirs import NamedDirs, newest_plain, optimizer_steps_of, plain_accelerate_dir
 from persist_core import CheckpointNotFoundError, CheckpointReader, ConfigError, KeepLastN, RetentionPolicy, SingleProcess
 from persist_core import TorchCollectives
-from persist_core.fileio import link_atomically
-from persist_core.layout import MANIFEST_NAME, checkpoint_dirname
+from persist_core.layout import checkpoint_dirname
 from persist_core.policies.retention import KeepStepsOf
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistOptions, PersistSession
@@ -133,7 +133,7 @@ class PersistHook:
         self._originals: dict[str, Any] = {}
         self._wrapped: list[tuple[Any, Any]] = []  # (optimizer, its own step) to put back on close
         self._optimizer_steps = 0
-        self._named: dict[str, int] = {}  # directories the user named in save_state(dir) -> their step (kept)
+        self._named = NamedDirs(self._options.local_dir)  # directories the user named in save_state(dir)
 
     # ------------------------------------------------------------------ registration
 
@@ -180,7 +180,7 @@ class PersistHook:
                 )
         session = PersistSession(options, resume_hint="resume it with hook.resume() before training")
         session.use_collectives(TorchCollectives.new_group() if accelerator.num_processes > 1 else SingleProcess())
-        named = None if options.retention is None else KeepStepsOf(self._named_steps, "KeepNamed")  # no policy: all kept
+        named = None if options.retention is None else KeepStepsOf(self._named.steps, "KeepNamed")  # no policy: all kept
         session.open(preemption=options.save_policy is not None, keep_extra=named)
         self._session, self._accelerator = session, accelerator
         self._originals = {name: getattr(accelerator, name) for name in ("save_state", "load_state", "end_training")}
@@ -233,7 +233,7 @@ class PersistHook:
         acc = self._accelerator
         step = self._optimizer_steps
         path = str(self._options.local_dir / checkpoint_dirname(step))
-        named, automatic = self._named_dir(output_dir)
+        named, automatic = self._named.resolve(acc, output_dir)
         if session.saved(step):
             log.info("save_state(): step %d is saved already (no optimizer step since); nothing more to write", step)
             handle = session.handle(step)
@@ -243,50 +243,12 @@ class PersistHook:
             acc.project_configuration.iteration += 1
         if named is not None and session.leader:
             if not automatic:
-                self._named[named] = step  # kept by retention while the link is there
+                self._named.intend(named, step)  # kept by retention while the link is there
             if handle is None:  # restored from this step, committed: link now
-                self._link(named, step, committed=True, automatic=automatic)
+                self._named.link(named, step, committed=True, automatic=automatic)
             else:
-                handle.add_local_callback(lambda ok: self._link(named, step, committed=ok, automatic=automatic))
+                handle.add_local_callback(lambda ok: self._named.link(named, step, committed=ok, automatic=automatic))
         return named or path
-
-    def _named_steps(self) -> set[int]:
-        """The steps a directory the user named in ``save_state(dir)`` still links to (retention keeps them)."""
-        return {step for path, step in list(self._named.items()) if os.path.lexists(path)}
-
-    def _named_dir(self, output_dir: str | None) -> tuple[str | None, bool]:
-        """``(the directory the user will look in, whether Accelerate's automatic naming chose it)``."""
-        acc = self._accelerator
-        config = acc.project_configuration
-        if config.automatic_checkpoint_naming:
-            target, automatic = os.path.join(acc.project_dir, "checkpoints", f"checkpoint_{config.iteration}"), True
-        elif output_dir is not None:
-            target, automatic = os.path.abspath(os.path.expanduser(os.fspath(output_dir))), False
-        else:
-            return None, False
-        if os.path.lexists(target) and not os.path.islink(target):
-            raise ConfigError(
-                f"save_state: {target} exists and is not a checkpoint PersistHook linked there; the hook writes to "
-                f"{self._options.local_dir} and makes the directory you name a link to it, so name a new directory "
-                "or remove that one"
-            )
-        return target, automatic
-
-    def _link(self, named: str, step: int, *, committed: bool, automatic: bool) -> None:
-        """Writer thread (or now): link ``named`` to the committed step; drop automatic links whose checkpoint
-        retention removed (``total_limit``), as Accelerate deletes its oldest ``checkpoint_<i>``."""
-        if not committed:
-            self._named.pop(named, None)
-            return
-        try:
-            link_atomically(named, self._options.local_dir / checkpoint_dirname(step))
-            if automatic:
-                folder = os.path.dirname(named)
-                for entry in os.scandir(folder):
-                    if entry.is_symlink() and not os.path.exists(entry.path):
-                        os.unlink(entry.path)
-        except OSError as e:
-            log.error("checkpoint step=%d is committed, but linking %s to it failed: %s", step, named, e)
 
     def _load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
         """``load_state()``: the newest committed checkpoint, or the one ``input_dir`` names (a directory
@@ -300,12 +262,12 @@ class PersistHook:
         acc = self._accelerator
         plain = None
         if input_dir is not None:
-            plain = _plain_accelerate_dir(os.fspath(input_dir))
+            plain = plain_accelerate_dir(os.fspath(input_dir))
         elif acc.project_configuration.automatic_checkpoint_naming and not engine.list("all"):
-            plain = _newest_plain(os.path.join(acc.project_dir, "checkpoints"))
+            plain = newest_plain(os.path.join(acc.project_dir, "checkpoints"))
         if plain is not None:
             self._originals["load_state"](plain, load_kwargs=load_kwargs, **kwargs)
-            self._optimizer_steps = _optimizer_steps_of(acc)
+            self._optimizer_steps = optimizer_steps_of(acc)
             log.info("loaded %s with Accelerate's own loader (not a torch-persist checkpoint); %d optimizer steps",
                      plain, self._optimizer_steps)
             return
@@ -415,35 +377,3 @@ class PersistHook:
         if self._session is not None:
             self._session.report(self._sink())
 
-
-def _plain_accelerate_dir(path: str) -> str | None:
-    """``path`` when it is a directory of files but not a torch-persist checkpoint (no manifest), else ``None``."""
-    if "://" in path and not path.startswith("file://"):
-        return None
-    real = os.path.realpath(os.path.expanduser(path.removeprefix("file://")))
-    if not os.path.isdir(real) or os.path.exists(os.path.join(real, MANIFEST_NAME)):
-        return None
-    return real if any(e.is_file() for e in os.scandir(real)) else None
-
-
-def _newest_plain(folder: str) -> str | None:
-    """The newest ``checkpoint_<i>`` Accelerate's automatic naming wrote in ``folder`` (plain, no manifest)."""
-    try:
-        names = [e.name for e in os.scandir(folder) if e.name.startswith("checkpoint_")]
-    except FileNotFoundError:
-        return None
-    numbered = sorted((int(n.removeprefix("checkpoint_")), n) for n in names if n.removeprefix("checkpoint_").isdigit())
-    return _plain_accelerate_dir(os.path.join(folder, numbered[-1][1])) if numbered else None
-
-
-def _optimizer_steps_of(accelerator: Any) -> int:
-    """Optimizer steps a plain Accelerate checkpoint had taken: the ``step`` its optimizer state keeps
-    (Adam and friends); 0, with a warning, for an optimizer without one (SGD)."""
-    for optimizer in accelerator._optimizers:
-        for values in optimizer.state_dict().get("state", {}).values():
-            step = values.get("step") if isinstance(values, dict) else None
-            if step is not None:
-                return int(step)
-    log.warning("the loaded Accelerate checkpoint does not say how many optimizer steps it took (its optimizer "
-                "keeps no 'step'); counting from 0: the hook's checkpoints are numbered from here on")
-    return 0

@@ -1,0 +1,112 @@
+"""The directories Accelerate users name: ``save_state(dir)`` links to the hook's checkpoints, and plain
+Accelerate checkpoints (no manifest) from a run before the hook.
+
+The hook writes every checkpoint to ``local_dir/step-N``; a directory the user names (``output_dir``, or
+``ProjectConfiguration``'s automatic ``checkpoints/checkpoint_<iteration>``) becomes a link to it once it
+is committed (:class:`NamedDirs`), and retention keeps the steps such a link still names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from persist_core import ConfigError
+from persist_core.fileio import link_atomically
+from persist_core.layout import MANIFEST_NAME, checkpoint_dirname
+
+log = logging.getLogger(__name__)
+
+
+class NamedDirs:
+    """Directory the user named -> the step it links to (or will, once committed)."""
+
+    def __init__(self, local_dir: Path) -> None:
+        self._local_dir = local_dir
+        self._lock = threading.Lock()  # the writer thread links, the training thread names
+        self._named: dict[str, int] = {}  # the user's directories (not automatic ones) -> their step: kept
+
+    def steps(self) -> set[int]:
+        """The steps a directory the user named in ``save_state(dir)`` still links to (retention keeps them)."""
+        with self._lock:
+            named = list(self._named.items())
+        return {step for path, step in named if os.path.lexists(path)}
+
+    def resolve(self, accelerator: Any, output_dir: str | None) -> tuple[str | None, bool]:
+        """``(the directory the user will look in, whether Accelerate's automatic naming chose it)``.
+
+        Raises:
+            ConfigError: that directory exists and is not a link the hook made.
+        """
+        config = accelerator.project_configuration
+        if config.automatic_checkpoint_naming:
+            target = os.path.join(accelerator.project_dir, "checkpoints", f"checkpoint_{config.iteration}")
+            automatic = True
+        elif output_dir is not None:
+            target, automatic = os.path.abspath(os.path.expanduser(os.fspath(output_dir))), False
+        else:
+            return None, False
+        if os.path.lexists(target) and not os.path.islink(target):
+            raise ConfigError(
+                f"save_state: {target} exists and is not a checkpoint PersistHook linked there; the hook writes to "
+                f"{self._local_dir} and makes the directory you name a link to it, so name a new directory "
+                "or remove that one"
+            )
+        return target, automatic
+
+    def intend(self, named: str, step: int) -> None:
+        """``named`` (the user's own) will link to ``step``: retention keeps it from now on."""
+        with self._lock:
+            self._named[named] = step
+
+    def link(self, named: str, step: int, *, committed: bool, automatic: bool) -> None:
+        """Writer thread (or now): link ``named`` to the committed step; drop automatic links whose checkpoint
+        retention removed (``total_limit``), as Accelerate deletes its oldest ``checkpoint_<i>``."""
+        if not committed:
+            with self._lock:
+                self._named.pop(named, None)
+            return
+        try:
+            link_atomically(named, self._local_dir / checkpoint_dirname(step))
+            if automatic:
+                for entry in os.scandir(os.path.dirname(named)):
+                    if entry.is_symlink() and not os.path.exists(entry.path):
+                        os.unlink(entry.path)
+        except OSError as e:
+            log.error("checkpoint step=%d is committed, but linking %s to it failed: %s", step, named, e)
+
+
+def plain_accelerate_dir(path: str) -> str | None:
+    """``path`` when it is a directory of files but not a torch-persist checkpoint (no manifest), else ``None``."""
+    if "://" in path and not path.startswith("file://"):
+        return None
+    real = os.path.realpath(os.path.expanduser(path.removeprefix("file://")))
+    if not os.path.isdir(real) or os.path.exists(os.path.join(real, MANIFEST_NAME)):
+        return None
+    return real if any(e.is_file() for e in os.scandir(real)) else None
+
+
+def newest_plain(folder: str) -> str | None:
+    """The newest ``checkpoint_<i>`` Accelerate's automatic naming wrote in ``folder`` (plain, no manifest)."""
+    try:
+        names = [e.name for e in os.scandir(folder) if e.name.startswith("checkpoint_")]
+    except FileNotFoundError:
+        return None
+    numbered = sorted((int(n.removeprefix("checkpoint_")), n) for n in names if n.removeprefix("checkpoint_").isdigit())
+    return plain_accelerate_dir(os.path.join(folder, numbered[-1][1])) if numbered else None
+
+
+def optimizer_steps_of(accelerator: Any) -> int:
+    """Optimizer steps a plain Accelerate checkpoint had taken: the ``step`` its optimizer state keeps
+    (Adam and friends); 0, with a warning, for an optimizer without one (SGD)."""
+    for optimizer in accelerator._optimizers:
+        for values in optimizer.state_dict().get("state", {}).values():
+            step = values.get("step") if isinstance(values, dict) else None
+            if step is not None:
+                return int(step)
+    log.warning("the loaded Accelerate checkpoint does not say how many optimizer steps it took (its optimizer "
+                "keeps no 'step'); counting from 0: the hook's checkpoints are numbered from here on")
+    return 0
