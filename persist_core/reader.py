@@ -22,7 +22,8 @@ from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptChe
 from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname, parse_shard_filename
 from persist_core.ownership import discard
 from persist_core.format.manifest import Manifest
-from persist_core.planning.load import LoadOptions, LoadStats, check_weights_only, load_into
+from persist_core.planning.load import LoadOptions, check_weights_only, load_into
+from persist_core.planning.reads import LoadStats
 from persist_core.restore import RemoteRestore
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_manifest

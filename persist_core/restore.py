@@ -23,7 +23,8 @@ from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
 from persist_core.layout import checkpoint_dirname
 from persist_core.ownership import claim_tmp
-from persist_core.planning.load import LoadOptions, LoadStats
+from persist_core.planning.load import LoadOptions
+from persist_core.planning.reads import LoadStats
 from persist_core.tiers.local import checkpoint_dir, read_manifest
 from persist_core.tiers.shards import load_checkpoint, read_shard
 from persist_core.tiers.remote import RemoteTier

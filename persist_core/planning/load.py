@@ -4,7 +4,8 @@
 resumed on another number of ranks or another layout) — from a committed checkpoint: for each
 target it computes which saved chunks overlap the part this rank holds (:func:`overlap`), reads
 exactly those byte ranges (rounded out to whole checksum blocks, each verified), in parallel,
-per file in runs of adjacent blocks, and copies them into place. Tensors without a target are
+per file in runs of adjacent blocks (:class:`~persist_core.planning.reads.ReadPlan`), and copies them
+into place. Tensors without a target are
 read whole. :func:`assemble` builds a sharded tensor whole from the entries a full load read.
 
 Who calls what: :class:`~persist_core.reader.CheckpointReader` calls :func:`load_into` with a
@@ -17,31 +18,24 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from persist_core import _knobs
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format import unpickle
-from persist_core.format.manifest import FileEntry, Manifest
-from persist_core.format.shard_file import (OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, entry_dtypes, itemsize,
-                                            parse_header, whole_entry_mismatch)
+from persist_core.format.manifest import Manifest
+from persist_core.format.shard_file import OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, itemsize
 from persist_core.format.tree import flatten, is_dtensor, tensor_paths, unflatten
 from persist_core.planning.partition import contiguous_strides
+from persist_core.planning.reads import LoadStats, ReadBlocks, ReadPlan
 
 log = logging.getLogger(__name__)
 
-#: ``read_blocks(file, first, views)``: fill ``views`` — in file order, whole checksum blocks of ``file`` from
-#: block ``first`` on — with its bytes, and verify them
-ReadBlocks = Callable[[FileEntry, int, list[memoryview]], None]
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor
-
-_HEADER_GUESS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -61,30 +55,6 @@ def check_weights_only(value: Any) -> bool:
         raise ConfigError(f"weights_only={value!r} must be True (unpickle only the types training states hold) or "
                           "False (full pickle, for checkpoints you trust)")
     return value
-
-
-@dataclass
-class LoadStats:
-    """What a load read: the bytes its targets needed, the bytes it read for them, and how many came from
-    the remote."""
-
-    needed_bytes: int = 0
-    read_bytes: int = 0
-    requests: int = 0
-    remote_bytes: int = 0  # of which from the remote (ranged reads, or a download), by the reader's count
-    remote_files: dict[str, int] = field(default_factory=dict)  # ... per shard file
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def count_remote(self, n: int, name: str) -> None:
-        with self._lock:
-            self.remote_bytes += n
-            self.remote_files[name] = self.remote_files.get(name, 0) + n
-
-    def add(self, needed: int, read: int, requests: int) -> None:
-        with self._lock:
-            self.needed_bytes += needed
-            self.read_bytes += read
-            self.requests += requests
 
 
 def overlap(a: Box, b: Box) -> Box | None:
@@ -159,137 +129,6 @@ def per_rank_values(manifest: Manifest, rank: int, value_bytes: Callable[[str, i
     return values
 
 
-@dataclass
-class _Request:
-    """Bytes ``[start, end)`` of one file: read straight into ``into`` (a target's own memory), or into a
-    buffer then handed to ``done``."""
-
-    start: int
-    end: int
-    done: Callable[[memoryview], None] | None = None
-    into: memoryview | None = None
-
-
-class _Plan:
-    """Byte-range requests per file, then one verified read per run of adjacent checksum blocks."""
-
-    def __init__(self, manifest: Manifest, read_blocks: ReadBlocks, pool: Executor, stats: LoadStats,
-                 headers: dict[str, tuple[dict[str, tuple[int, int]], dict[str, str]]] | None = None) -> None:
-        self._files = {f.name: f for f in manifest.files}
-        self._read = read_blocks
-        self._pool = pool
-        self._stats = stats
-        self._requests: dict[str, list[_Request]] = {}
-        self._headers = {} if headers is None else headers  # shared by the plans of one streaming read
-
-    def entry(self, fname: str, name: str) -> tuple[int, int]:
-        """Absolute ``(begin, end)`` of entry ``name`` in file ``fname`` (its header read once, verified)."""
-        if fname not in self._headers:
-            fe = self._file(fname)
-            n = min(fe.size, _HEADER_GUESS)
-            prefix = self._read_range(fe, 0, n)
-            try:
-                try:
-                    spans = parse_header(prefix, file_size=fe.size)[1]
-                except CorruptCheckpointError:
-                    if n == fe.size:
-                        raise
-                    prefix = self._read_range(fe, 0, fe.size)  # a header longer than the guess (thousands of entries)
-                    spans = parse_header(prefix, file_size=fe.size)[1]
-            except CorruptCheckpointError as e:
-                raise CorruptCheckpointError(f"{fname}: {e}") from e
-            self._headers[fname] = ({name: (b, e) for name, b, e in spans}, entry_dtypes(prefix))
-        try:
-            return self._headers[fname][0][name]
-        except KeyError:
-            raise CorruptCheckpointError(f"{fname} has no entry {name!r} that its manifest names") from None
-
-    def check_whole(self, fname: str, name: str, dtype: torch.dtype, numel: int, where: str) -> None:
-        """The entry ``name`` holds exactly ``numel`` elements of ``dtype``, as its header says (a record whose
-        dtype was swapped for another of the same size is caught here)."""
-        begin, end = self.entry(fname, name)
-        problem = whole_entry_mismatch(self._headers[fname][1].get(name), end - begin, dtype, numel)
-        if problem is not None:
-            raise CorruptCheckpointError(f"{where}: entry {name!r} of {fname}: {problem}")
-
-    def _file(self, fname: str) -> FileEntry:
-        try:
-            return self._files[fname]
-        except KeyError:
-            raise CorruptCheckpointError(f"the manifest names a file {fname!r} it does not list") from None
-
-    def _read_range(self, fe: FileEntry, start: int, end: int) -> bytes:
-        first, stop = fe.blocks(start, end)
-        base = first * fe.chunk_bytes
-        data = bytearray(min(stop * fe.chunk_bytes, fe.size) - base)
-        self._read(fe, first, [memoryview(data)])
-        self._stats.add(0, len(data), 1)
-        return bytes(memoryview(data)[start - base : end - base])
-
-    def request(self, fname: str, start: int, end: int, done: Callable[[memoryview], None] | None = None, *,
-                into: memoryview | None = None) -> None:
-        """Bytes ``[start, end)`` of ``fname``: read into ``into`` (exactly that many bytes), or handed to ``done``."""
-        fe = self._file(fname)
-        if not 0 <= start <= end <= fe.size:
-            raise CorruptCheckpointError(f"{fname}: bytes {start}..{end} are outside its {fe.size} bytes")
-        self._requests.setdefault(fname, []).append(_Request(start, end, done, into))
-
-    def run(self) -> None:
-        """Read every request's bytes (runs of blocks in parallel) and hand them to its ``done``."""
-        jobs = []
-        span_cap = _knobs.chunk_bytes()
-        for fname, requests in self._requests.items():
-            fe = self._files[fname]
-            requests.sort(key=lambda r: r.start)
-            run: list[_Request] = []
-            first = stop = -1
-            for r in requests:
-                if r.end == r.start:
-                    if r.done is not None:
-                        r.done(memoryview(b""))
-                    continue
-                a, b = fe.blocks(r.start, r.end)
-                if run and r.start < run[-1].end:  # overlapping requests: never expected; read them apart
-                    jobs.append(self._pool.submit(self._serve, fe, first, stop, run))
-                    run, first, stop = [r], a, b
-                    continue
-                if run and a <= stop and (stop - first) * fe.chunk_bytes < span_cap:
-                    stop = max(stop, b)
-                    run.append(r)
-                    continue
-                if run:
-                    jobs.append(self._pool.submit(self._serve, fe, first, stop, run))
-                run, first, stop = [r], a, b
-            if run:
-                jobs.append(self._pool.submit(self._serve, fe, first, stop, run))
-        errors = [j.exception() for j in jobs]
-        first_error = next((e for e in errors if e is not None), None)
-        if first_error is not None:
-            raise first_error
-
-    def _serve(self, fe: FileEntry, first: int, stop: int, run: list[_Request]) -> None:
-        """One read of blocks ``[first, stop)``: each request's bytes land in its target (or a buffer for its
-        ``done``), the bytes between them and at the ends in scratch, and every block is verified."""
-        pos, end = first * fe.chunk_bytes, min(stop * fe.chunk_bytes, fe.size)
-        views: list[memoryview] = []
-        buffered: list[tuple[_Request, memoryview]] = []
-        for r in run:
-            if r.start > pos:
-                views.append(memoryview(bytearray(r.start - pos)))
-            view = r.into if r.into is not None else memoryview(bytearray(r.end - r.start))
-            if r.into is None:
-                buffered.append((r, view))
-            views.append(view)
-            pos = r.end
-        if end > pos:
-            views.append(memoryview(bytearray(end - pos)))
-        self._read(fe, first, views)
-        self._stats.add(sum(r.end - r.start for r in run), end - first * fe.chunk_bytes, 1)
-        for r, view in buffered:
-            assert r.done is not None
-            r.done(view)
-
-
 def _direct(dst: torch.Tensor, dtype: torch.dtype, span_is_box: bool) -> bool:
     """Whether the saved bytes can be read straight into ``dst``: same dtype, host memory, both sides one
     contiguous run of the same elements in the same order."""
@@ -312,7 +151,7 @@ def iter_tensors(manifest: Manifest, *, read_blocks: ReadBlocks, pool: Executor,
         raise CorruptCheckpointError(f"{where}: the manifest's tree has {len(paths)} tensors, its records "
                                      f"{len(manifest.tensors)}")
     for path, rec in zip(paths, manifest.tensors):
-        plan = _Plan(manifest, read_blocks, pool, stats, headers)
+        plan = ReadPlan(manifest, read_blocks, pool, stats, headers)
         tensor = _plan_tensor(plan, path, rec, None, torch.device("cpu"), where)
         plan.run()
         yield path, tensor
@@ -346,7 +185,7 @@ def load_into(manifest: Manifest, into: Any, *, read_blocks: ReadBlocks, pool: E
     device = torch.device("cpu") if options.map_location is None else torch.device(options.map_location)
     targets = dict(flatten(into).tensors)
     objects_raw: list[bytes | None] = [None] * len(manifest.objects)
-    plan = _Plan(manifest, read_blocks, pool, stats)
+    plan = ReadPlan(manifest, read_blocks, pool, stats)
 
     def keep(store: list[bytes | None], k: int) -> Callable[[memoryview], None]:
         def done(mv: memoryview) -> None:
@@ -406,7 +245,7 @@ def _dict_keys(tree: Any) -> list[Any]:
     return keys
 
 
-def _objects_now(plan: _Plan, manifest: Manifest, weights_only: bool, where: str) -> list[Any]:
+def _objects_now(plan: ReadPlan, manifest: Manifest, weights_only: bool, where: str) -> list[Any]:
     """The pickled leaves read at once (a dict key that was pickled is part of a tensor's path)."""
     out = []
     for fname, begin, length in manifest.objects:
@@ -416,7 +255,7 @@ def _objects_now(plan: _Plan, manifest: Manifest, weights_only: bool, where: str
     return out
 
 
-def _plan_tensor(plan: _Plan, path: str, rec: dict[str, Any], target: torch.Tensor | None, device: torch.device,
+def _plan_tensor(plan: ReadPlan, path: str, rec: dict[str, Any], target: torch.Tensor | None, device: torch.device,
                  where: str) -> torch.Tensor:
     """Request the bytes ``target`` (or, without one, the whole saved tensor) needs; returns what the
     state will hold there."""

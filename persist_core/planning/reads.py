@@ -1,0 +1,181 @@
+"""How a load reads bytes: requested byte ranges of shard files merged into runs of adjacent checksum blocks,
+each run one verified read, the runs in parallel; and what the reads cost (:class:`LoadStats`).
+
+:mod:`persist_core.planning.load` decides which ranges its targets need and requests them of a
+:class:`ReadPlan`; ``read_blocks`` is the tier's (local ``pread`` or remote ranged reads).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from persist_core import _knobs
+from persist_core.errors import CorruptCheckpointError
+from persist_core.format.manifest import FileEntry, Manifest
+from persist_core.format.shard_file import entry_dtypes, parse_header, whole_entry_mismatch
+
+#: ``read_blocks(file, first, views)``: fill ``views`` — in file order, whole checksum blocks of ``file`` from
+#: block ``first`` on — with its bytes, and verify them
+ReadBlocks = Callable[[FileEntry, int, list[memoryview]], None]
+
+_HEADER_GUESS = 1 << 16
+
+
+@dataclass
+class LoadStats:
+    """What a load read: the bytes its targets needed, the bytes it read for them, and how many came from
+    the remote."""
+
+    needed_bytes: int = 0
+    read_bytes: int = 0
+    requests: int = 0
+    remote_bytes: int = 0  # of which from the remote (ranged reads, or a download), by the reader's count
+    remote_files: dict[str, int] = field(default_factory=dict)  # ... per shard file
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count_remote(self, n: int, name: str) -> None:
+        with self._lock:
+            self.remote_bytes += n
+            self.remote_files[name] = self.remote_files.get(name, 0) + n
+
+    def add(self, needed: int, read: int, requests: int) -> None:
+        with self._lock:
+            self.needed_bytes += needed
+            self.read_bytes += read
+            self.requests += requests
+
+
+@dataclass
+class _Request:
+    """Bytes ``[start, end)`` of one file: read straight into ``into`` (a target's own memory), or into a
+    buffer then handed to ``done``."""
+
+    start: int
+    end: int
+    done: Callable[[memoryview], None] | None = None
+    into: memoryview | None = None
+
+
+class ReadPlan:
+    """Byte-range requests per file, then one verified read per run of adjacent checksum blocks."""
+
+    def __init__(self, manifest: Manifest, read_blocks: ReadBlocks, pool: Executor, stats: LoadStats,
+                 headers: dict[str, tuple[dict[str, tuple[int, int]], dict[str, str]]] | None = None) -> None:
+        self._files = {f.name: f for f in manifest.files}
+        self._read = read_blocks
+        self._pool = pool
+        self._stats = stats
+        self._requests: dict[str, list[_Request]] = {}
+        self._headers = {} if headers is None else headers  # shared by the plans of one streaming read
+
+    def entry(self, fname: str, name: str) -> tuple[int, int]:
+        """Absolute ``(begin, end)`` of entry ``name`` in file ``fname`` (its header read once, verified)."""
+        if fname not in self._headers:
+            fe = self._file(fname)
+            n = min(fe.size, _HEADER_GUESS)
+            prefix = self._read_range(fe, 0, n)
+            try:
+                try:
+                    spans = parse_header(prefix, file_size=fe.size)[1]
+                except CorruptCheckpointError:
+                    if n == fe.size:
+                        raise
+                    prefix = self._read_range(fe, 0, fe.size)  # a header longer than the guess (thousands of entries)
+                    spans = parse_header(prefix, file_size=fe.size)[1]
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"{fname}: {e}") from e
+            self._headers[fname] = ({name: (b, e) for name, b, e in spans}, entry_dtypes(prefix))
+        try:
+            return self._headers[fname][0][name]
+        except KeyError:
+            raise CorruptCheckpointError(f"{fname} has no entry {name!r} that its manifest names") from None
+
+    def check_whole(self, fname: str, name: str, dtype: torch.dtype, numel: int, where: str) -> None:
+        """The entry ``name`` holds exactly ``numel`` elements of ``dtype``, as its header says (a record whose
+        dtype was swapped for another of the same size is caught here)."""
+        begin, end = self.entry(fname, name)
+        problem = whole_entry_mismatch(self._headers[fname][1].get(name), end - begin, dtype, numel)
+        if problem is not None:
+            raise CorruptCheckpointError(f"{where}: entry {name!r} of {fname}: {problem}")
+
+    def _file(self, fname: str) -> FileEntry:
+        try:
+            return self._files[fname]
+        except KeyError:
+            raise CorruptCheckpointError(f"the manifest names a file {fname!r} it does not list") from None
+
+    def _read_range(self, fe: FileEntry, start: int, end: int) -> bytes:
+        first, stop = fe.blocks(start, end)
+        base = first * fe.chunk_bytes
+        data = bytearray(min(stop * fe.chunk_bytes, fe.size) - base)
+        self._read(fe, first, [memoryview(data)])
+        self._stats.add(0, len(data), 1)
+        return bytes(memoryview(data)[start - base : end - base])
+
+    def request(self, fname: str, start: int, end: int, done: Callable[[memoryview], None] | None = None, *,
+                into: memoryview | None = None) -> None:
+        """Bytes ``[start, end)`` of ``fname``: read into ``into`` (exactly that many bytes), or handed to ``done``."""
+        fe = self._file(fname)
+        if not 0 <= start <= end <= fe.size:
+            raise CorruptCheckpointError(f"{fname}: bytes {start}..{end} are outside its {fe.size} bytes")
+        self._requests.setdefault(fname, []).append(_Request(start, end, done, into))
+
+    def run(self) -> None:
+        """Read every request's bytes (runs of blocks in parallel) and hand them to its ``done``."""
+        jobs = []
+        span_cap = _knobs.chunk_bytes()
+        for fname, requests in self._requests.items():
+            fe = self._files[fname]
+            requests.sort(key=lambda r: r.start)
+            run: list[_Request] = []
+            first = stop = -1
+            for r in requests:
+                if r.end == r.start:
+                    if r.done is not None:
+                        r.done(memoryview(b""))
+                    continue
+                a, b = fe.blocks(r.start, r.end)
+                if run and r.start < run[-1].end:  # overlapping requests: never expected; read them apart
+                    jobs.append(self._pool.submit(self._serve, fe, first, stop, run))
+                    run, first, stop = [r], a, b
+                    continue
+                if run and a <= stop and (stop - first) * fe.chunk_bytes < span_cap:
+                    stop = max(stop, b)
+                    run.append(r)
+                    continue
+                if run:
+                    jobs.append(self._pool.submit(self._serve, fe, first, stop, run))
+                run, first, stop = [r], a, b
+            if run:
+                jobs.append(self._pool.submit(self._serve, fe, first, stop, run))
+        errors = [j.exception() for j in jobs]
+        first_error = next((e for e in errors if e is not None), None)
+        if first_error is not None:
+            raise first_error
+
+    def _serve(self, fe: FileEntry, first: int, stop: int, run: list[_Request]) -> None:
+        """One read of blocks ``[first, stop)``: each request's bytes land in its target (or a buffer for its
+        ``done``), the bytes between them and at the ends in scratch, and every block is verified."""
+        pos, end = first * fe.chunk_bytes, min(stop * fe.chunk_bytes, fe.size)
+        views: list[memoryview] = []
+        buffered: list[tuple[_Request, memoryview]] = []
+        for r in run:
+            if r.start > pos:
+                views.append(memoryview(bytearray(r.start - pos)))
+            view = r.into if r.into is not None else memoryview(bytearray(r.end - r.start))
+            if r.into is None:
+                buffered.append((r, view))
+            views.append(view)
+            pos = r.end
+        if end > pos:
+            views.append(memoryview(bytearray(end - pos)))
+        self._read(fe, first, views)
+        self._stats.add(sum(r.end - r.start for r in run), end - first * fe.chunk_bytes, 1)
+        for r, view in buffered:
+            assert r.done is not None
+            r.done(view)
