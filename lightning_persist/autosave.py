@@ -75,5 +75,5 @@ class PersistOverlap(Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._guard is not None:
             self._guard.remove()  # after the pending copy (not an update's wait: no step follows)
-            self.overlapped = self._io._get_engine()._overlap.runs
+            self.overlapped = self._io._get_engine().summary()["overlapped_saves"]
             self._guard = None

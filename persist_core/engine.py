@@ -395,12 +395,14 @@ class CheckpointEngine:
         Keys: ``saves``, ``interval_p50_s``/``interval_p90_s``/``interval_p50_steps`` (between saves' starts),
         ``stall_p50_s`` and ``stall_fraction`` (what ``save()`` blocked, of the time since the engine started),
         ``fence_wait_s`` (what guarded updates waited for background copies, all told: not in the stall),
+        ``overlapped_saves`` (saves whose copy ran in the background, behind :meth:`guard`),
         ``save_p50_s`` (``save()`` to committed), ``write_slowdown`` (see :class:`DecisionContext`),
         ``upload_lag_p50_s``; with a remote also ``remote_behind_steps``,
         ``remote_behind_bytes``, ``oldest_unsynced_age_s`` and ``upload_failures`` (how far behind the
         remote is). ``None`` where nothing is measured yet.
         """
         summary = self._history.summary()
+        summary["overlapped_saves"] = self._overlap.runs
         if self._pipeline.sync is not None:
             summary.update(self._pipeline.sync.backlog())
         return summary

@@ -369,7 +369,7 @@ class PersistSession:
                 if sink is not None and self.newest_saved() >= 0:  # the run's summary, as final values
                     sink(_numbers(summary, {k: f"persist/summary/{k}" for k in (
                         "saves", "interval_p50_s", "interval_p90_s", "stall_fraction", "fence_wait_s",
-                        "save_p50_s", "write_slowdown", "upload_lag_p50_s")}), self.newest_saved())
+                        "overlapped_saves", "save_p50_s", "write_slowdown", "upload_lag_p50_s")}), self.newest_saved())
             barrier = getattr(self._collectives, "barrier", None)
             if barrier is not None and self._collectives.world_size > 1:
                 barrier()  # every rank done with our groups before any tears them down

@@ -151,7 +151,7 @@ def test_overlapped_save_state_holds_the_same_state_as_a_plain_one_step_for_step
         hook = PersistHook(local_dir=d, overlap=overlap).register(acc)
         engine = hook._session.open()
         train(acc, *parts, start=0, stop=5, save_every=1)  # each save_state() is followed by the next step at once
-        runs = engine._overlap.runs
+        runs = engine.summary()["overlapped_saves"]
         hook.close()
         with CheckpointReader(d) as reader:
             return {c.step: reader.load(c.step) for c in reader.list()}, runs

@@ -231,6 +231,7 @@ def test_the_wait_at_the_fence_is_reported_apart_from_the_stall(tmp_path):
         summary = engine.summary()
         assert summary["fence_wait_s"] == pytest.approx(stats.fence_s)
         assert summary["stall_p50_s"] == pytest.approx(stats.stall_s)
+        assert summary["overlapped_saves"] == 1  # its copy ran in the background
         engine.save({"model": model.state_dict()}, step=2).wait()  # unguarded tensors only: no fence
         opt.step()
         assert engine.summary()["fence_wait_s"] == pytest.approx(stats.fence_s)
