@@ -16,7 +16,7 @@ from typing import Any
 
 from persist_core import ConfigError
 from persist_core.fileio import link_atomically
-from persist_core.layout import MANIFEST_NAME, checkpoint_dirname
+from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, is_url
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class NamedDirs:
 
 def plain_accelerate_dir(path: str) -> str | None:
     """``path`` when it is a directory of files but not a torch-persist checkpoint (no manifest), else ``None``."""
-    if "://" in path and not path.startswith("file://"):
+    if is_url(path):
         return None
     real = os.path.realpath(os.path.expanduser(path.removeprefix("file://")))
     if not os.path.isdir(real) or os.path.exists(os.path.join(real, MANIFEST_NAME)):

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from persist_core import CheckpointReader, ConfigError
+from persist_core.layout import is_url
 
 
 def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, step: int | None = None,
@@ -53,7 +54,7 @@ def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"out_dir={str(out)!r} is not empty; export into a new directory")
     text = os.fspath(source)
-    remote = "://" in text and not text.startswith("file://")
+    remote = is_url(text)
     _check_saved_by_hook(text, remote, step, storage_options)  # before downloading anything
     with contextlib.ExitStack() as stack:
         if remote and cache_dir is None:

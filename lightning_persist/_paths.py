@@ -9,13 +9,8 @@ from typing import Any
 import torch
 
 from persist_core import ConfigError
-from persist_core.layout import FULL, MANIFEST_NAME, WEIGHTS_ONLY
+from persist_core.layout import FULL, MANIFEST_NAME, WEIGHTS_ONLY, is_url
 from persist_core.reader import checkpoint_of
-
-
-def is_url(path: str) -> bool:
-    """A remote URL (``file://`` is a local path)."""
-    return "://" in path and not path.startswith("file://")
 
 
 def path_key(path: str | os.PathLike[str]) -> str:

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from persist_core.errors import ConfigError
+from persist_core.layout import is_url
 
 #: Alignment of the data section and of every O_DIRECT write (bytes).
 PAGE_BYTES = 4096
@@ -147,7 +148,7 @@ def check_local_dir(value: object) -> os.PathLike[str] | str:
     if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
         raise ConfigError(f"local_dir={value!r} must be a directory path (str or pathlib.Path), e.g. '/nvme/ckpt'")
     text = os.fspath(value)
-    if isinstance(text, str) and "://" in text and not text.startswith("file://"):
+    if isinstance(text, str) and is_url(text):
         raise ConfigError(f"local_dir={text!r} is a URL; local_dir is a directory on this machine (ideally NVMe) and "
                           f"the URL goes in remote_url: local_dir='/nvme/ckpt', remote_url={text!r}")
     return value

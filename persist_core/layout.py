@@ -51,6 +51,11 @@ WEIGHTS_ONLY = "weights-only"
 KINDS = (FULL, WEIGHTS_ONLY)
 
 
+def is_url(location: str) -> bool:
+    """Whether ``location`` names remote storage (an fsspec URL); ``file://`` and plain paths are local."""
+    return "://" in location and not location.startswith("file://")
+
+
 def kind_subdir(kind: str) -> str:
     """The sub-directory (and remote sub-prefix) of a kind's checkpoints: ``""`` for full ones."""
     if kind not in KINDS:

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from persist_core.errors import PersistError
-from persist_core.layout import MANIFEST_NAME, NODE_PROBE_PREFIX, parse_checkpoint_dirname, parse_tmp_dirname
+from persist_core.layout import MANIFEST_NAME, NODE_PROBE_PREFIX, is_url, parse_checkpoint_dirname, parse_tmp_dirname
 from persist_core.ownership import owner_of, remove_dead
 from persist_core.format.manifest import Manifest
 from persist_core.tiers import CheckpointInfo, LocalTier, RemoteTier, Tier
@@ -26,10 +26,6 @@ class CommandError(click.ClickException):
     """A failure that is not a verification result: exit 2."""
 
     exit_code = 2
-
-
-def is_url(location: str) -> bool:
-    return "://" in location and not location.startswith("file://")
 
 
 class Location:
