@@ -8,14 +8,14 @@ preallocated memory). Medians of --repeat saves after a warm-up.
 
 Second part (``--accel-rounds``, 0 to skip): the accelerator-like step of the goodput benchmark (the host
 waits --step-ms of "device time", then an in-place SGD-with-momentum update of 4 x Linear(--accel-width,
-3072) runs on the host cores) under continuous guarded saving, in blocks of --block steps interleaved in one process:
+default 3072) runs on the host cores) under continuous guarded saving, in blocks of --block steps interleaved in one process:
 no saves (the baseline), saving with the writes yielding to the update (overlap.Turn, the default),
 saving with that switched off (the behaviour before it), and the floor: the state's bytes written raw
 over and over (4 threads of 32 MiB O_DIRECT pwrites, an fsync a pass; no copy, checksums or commit),
 holding off during the update as the engine's writes do. Per block the mean step and update times; C
 (what saving adds per save, or per raw pass) = (step with saves - step without) x steps / saves; medians
-over the rounds. C / the floor's is how much of C is the engine's own; the floor itself is what the disk's
-writes cost this host's update (its DMA and the hypervisor's share of the cores).
+over the rounds. C beside the floor's is how much of C is the engine's own; the floor itself is what the
+disk's writes cost this host's update.
 
     .venv/bin/python benchmarks/bench_overlap.py [--layers 12] [--repeat 5] [--accel-rounds 6] [--accel-width 3072]
 """
@@ -66,7 +66,7 @@ def accel(args: argparse.Namespace) -> None:
     state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
     kinds = ("no saves", "saving, writes yield", "saving, no yield", RAW)
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
-    nbytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    nbytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters and momentum
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as work:
         engines = {k: CheckpointEngine(Path(work) / str(i), save_policy=Continuous(), keep_local=KeepLastN(1))
                    for i, k in enumerate(kinds[:3])}
@@ -102,7 +102,7 @@ def accel(args: argparse.Namespace) -> None:
             engine.close()
     med = statistics.median
     bare = med(r[0] for r in results["no saves"])
-    gb = 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    gb = nbytes / 1e9
     print(f"\naccelerator-like step ({args.step_ms:g} ms device time + the in-place update of 4 x "
           f"Linear({args.accel_width}), {gb:.2f} GB with momentum), saving continuously, blocks of {args.block} "
           f"steps x {args.accel_rounds} rounds")
