@@ -289,7 +289,7 @@ def _copy_all(copies: list[EntryCopy], data: torch.Tensor, base: int, streams: d
     for i, c in enumerate(copies):
         if versions is not None:
             _check_unchanged(c, versions[i])
-        waited += _copy(c, data, base, streams, wait_free, used, events=events)
+        waited += _copy(c, data, base, streams, wait_free, used, events=events, here=True)
     for stream in used:
         stream.synchronize()
     if versions is not None:  # and none changed while its copy ran
@@ -310,9 +310,10 @@ def _check_unchanged(c: EntryCopy, version: int | None) -> None:
 
 def _copy(c: EntryCopy, data: torch.Tensor, base: int, streams: dict[torch.device, torch.cuda.Stream],
           wait_free: Callable[[int], float], used: list[torch.cuda.Stream], *,
-          events: dict[torch.device, torch.cuda.Event]) -> float:
+          events: dict[torch.device, torch.cuda.Event], here: bool = False) -> float:
     """Copy one source into its range of ``data`` (a CUDA one queued on its device's side stream, which the
-    caller synchronizes: ``used``); the seconds spent in ``wait_free``."""
+    caller synchronizes: ``used``); the seconds spent in ``wait_free``. ``here``: on a background thread, a
+    host source is copied by that thread alone (:func:`hostmem.copy_here`)."""
     waited = wait_free(base + c.end)
     dst = data[base + c.begin : base + c.end]
     src = c.source
@@ -323,7 +324,10 @@ def _copy(c: EntryCopy, data: torch.Tensor, base: int, streams: dict[torch.devic
         dst = dst.view(c.dtype)
     dst = dst.view(c.shape)
     if not src.is_cuda:
-        dst.copy_(src)
+        if here:
+            hostmem.copy_here(dst, src)
+        else:
+            dst.copy_(src)
         return waited
     stream = streams.get(src.device)
     if stream is None:

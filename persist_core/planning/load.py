@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from persist_core import hostmem
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format import unpickle
 from persist_core.format.manifest import Manifest
@@ -310,7 +311,7 @@ def _plan_tensor(plan: ReadPlan, path: str, rec: dict[str, Any], target: torch.T
             flat = torch.frombuffer(bytearray(mv) if mv.readonly else mv, dtype=torch.uint8)
             src = (flat.view(dtype) if dtype != torch.uint8 else flat).as_strided(sizes, strides)
             with torch.no_grad():
-                dst.copy_(src)
+                hostmem.copy_here(dst, src)  # on a read thread: no second OpenMP team to slow training after
 
         plan.request(c["file"], start, stop, done)
     return result
