@@ -14,8 +14,10 @@ saving with that switched off (the behaviour before it), and the floor: the stat
 over and over (4 threads of 32 MiB O_DIRECT pwrites, an fsync a pass; no copy, checksums or commit),
 holding off during the update as the engine's writes do. Per block the mean step and update times; C
 (what saving adds per save, or per raw pass) = (step with saves - step without) x steps / saves; medians
-over the rounds. C beside the floor's is how much of C is the engine's own; the floor itself is what the
-disk's writes cost this host's update.
+over the rounds; and the update before any engine saved beside the no-saves blocks' (a save must leave
+nothing behind that slows the training after it: a parallel copy on another thread once did). C beside
+the floor's is how much of C is the engine's own; the floor itself is what the disk's writes cost this
+host's update.
 
     .venv/bin/python benchmarks/bench_overlap.py [--layers 12] [--repeat 5] [--accel-rounds 6] [--accel-width 3072]
 """
@@ -67,6 +69,12 @@ def accel(args: argparse.Namespace) -> None:
     kinds = ("no saves", "saving, writes yield", "saving, no yield", RAW)
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
     nbytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters and momentum
+    fresh = []  # the update before any engine exists or saves: what the no-saves blocks' update should stay at
+    for _ in range(args.block):
+        time.sleep(args.step_ms / 1000)
+        u0 = time.perf_counter()
+        opt.step()
+        fresh.append(time.perf_counter() - u0)
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as work:
         engines = {k: CheckpointEngine(Path(work) / str(i), save_policy=Continuous(), keep_local=KeepLastN(1))
                    for i, k in enumerate(kinds[:3])}
@@ -115,6 +123,9 @@ def accel(args: argparse.Namespace) -> None:
         cost[kind] = med(per) if per else None
         print(f"{kind:>22} {step * 1e3:>6.1f}ms {update * 1e3:>6.1f}ms {saves:>12.1f} "
               + (f"{cost[kind] * 1e3:>9.1f}ms" if cost[kind] is not None else f"{'-':>11}"))
+    untouched, after = med(fresh[1:]), med(r[1] for r in results["no saves"])
+    print(f"the update with no saves: {untouched * 1e3:.1f} ms before any engine saved, {after * 1e3:.1f} ms in the "
+          f"no-saves blocks between saving ones ({after / untouched:.2f}x: above 1, saving leaves training slower)")
     if cost["saving, writes yield"] is not None and cost["saving, no yield"]:
         print(f"C with the writes yielding / without: {cost['saving, writes yield'] / cost['saving, no yield']:.2f}x "
               f"(a step with no saves {bare * 1e3:.1f} ms)")
