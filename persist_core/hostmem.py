@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from persist_core.format.shape import plain_tensor
+
 log = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, their contents untouched
@@ -84,8 +86,8 @@ def copy_here(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.device.type != "cpu" or src.device.type != "cpu":
         dst.copy_(src)
         return
-    if (type(src) in _PLAIN and src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous()
-            and not src.is_conj() and not src.is_neg() and src.shape == dst.shape):
+    if (type(src) in _PLAIN and plain_tensor(src) and src.dtype == dst.dtype and src.is_contiguous()
+            and dst.is_contiguous() and src.shape == dst.shape):
         if src.numel():
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
         return

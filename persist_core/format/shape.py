@@ -36,8 +36,8 @@ _NOT_OBJECTS = _SCALARS | {dict, OrderedDict, list, tuple, PerRank}
 _STRIDED = torch.strided
 
 
-def _plain(t: torch.Tensor) -> bool:
-    """What flatten would save as it is (no view to resolve, dense bytes)."""
+def plain_tensor(t: torch.Tensor) -> bool:
+    """What flatten would save as it is (no view to resolve, dense bytes): its memory holds its values."""
     return (t.layout is _STRIDED and not (t.is_quantized or t.is_nested or t.is_meta or t.is_conj() or t.is_neg()))
 
 
@@ -105,7 +105,7 @@ class Shape:
         check = not is_dtensor(self._flat.tensors[node["tensor"]][1])
 
         def take(obj: Any, out: _Out) -> Any:
-            if type(obj) is not kind or (check and not _plain(obj)):
+            if type(obj) is not kind or (check and not plain_tensor(obj)):
                 raise _Mismatch
             out.tensors.append((path, obj))
             return node
@@ -120,7 +120,7 @@ class Shape:
         check = not any(is_dtensor(t) for t in samples)
 
         def take(values: list[Any], out: _Out) -> bool:
-            if list(map(type, values)) != kinds or (check and not all(map(_plain, values))):
+            if list(map(type, values)) != kinds or (check and not all(map(plain_tensor, values))):
                 return False
             out.tensors.extend(zip(paths, values))
             return True
