@@ -5,12 +5,26 @@ Helpers live in ``tests/support/`` (states, fakes, the moto server, child script
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
 
 from tests.support.moto_server import CREDENTIALS, FaultyProxy, moto_server
 
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves ``os.environ`` as it found it. A Lightning ``Trainer`` run in-process sets
+    ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``, ``LOCAL_RANK`` and ``OMP_NUM_THREADS`` and never unsets
+    them; a later test's child process inherited them, and its ``Accelerator`` tried to start a process group
+    on that port, still held (``EADDRINUSE``)."""
+    saved = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    os.environ.update(saved)
 
 
 @pytest.fixture
