@@ -180,12 +180,11 @@ class CheckpointEngine:
         self._tier = tier
         self._ledger = ErrorLedger()
         self._history = SaveHistory(clock, prior=recent_costs(self._root))  # a restarted job: what saves cost
-        self._overlap = Overlap()
+        self._overlap = Overlap(rank=self._coll.rank)
         if tier is not None:
             tier.turn = self._overlap.turn.wait  # uploads, too, hold off while a guarded update runs
         self._pool = StagingPool(settings.max_pending, pin=torch.cuda.is_available(), turn=self._overlap.turn.wait)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._guarded: SaveHandle | None = None  # the last save whose copy went to the background
         self._pipeline = Pipeline(self._root, pool=self._pool, coll=self._coll, ops=file_ops or OsFileOps(),
                                   ledger=self._ledger, settings=settings, tier=tier, keep_local=keep_local,
                                   keep_remote=keep_remote, latest_step=lambda: self._latest_step,
@@ -244,10 +243,7 @@ class CheckpointEngine:
                              torch_loadable=self._torch_loadable, replica_check=self._replica_check, seed=step,
                              cache=self._plans)
             self._pipeline.check_backlog(step, plan.shard.file_bytes)
-            deferred = self._overlap.deferred() if self._overlap.active else set()
-            staged = stage_into(self._pool, plan.shard, self._streams,
-                                defer=(lambda c: isinstance(c.source, torch.Tensor)
-                                       and c.source.untyped_storage().data_ptr() in deferred) if deferred else None)
+            staged = stage_into(self._pool, plan.shard, self._streams, defer=self._overlap.deferral())
         except BaseException:
             self._writer.unreserve(step)
             raise
@@ -264,10 +260,8 @@ class CheckpointEngine:
         self._history.meter.staged(step, self._history.now())
         if staged.later is None:
             self._writer.submit(job)
-            handle._set_staged()
         else:
-            self._guarded = handle  # the next fence waits for this one's copy
-            self._overlap.run(lambda: self._finish_staging(job, staged.later))
+            self._overlap.run(handle, lambda: self._writer.submit_after(job, staged.later))
         log.debug("[rank=%d][step=%d] staged %d bytes in %.3f s", self._coll.rank, step, handle.stats.nbytes,
                   handle.stats.staging_s)
         return handle
@@ -303,35 +297,13 @@ class CheckpointEngine:
         """Wait for the background copy of the last guarded save (before anything mutates the parameters or
         optimizer state); the seconds waited. Guarded optimizers call it from their step pre-hook. From here to
         the optimizer's step post-hook the background writes hold off (the update has the host's cores)."""
-        waited = self._overlap.before_update()
-        if waited > 0 and self._guarded is not None:  # the copy waited for is the last guarded save's
-            self._guarded._update(fence_s=self._guarded.stats.fence_s + waited)
-            log.debug("[rank=%d] the update waited %.3f s for the copy of step %d", self._coll.rank, waited,
-                      self._guarded.step)
-        return waited
+        return self._overlap.before_update()
 
     def after_update(self) -> None:
         """The guarded update is over: the background writes may use the cores again. The guard's step
         post-hook calls it; call it yourself where the step a fence announced may not run (Lightning's
         callback does at the end of each batch: a ``GradScaler`` skips the step when gradients overflow)."""
         self._overlap.turn.release()
-
-    def _finish_staging(self, job: WriteJob, later: Callable[[], float]) -> None:
-        """Copy thread: the deferred copies of a guarded save, then its write (or its failure, recorded)."""
-        handle = job.handle
-        t0 = time.perf_counter()
-        try:
-            behind = later()
-        except BaseException as e:  # the buffer goes back and the step is free again; the error is raised once
-            self._pool.abandon(job.buf)
-            self._writer.unreserve(handle.step)
-            self._ledger.fail(handle, e)
-            handle._set_staged()
-            return
-        done = time.perf_counter()
-        handle._update(staging_s=handle.stats.staging_s + (done - t0 - behind), wait_s=handle.stats.wait_s + behind)
-        self._writer.submit(job)  # its commit_s counts from save() returning: the background copy included
-        handle._set_staged()
 
     def maybe_save(self, make_state: Callable[[], Any], step: int, *,
                    metadata: dict[str, Any] | None = None) -> SaveHandle | None:

@@ -15,9 +15,11 @@ cache where ``O_DIRECT`` is refused) then runs while the host waits for the devi
 CPU-bound loop, during the forward and backward — instead of slowing the update; ``O_DIRECT`` writes
 already in flight are the disk's DMA and go on.
 
-Who calls what: the engine calls :meth:`Overlap.deferred` and :meth:`Overlap.run` from ``save()``,
-and :meth:`Overlap.fence` before the next save, ``wait()`` and ``close()``; the guarded optimizers'
-step pre-hooks call :meth:`Overlap.before_update` and their post-hooks ``turn.release`` (Lightning runs
+Who calls what: the engine calls :meth:`Overlap.deferral` and :meth:`Overlap.run` from ``save()``
+(the copy thread then runs :meth:`~persist_core.writer.Writer.submit_after`: the deferred copies, then the
+write), and :meth:`Overlap.fence` before the next save, ``wait()`` and ``close()``; the guarded optimizers'
+step pre-hooks call :meth:`Overlap.before_update` (whose wait goes to the last guarded save's
+``stats.fence_s``) and their post-hooks ``turn.release`` (Lightning runs
 forward and backward *inside* ``optimizer.step(closure)``, so its adapter fences from
 ``on_before_optimizer_step`` instead, and only the post-hook is installed).
 """
@@ -32,6 +34,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from persist_core.handle import SaveHandle
+from persist_core.planning.save import EntryCopy
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +97,14 @@ class Guard:
 class Overlap:
     """The background copy of guarded saves: one thread, in save order; :meth:`fence` waits for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0) -> None:
         self.turn = Turn()
+        self._rank = rank  # for the log lines
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="persist-copy")
         self._lock = threading.Lock()
         self._optimizers: list[Any] = []
         self._pending: Future[None] | None = None
+        self._last: SaveHandle | None = None  # the last save whose copy went to the background
         self.fence_s = 0.0  # total time fences waited (the overlap's cost to training)
         self.runs = 0  # saves whose copy ran in the background
 
@@ -124,6 +131,14 @@ class Overlap:
             self._optimizers = [o for o in self._optimizers if not any(o is p for p in optimizers)]
         self.turn.release()  # no post-hook of theirs will end a hold now
 
+    def deferral(self) -> Callable[[EntryCopy], bool] | None:
+        """Which copies of a save go to the background (``stage``'s ``defer``): those of the guarded optimizers'
+        parameters and state tensors; ``None`` with no guard."""
+        deferred = self.deferred() if self.active else set()
+        if not deferred:
+            return None
+        return lambda c: isinstance(c.source, torch.Tensor) and c.source.untyped_storage().data_ptr() in deferred
+
     def deferred(self) -> set[int]:
         """Storage addresses of the guarded optimizers' parameters and state tensors: copied in the background."""
         ptrs: set[int] = set()
@@ -137,15 +152,21 @@ class Overlap:
                             if isinstance(v, torch.Tensor) and v.numel() > 0)
         return ptrs
 
-    def run(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (the deferred copy, then the write's submission) on the copy thread."""
+    def run(self, handle: SaveHandle, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (``handle``'s deferred copy, then the write's submission) on the copy thread."""
         self.runs += 1
+        self._last = handle  # the next update's fence waits for this one's copy
         self._pending = self._thread.submit(fn)
 
     def before_update(self) -> float:
-        """A guarded update is about to run: wait for the pending copy, then hold the writers off until the
-        optimizer's step post-hook; the seconds waited."""
+        """A guarded update is about to run: wait for the pending copy (the wait is added to the last guarded
+        save's ``stats.fence_s``), then hold the writers off until the optimizer's step post-hook; the seconds
+        waited."""
         waited = self.fence()
+        last = self._last
+        if waited > 0 and last is not None:  # the copy waited for is the last guarded save's
+            last._update(fence_s=last.stats.fence_s + waited)
+            log.debug("[rank=%d] the update waited %.3f s for the copy of step %d", self._rank, waited, last.step)
         if self.active:
             self.turn.hold()
         return waited

@@ -117,6 +117,25 @@ class Writer:
         with self._lock:
             self._pending[job.handle.step] = job.handle
         self._thread.submit(self._run, job)
+        job.handle._set_staged()
+
+    def submit_after(self, job: WriteJob, copy: Callable[[], float]) -> None:
+        """Copy thread (:class:`~persist_core.overlap.Overlap`): make a guarded save's deferred copies (``copy``
+        returns its seconds spent waiting for the previous write to pass), then :meth:`submit` it. If they fail,
+        the buffer and the step are given back and the failure goes to the ledger (raised once)."""
+        handle = job.handle
+        t0 = time.perf_counter()
+        try:
+            behind = copy()
+        except BaseException as e:
+            self._pool.abandon(job.buf)
+            self.unreserve(handle.step)
+            self._ledger.fail(handle, e)
+            handle._set_staged()
+            return
+        handle._update(staging_s=handle.stats.staging_s + (time.perf_counter() - t0 - behind),
+                       wait_s=handle.stats.wait_s + behind)
+        self.submit(job)  # its commit_s counts from save() returning: the background copy included
 
     def pending_steps(self) -> set[int]:
         """Steps staged or being written (or handed to the upload queue just now)."""

@@ -19,7 +19,7 @@ from tests.support.states import assert_state_equal
 def _gate_the_copy(engine: CheckpointEngine, gate: threading.Event) -> None:
     """Hold the background copy until ``gate`` opens (so the test decides what runs before it)."""
     run = engine._overlap.run
-    engine._overlap.run = lambda fn: run(lambda: (gate.wait(), fn()))
+    engine._overlap.run = lambda handle, fn: run(handle, lambda: (gate.wait(), fn()))
 
 
 def _model_and_optimizer():
