@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -194,25 +195,43 @@ class RawWrites:
         self.turn.set()
 
     def _run(self) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        try:
-            fd = os.open(self._path, flags | getattr(os, "O_DIRECT", 0))
-        except OSError:
-            fd = os.open(self._path, flags)
+        fd = _open_for_writes(self._path)
         view = memoryview(self._buf)
-
-        def one(offset: int) -> None:
-            self.turn.wait()
-            os.pwrite(fd, view, offset)
-
         try:
             with ThreadPoolExecutor(self.THREADS) as pool:
                 while not self._stop.is_set():
-                    list(pool.map(one, range(0, self._nbytes, self.CHUNK)))
-                    os.fsync(fd)
+                    _write_pass(pool, fd, lambda at: view, self._nbytes, self.turn)  # the one buffer at every offset
                     self.passes += 1
         finally:
             os.close(fd)
+
+
+def _open_for_writes(path: Path) -> int:
+    """A file for the floors' writes, created or truncated: ``O_DIRECT`` where the file system takes it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        return os.open(path, flags | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return os.open(path, flags)
+
+
+def _write_pass(pool: ThreadPoolExecutor, fd: int, chunk: Callable[[int], memoryview], nbytes: int,
+                turn: threading.Event, *, checksums: bool = False) -> None:
+    """One pass of a floor's writes, then an fsync: a ``RawWrites.CHUNK`` pwrite of ``chunk(offset)`` at every
+    offset below ``nbytes``, on ``pool``'s threads, each waiting while ``turn`` is clear (the update runs);
+    ``checksums``: first a crc32c of every 256 KiB block of it, each after ``turn`` too, as the engine's writes."""
+
+    def one(at: int) -> None:
+        data = chunk(at)
+        if checksums:
+            for block in range(0, len(data), CHECKSUM_BLOCK_BYTES):
+                turn.wait()
+                crc32c.crc32c(data[block:block + CHECKSUM_BLOCK_BYTES])
+        turn.wait()
+        os.pwrite(fd, data, at)
+
+    list(pool.map(one, range(0, nbytes, RawWrites.CHUNK)))
+    os.fsync(fd)
 
 
 class SnapshotFloor:
@@ -267,25 +286,11 @@ class SnapshotFloor:
             copy_here(self._staging[offset:offset + n].view(t.dtype).view(t.shape), t)
             offset += n
         self._copied.set()
-        path = self._path / f"pass-{self.passes}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        try:
-            fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
-        except OSError:
-            fd = os.open(path, flags)
+        fd = _open_for_writes(self._path / f"pass-{self.passes}")
         view = memoryview(self._buf)
-
-        def one(at: int) -> None:
-            if self._checksums:
-                for block in range(at, at + RawWrites.CHUNK, CHECKSUM_BLOCK_BYTES):
-                    self.turn.wait()
-                    crc32c.crc32c(view[block:block + CHECKSUM_BLOCK_BYTES])
-            self.turn.wait()
-            os.pwrite(fd, view[at:at + RawWrites.CHUNK], at)
-
         try:
-            list(self._pool.map(one, range(0, self._nbytes, RawWrites.CHUNK)))
-            os.fsync(fd)
+            _write_pass(self._pool, fd, lambda at: view[at:at + RawWrites.CHUNK], self._nbytes, self.turn,
+                        checksums=self._checksums)
         finally:
             os.close(fd)
         (self._path / f"pass-{self.passes - 1}").unlink(missing_ok=True)
