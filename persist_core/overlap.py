@@ -134,7 +134,7 @@ class Overlap:
     def deferral(self) -> Callable[[EntryCopy], bool] | None:
         """Which copies of a save go to the background (``stage``'s ``defer``): those of the guarded optimizers'
         parameters and state tensors; ``None`` with no guard."""
-        deferred = self.deferred() if self.active else set()
+        deferred = self.deferred()
         if not deferred:
             return None
         return lambda c: isinstance(c.source, torch.Tensor) and c.source.untyped_storage().data_ptr() in deferred
