@@ -12,7 +12,8 @@ default 3072) runs on the host cores) under continuous guarded saving, in blocks
 no saves (the baseline), saving with the writes yielding to the update (overlap.Turn, the default),
 saving with that switched off (the behaviour before it), and two floors, both holding off during the
 update as the engine's writes do: the raw writes — the state's bytes written over and over (4 threads of 32
-MiB O_DIRECT pwrites, an fsync a pass; no copy, checksums or commit), what the disk's writes alone cost —
+MiB chunks in 4 MiB O_DIRECT pwrites, as a guarded engine writes them, an fsync a pass; no copy, checksums or
+commit), what the disk's writes alone cost —
 and the snapshot floor — on the engine's schedule (after an update, once the previous pass is done), the
 state copied into a host buffer on one thread (the next update waits for the copy) and written raw to a new
 file, the one before removed: what any checkpoint of this state must do (and the same with a crc32c of every
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import crc32c  # noqa: E402
 
 from persist_core import CheckpointEngine  # noqa: E402
-from persist_core.fileio import CHECKSUM_BLOCK_BYTES  # noqa: E402
+from persist_core.fileio import CHECKSUM_BLOCK_BYTES, YIELD_PIECE_BYTES  # noqa: E402
 
 
 def main() -> None:
@@ -160,8 +161,9 @@ CHECKSUMMED = "copy + crc + raw writes"
 
 class RawWrites:
     """The floor of what writing a save costs the update: the state's bytes written again and again as the
-    engine writes them (4 threads of 32 MiB ``O_DIRECT`` pwrites, an fsync a pass) from one buffer, each pwrite
-    waiting while :attr:`turn` is clear (the update runs) — no copy, no checksums, no commit."""
+    engine writes them (4 threads of 32 MiB chunks, each in ``YIELD_PIECE_BYTES`` ``O_DIRECT`` pwrites, an fsync
+    a pass) from one buffer, each pwrite waiting while :attr:`turn` is clear (the update runs) — no copy, no
+    checksums, no commit."""
 
     CHUNK, THREADS = 32 << 20, 4
 
@@ -217,8 +219,9 @@ def _open_for_writes(path: Path) -> int:
 
 def _write_pass(pool: ThreadPoolExecutor, fd: int, chunk: Callable[[int], memoryview], nbytes: int,
                 turn: threading.Event, *, checksums: bool = False) -> None:
-    """One pass of a floor's writes, then an fsync: a ``RawWrites.CHUNK`` pwrite of ``chunk(offset)`` at every
-    offset below ``nbytes``, on ``pool``'s threads, each waiting while ``turn`` is clear (the update runs);
+    """One pass of a floor's writes, then an fsync: ``chunk(offset)`` (``RawWrites.CHUNK`` bytes) at every offset
+    below ``nbytes``, on ``pool``'s threads, in pwrites of ``YIELD_PIECE_BYTES``, each waiting while ``turn`` is
+    clear (the update runs), as a guarded engine writes;
     ``checksums``: first a crc32c of every 256 KiB block of it, each after ``turn`` too, as the engine's writes."""
 
     def one(at: int) -> None:
@@ -227,8 +230,9 @@ def _write_pass(pool: ThreadPoolExecutor, fd: int, chunk: Callable[[int], memory
             for block in range(0, len(data), CHECKSUM_BLOCK_BYTES):
                 turn.wait()
                 crc32c.crc32c(data[block:block + CHECKSUM_BLOCK_BYTES])
-        turn.wait()
-        os.pwrite(fd, data, at)
+        for piece in range(0, len(data), YIELD_PIECE_BYTES):
+            turn.wait()
+            os.pwrite(fd, data[piece:piece + YIELD_PIECE_BYTES], at + piece)
 
     list(pool.map(one, range(0, nbytes, RawWrites.CHUNK)))
     os.fsync(fd)
@@ -238,7 +242,7 @@ class SnapshotFloor:
     """The floor of a snapshot on the engine's schedule: what any checkpoint of this state must do, and no more.
     After an update, when the previous pass is done (as continuous saving starts a save once the previous one
     committed), a thread copies the state into a page-aligned host buffer (the engine's copy, on one thread),
-    then writes it to a new file as :class:`RawWrites` does (4 threads of 32 MiB ``O_DIRECT`` pwrites, holding
+    then writes it to a new file as :class:`RawWrites` does (4 threads of 32 MiB chunks in pieces, holding
     off during the update, an fsync) and removes the file before it; the next update waits for the copy
     (the fence). No manifest, commit or history; ``checksums``: a crc32c of every 256 KiB block before its
     pwrite, on the writing threads, as the engine's writes compute them."""

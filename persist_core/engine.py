@@ -190,7 +190,8 @@ class CheckpointEngine:
                                   keep_remote=keep_remote, latest_step=lambda: self._latest_step,
                                   remote_timeout_s=settings.remote_timeout_s,
                                   max_unsynced_bytes=settings.max_unsynced_bytes, run_id=run_id,
-                                  turn=self._overlap.turn.wait, slowdown=self._history.meter.slowdown)
+                                  turn=self._overlap.turn.wait, yielding=lambda: self._overlap.active,
+                                  slowdown=self._history.meter.slowdown)
         self._writer = self._pipeline.writer
         if isinstance(preemption, str):
             if preemption != "default":

@@ -87,15 +87,15 @@ def checksum_block(chunk_bytes: int) -> int:
 
 
 def _write_chunk(ops: FileOps, fd: int, data: memoryview, offset: int, on_chunk: OnChunk | None,
-                 block: int, turn: Callable[[], None]) -> tuple[int, ...]:
+                 block: int, turn: Callable[[], None], piece: int) -> tuple[int, ...]:
     crc = []
     for o in range(0, len(data), block):
         turn()  # waits while a guarded update has the cores
         crc.append(crc32c.crc32c(data[o : o + block]))
-    turn()
     done = 0
     while done < len(data):
-        n = ops.pwrite(fd, data[done:], offset + done)
+        turn()  # a hold stops the chunk's next piece: what is in flight is at most one piece a thread
+        n = ops.pwrite(fd, data[done : done + piece], offset + done)
         if n <= 0:
             raise OSError(errno.EIO, f"pwrite returned {n} at offset {offset + done}")
         done += n
@@ -105,11 +105,11 @@ def _write_chunk(ops: FileOps, fd: int, data: memoryview, offset: int, on_chunk:
 
 
 def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk_bytes: int, ops: FileOps,
-               on_chunk: OnChunk | None, turn: Callable[[], None]) -> tuple[int, ...]:
+               on_chunk: OnChunk | None, turn: Callable[[], None], piece_bytes: int | None) -> tuple[int, ...]:
     fd = ops.open(path, flags, 0o644)
     try:
-        block = checksum_block(chunk_bytes)
-        futures = [pool.submit(_write_chunk, ops, fd, data[o : o + chunk_bytes], o, on_chunk, block, turn)
+        block, piece = checksum_block(chunk_bytes), min(piece_bytes or chunk_bytes, chunk_bytes)
+        futures = [pool.submit(_write_chunk, ops, fd, data[o : o + chunk_bytes], o, on_chunk, block, turn, piece)
                    for o in range(0, len(data), chunk_bytes)]
         wait(futures)  # every chunk finishes before the fd closes, failed or not
         crcs = tuple(c for f in futures for c in f.result())
@@ -119,12 +119,20 @@ def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk
         ops.close(fd)
 
 
+#: The pwrite size of writes that yield to guarded updates (:class:`persist_core.overlap.Turn`): a hold
+#: stops the next piece, and the ones in flight (the disk's DMA) end within milliseconds. One 32 MiB
+#: ``O_DIRECT`` pwrite per chunk ran on through the update and slowed it by 10–13% on this host (4 MiB
+#: pieces: 2–3%, at the same write speed); ``benchmarks/bench_overlap.py`` measures what it costs.
+YIELD_PIECE_BYTES = 4 << 20
+
+
 def no_wait() -> None:
     """The ``turn`` of writes that never yield (no guarded update to wait for)."""
 
 
 def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int, direct_io: str, ops: FileOps,
-               on_chunk: OnChunk | None = None, turn: Callable[[], None] = no_wait) -> WrittenFile:
+               on_chunk: OnChunk | None = None, turn: Callable[[], None] = no_wait,
+               piece_bytes: int | None = None) -> WrittenFile:
     """Write ``data`` to a new file at ``path`` in parallel chunks and fsync it.
 
     Args:
@@ -140,6 +148,9 @@ def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int
             ``"on"`` or ``"off"``: the ``"auto"`` fallback rewrites the file from ``data``.
         turn: called before each checksum block and each pwrite; it blocks while the training's update has
             the host (:class:`persist_core.overlap.Turn`).
+        piece_bytes: write each chunk in pwrites of this many bytes (a multiple of 4 KiB), ``turn`` before
+            each; ``None``: one pwrite a chunk. Writes that yield to guarded updates pass
+            :data:`YIELD_PIECE_BYTES`.
 
     Raises:
         OSError: the write or fsync failed (the caller removes the partial file's directory).
@@ -151,7 +162,7 @@ def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int
     if direct_io != "off" and hasattr(os, "O_DIRECT") and aligned:
         try:
             crcs = _write_all(str(path), data, flags | os.O_DIRECT, pool=pool, chunk_bytes=chunk_bytes, ops=ops,
-                              on_chunk=on_chunk, turn=turn)
+                              on_chunk=on_chunk, turn=turn, piece_bytes=piece_bytes)
             return WrittenFile(path.name, len(data), checksum_block(chunk_bytes), crcs, True)
         except OSError as e:
             if direct_io == "on" or e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
@@ -161,7 +172,7 @@ def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int
     elif direct_io == "on":
         raise OSError(errno.EINVAL, f"O_DIRECT needs a page-aligned buffer and os.O_DIRECT; cannot write {path}")
     crcs = _write_all(str(path), data, flags, pool=pool, chunk_bytes=chunk_bytes, ops=ops, on_chunk=on_chunk,
-                      turn=turn)
+                      turn=turn, piece_bytes=piece_bytes)
     return WrittenFile(path.name, len(data), checksum_block(chunk_bytes), crcs, False)
 
 

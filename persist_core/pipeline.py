@@ -62,7 +62,8 @@ class Pipeline:
                  settings: WriteSettings, tier: RemoteTier | None, keep_local: RetentionPolicy | None,
                  keep_remote: RetentionPolicy | None, latest_step: Callable[[], int], remote_timeout_s: float = 300.0,
                  max_unsynced_bytes: int | None = None, run_id: str | None = None,
-                 turn: Callable[[], None] = no_wait, slowdown: Callable[[], float | None] = lambda: None) -> None:
+                 turn: Callable[[], None] = no_wait, yielding: Callable[[], bool] = lambda: False,
+                 slowdown: Callable[[], float | None] = lambda: None) -> None:
         self._root = root
         self._slowdown = slowdown  # recorded with each commit: a restarted job's decisions start from it
         self._turn = turn
@@ -77,7 +78,8 @@ class Pipeline:
         self.history = HistoryLog(root)  # what each save cost, for persist stats (rank 0 writes it)
         self.writer = Writer(root, pool=pool, coll=coll, ops=ops, ledger=ledger, after_commit=self._after_commit,
                              write_threads=settings.write_threads, chunk_bytes=settings.chunk_bytes,
-                             direct_io=settings.direct_io, on_nodes=self._on_nodes, turn=turn)
+                             direct_io=settings.direct_io, on_nodes=self._on_nodes, turn=turn,
+                             yielding=yielding)
         local = LocalTier(root)
         self.local = Retainer(local, keep_local, protected=self.protected)
         self._url = None if tier is None else tier.url  # before RemoteSync: its thread may upload a backlog at once
