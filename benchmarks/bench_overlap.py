@@ -10,7 +10,9 @@ Second part (``--accel-rounds``, 0 to skip): the accelerator-like step of the go
 waits --step-ms of "device time", then an in-place SGD-with-momentum update of 4 x Linear(--accel-width,
 default 3072) runs on the host cores) under continuous guarded saving, in blocks of --block steps interleaved in one process:
 no saves (the baseline), saving with the writes yielding to the update (overlap.Turn, the default),
-saving with that switched off (the behaviour before it), and two floors, both holding off during the
+saving with that switched off (the behaviour before it), saving with each 32 MiB chunk in one pwrite (the
+behaviour before 4 MiB pieces: what is in flight when a hold starts runs on through the update), and two
+floors, both holding off during the
 update as the engine's writes do: the raw writes — the state's bytes written over and over (4 threads of 32
 MiB chunks in 4 MiB O_DIRECT pwrites, as a guarded engine writes them, an fsync a pass; no copy, checksums or
 commit), what the disk's writes alone cost —
@@ -75,7 +77,7 @@ def accel(args: argparse.Namespace) -> None:
         p.grad = torch.randn_like(p)  # fixed gradients: the device's backward, done
     opt.step()
     state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
-    kinds = ("no saves", "saving, writes yield", "saving, no yield", RAW, SNAPSHOT, CHECKSUMMED)
+    kinds = ("no saves", "saving, writes yield", "saving, no yield", WHOLE, RAW, SNAPSHOT, CHECKSUMMED)
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
     tensors = [p for p in model.parameters()] + [opt.state[p]["momentum_buffer"] for p in model.parameters()]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)  # parameters and momentum
@@ -87,8 +89,9 @@ def accel(args: argparse.Namespace) -> None:
         fresh.append(time.perf_counter() - u0)
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as work:
         engines = {k: CheckpointEngine(Path(work) / str(i), save_policy=Continuous(), keep_local=KeepLastN(1))
-                   for i, k in enumerate(kinds[:3])}
+                   for i, k in enumerate(kinds[:4])}
         engines["saving, no yield"]._overlap.turn.hold = lambda: None  # the writes run through the updates
+        engines[WHOLE]._writer._yielding = lambda: False  # a chunk in one pwrite: it runs on through a hold
         floors = {RAW: RawWrites(Path(work) / "raw", nbytes), SNAPSHOT: SnapshotFloor(Path(work) / "snap", tensors),
                   CHECKSUMMED: SnapshotFloor(Path(work) / "crc", tensors, checksums=True)}
         step_no = 0
@@ -138,6 +141,9 @@ def accel(args: argparse.Namespace) -> None:
     untouched, after = med(fresh[1:]), med(r[1] for r in results["no saves"])
     print(f"the update with no saves: {untouched * 1e3:.1f} ms before any engine saved, {after * 1e3:.1f} ms in the "
           f"no-saves blocks between saving ones ({after / untouched:.2f}x: above 1, saving leaves training slower)")
+    if cost["saving, writes yield"] is not None and cost[WHOLE]:
+        print(f"C with the chunks in {YIELD_PIECE_BYTES >> 20} MiB pwrites / in one 32 MiB pwrite each (before "
+              f"2026-12-03): {cost['saving, writes yield'] / cost[WHOLE]:.2f}x")
     if cost["saving, writes yield"] is not None and cost["saving, no yield"]:
         print(f"C with the writes yielding / without: {cost['saving, writes yield'] / cost['saving, no yield']:.2f}x "
               f"(a step with no saves {bare * 1e3:.1f} ms)")
@@ -154,6 +160,7 @@ def accel(args: argparse.Namespace) -> None:
               "alone); below 1 ms it is this machine's noise")
 
 
+WHOLE = "saving, 32 MiB pwrites"
 RAW = "raw writes (the floor)"
 SNAPSHOT = "copy + raw writes"
 CHECKSUMMED = "copy + crc + raw writes"
