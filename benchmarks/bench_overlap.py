@@ -15,11 +15,12 @@ behaviour before 4 MiB pieces: what is in flight when a hold starts runs on thro
 floors, both holding off during the
 update as the engine's writes do: the raw writes — the state's bytes written over and over (4 threads of 32
 MiB chunks in 4 MiB O_DIRECT pwrites, as a guarded engine writes them, an fsync a pass; no copy, checksums or
-commit), what the disk's writes alone cost —
+commit), what the disk's writes alone cost, and the same in one 32 MiB pwrite a chunk —
 and the snapshot floor — on the engine's schedule (after an update, once the previous pass is done), the
 state copied into a host buffer on one thread (the next update waits for the copy) and written raw to a new
 file, the one before removed: what any checkpoint of this state must do (and the same with a crc32c of every
-block before its pwrite, as the engine's writes checksum). Per block the mean step and update
+block before its pwrite, as the engine's writes checksum); the kinds' order reversed every other round (the
+no-saves block first). Per block the mean step and update
 times; C (what saving adds per save, or per pass) = (step with saves - step without) x steps / saves;
 medians over the rounds; and the update before any engine saved beside the no-saves blocks' (a save must
 leave nothing behind that slows the training after it: a parallel copy on another thread once did). C over
@@ -77,7 +78,7 @@ def accel(args: argparse.Namespace) -> None:
         p.grad = torch.randn_like(p)  # fixed gradients: the device's backward, done
     opt.step()
     state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
-    kinds = ("no saves", "saving, writes yield", "saving, no yield", WHOLE, RAW, SNAPSHOT, CHECKSUMMED)
+    kinds = ("no saves", "saving, writes yield", "saving, no yield", WHOLE, RAW, RAW_WHOLE, SNAPSHOT, CHECKSUMMED)
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
     tensors = [p for p in model.parameters()] + [opt.state[p]["momentum_buffer"] for p in model.parameters()]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)  # parameters and momentum
@@ -92,11 +93,12 @@ def accel(args: argparse.Namespace) -> None:
                    for i, k in enumerate(kinds[:4])}
         engines["saving, no yield"]._overlap.turn.hold = lambda: None  # the writes run through the updates
         engines[WHOLE]._writer._yielding = lambda: False  # a chunk in one pwrite: it runs on through a hold
-        floors = {RAW: RawWrites(Path(work) / "raw", nbytes), SNAPSHOT: SnapshotFloor(Path(work) / "snap", tensors),
+        floors = {RAW: RawWrites(Path(work) / "raw", nbytes),
+                  RAW_WHOLE: RawWrites(Path(work) / "raw32", nbytes, piece=RawWrites.CHUNK), SNAPSHOT: SnapshotFloor(Path(work) / "snap", tensors),
                   CHECKSUMMED: SnapshotFloor(Path(work) / "crc", tensors, checksums=True)}
         step_no = 0
-        for _ in range(args.accel_rounds):
-            for kind in kinds:
+        for round_no in range(args.accel_rounds):
+            for kind in kinds[:1] + (kinds[1:] if round_no % 2 == 0 else kinds[:0:-1]):  # no kind always first
                 engine, floor = engines.get(kind), floors.get(kind)
                 guard = engine.guard(opt) if engine is not None else None
                 saves0 = engine.summary()["overlapped_saves"] if engine is not None else floor.start()
@@ -144,6 +146,13 @@ def accel(args: argparse.Namespace) -> None:
     if cost["saving, writes yield"] is not None and cost[WHOLE]:
         print(f"C with the chunks in {YIELD_PIECE_BYTES >> 20} MiB pwrites / in one 32 MiB pwrite each (before "
               f"2026-12-03): {cost['saving, writes yield'] / cost[WHOLE]:.2f}x")
+    if cost[RAW] is not None and cost[RAW_WHOLE] is not None:
+        raw, whole = (med(r[1] for r in results[k]) for k in (RAW, RAW_WHOLE))
+        print(f"the raw writes held off during the update: in {YIELD_PIECE_BYTES >> 20} MiB pwrites the update ran "
+              f"{raw / after:.3f}x its time with no saves, in one 32 MiB pwrite a chunk {whole / after:.3f}x (what is "
+              f"in flight when the hold starts runs on through it); {cost[RAW] * 1e3:.1f} against "
+              f"{cost[RAW_WHOLE] * 1e3:.1f} ms a pass, {med(r[2] for r in results[RAW]):.1f} against "
+              f"{med(r[2] for r in results[RAW_WHOLE]):.1f} passes a block")
     if cost["saving, writes yield"] is not None and cost["saving, no yield"]:
         print(f"C with the writes yielding / without: {cost['saving, writes yield'] / cost['saving, no yield']:.2f}x "
               f"(a step with no saves {bare * 1e3:.1f} ms)")
@@ -162,6 +171,7 @@ def accel(args: argparse.Namespace) -> None:
 
 WHOLE = "saving, 32 MiB pwrites"
 RAW = "raw writes (the floor)"
+RAW_WHOLE = "raw, 32 MiB pwrites"
 SNAPSHOT = "copy + raw writes"
 CHECKSUMMED = "copy + crc + raw writes"
 
@@ -174,8 +184,8 @@ class RawWrites:
 
     CHUNK, THREADS = 32 << 20, 4
 
-    def __init__(self, path: Path, nbytes: int) -> None:
-        self._path = path
+    def __init__(self, path: Path, nbytes: int, *, piece: int = YIELD_PIECE_BYTES) -> None:
+        self._path, self._piece = path, piece  # piece: RawWrites.CHUNK writes each chunk in one pwrite
         self._nbytes = max(self.CHUNK, nbytes // self.CHUNK * self.CHUNK)
         self._buf = mmap.mmap(-1, self.CHUNK)  # page-aligned, as O_DIRECT needs
         self._buf.write(os.urandom(1 << 20) * (self.CHUNK >> 20))
@@ -209,7 +219,8 @@ class RawWrites:
         try:
             with ThreadPoolExecutor(self.THREADS) as pool:
                 while not self._stop.is_set():
-                    _write_pass(pool, fd, lambda at: view, self._nbytes, self.turn)  # the one buffer at every offset
+                    _write_pass(pool, fd, lambda at: view, self._nbytes, self.turn,  # the one buffer at every offset
+                                piece=self._piece)
                     self.passes += 1
         finally:
             os.close(fd)
@@ -225,9 +236,9 @@ def _open_for_writes(path: Path) -> int:
 
 
 def _write_pass(pool: ThreadPoolExecutor, fd: int, chunk: Callable[[int], memoryview], nbytes: int,
-                turn: threading.Event, *, checksums: bool = False) -> None:
+                turn: threading.Event, *, checksums: bool = False, piece: int = YIELD_PIECE_BYTES) -> None:
     """One pass of a floor's writes, then an fsync: ``chunk(offset)`` (``RawWrites.CHUNK`` bytes) at every offset
-    below ``nbytes``, on ``pool``'s threads, in pwrites of ``YIELD_PIECE_BYTES``, each waiting while ``turn`` is
+    below ``nbytes``, on ``pool``'s threads, in pwrites of ``piece`` bytes, each waiting while ``turn`` is
     clear (the update runs), as a guarded engine writes;
     ``checksums``: first a crc32c of every 256 KiB block of it, each after ``turn`` too, as the engine's writes."""
 
@@ -237,9 +248,9 @@ def _write_pass(pool: ThreadPoolExecutor, fd: int, chunk: Callable[[int], memory
             for block in range(0, len(data), CHECKSUM_BLOCK_BYTES):
                 turn.wait()
                 crc32c.crc32c(data[block:block + CHECKSUM_BLOCK_BYTES])
-        for piece in range(0, len(data), YIELD_PIECE_BYTES):
+        for o in range(0, len(data), piece):
             turn.wait()
-            os.pwrite(fd, data[piece:piece + YIELD_PIECE_BYTES], at + piece)
+            os.pwrite(fd, data[o:o + piece], at + o)
 
     list(pool.map(one, range(0, nbytes, RawWrites.CHUNK)))
     os.fsync(fd)
