@@ -121,8 +121,9 @@ def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk
 
 #: The pwrite size of writes that yield to guarded updates (:class:`persist_core.overlap.Turn`): a hold
 #: stops the next piece, and the ones in flight (the disk's DMA) end within milliseconds. One 32 MiB
-#: ``O_DIRECT`` pwrite per chunk ran on through the update and slowed it by 10–13% on this host (4 MiB
-#: pieces: 2–3%, at the same write speed); ``benchmarks/bench_overlap.py`` measures what it costs.
+#: ``O_DIRECT`` pwrite per chunk ran on through the update and slowed it by 10–19% on this host (4 MiB
+#: pieces: 2–8%, at 0.88–0.92x the write speed); ``benchmarks/bench_pieces.py`` measures it by size,
+#: ``benchmarks/bench_overlap.py`` what it changes in C.
 YIELD_PIECE_BYTES = 4 << 20
 
 

@@ -1,0 +1,91 @@
+"""What writes in flight cost the update that holds them off, by the size of one pwrite.
+
+The accelerator-like step of ``bench_overlap.py`` (the host waits --step-ms of "device time", then the in-place
+SGD-with-momentum update of 4 x Linear(--accel-width)) in blocks of --block steps: a block with no writes, then
+one with the raw floor's writes running (``bench_overlap.RawWrites``: 4 threads of 32 MiB chunks, ``O_DIRECT``,
+an fsync a pass, each pwrite waiting while the update runs) in pwrites of each --pieces size, interleaved,
+the order reversed every other round. A hold stops the next pwrite; what is in flight when it starts (the
+disk's DMA) runs on through the update. Per size: the update's median time over the no-writes blocks' (the
+slowdown the writes in flight cause) and the bytes written per second of the block (what the size costs the
+disk's throughput). ``fileio.YIELD_PIECE_BYTES`` is the size a guarded engine writes in.
+
+    .venv/bin/python benchmarks/bench_pieces.py [--pieces 32,8,4,2,1] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_overlap import RawWrites  # noqa: E402
+
+from persist_core.fileio import YIELD_PIECE_BYTES  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pieces", default="32,8,4,2,1", help="pwrite sizes in MiB, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--block", type=int, default=12)
+    parser.add_argument("--step-ms", type=float, default=80.0)
+    parser.add_argument("--accel-width", type=int, default=3072)
+    args = parser.parse_args()
+    sizes = [int(p) << 20 for p in args.pieces.split(",")]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.accel_width, args.accel_width) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    nbytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters and momentum
+
+    def block(writes: RawWrites | None) -> tuple[float, float]:
+        """The median update of a block and the bytes ``writes`` wrote per second of it."""
+        passes0 = writes.start() if writes is not None else 0
+        updates, t0 = [], time.perf_counter()
+        for _ in range(args.block):
+            time.sleep(args.step_ms / 1000)
+            u0 = time.perf_counter()
+            if writes is not None:
+                writes.before_update()
+            opt.step()
+            if writes is not None:
+                writes.after_update()
+            updates.append(time.perf_counter() - u0)
+        passes = writes.stop() - passes0 if writes is not None else 0  # the pass in flight at the end finishes
+        took = time.perf_counter() - t0
+        return statistics.median(updates), passes * (writes._nbytes if writes is not None else 0) / took
+
+    slowdown: dict[int, list[float]] = {s: [] for s in sizes}
+    speed: dict[int, list[float]] = {s: [] for s in sizes}
+    with tempfile.TemporaryDirectory(prefix="bench-pieces-") as work:
+        floors = {s: RawWrites(Path(work) / f"raw-{s}", nbytes, piece=s) for s in sizes}
+        for r in range(args.rounds):
+            for s in sizes if r % 2 == 0 else sizes[::-1]:
+                bare, _ = block(None)
+                held, rate = block(floors[s])
+                slowdown[s].append(held / bare)
+                speed[s].append(rate)
+    med = statistics.median
+    print(f"the update of 4 x Linear({args.accel_width}) ({nbytes / 1e9:.2f} GB with momentum) after {args.step_ms:g} ms "
+          f"of device time, with 4 threads writing the same bytes raw, held off during it; {args.rounds} rounds of "
+          f"{args.block} steps")
+    print(f"{'pwrite':>8} {'update / no writes':>19} {'written':>10} {'/ 32 MiB pwrites':>17}")
+    ref = med(speed[32 << 20]) if 32 << 20 in speed else None
+    for s in sizes:
+        mark = "  <- fileio.YIELD_PIECE_BYTES" if s == YIELD_PIECE_BYTES else ""
+        rel = f"{med(speed[s]) / ref:>16.2f}x" if ref else f"{'-':>17}"
+        print(f"{s >> 20:>5} MiB {med(slowdown[s]):>18.3f}x {med(speed[s]) / 1e9:>7.2f} GB/s {rel}{mark}")
+
+
+if __name__ == "__main__":
+    main()
