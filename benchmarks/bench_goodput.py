@@ -21,7 +21,7 @@ waits), its duration ``D`` and a restart's time; then per MTBF the fixed interva
 0.5x, 1x and 2x the Young/Daly interval ``sqrt(2 C MTBF)`` (so the best fixed interval tried is a strong
 one; when all three are shorter than 1.5 D, where fixed intervals queue behind the previous save, also the
 first interval >= 1.5 D), ``Continuous()`` and ``OptimalInterval(mtbf_s=MTBF)``, each on the same failure sequences,
-interleaved. Reported: goodput; goodput with each restart counted at the median restart time (an
+interleaved (the order reversed every other sequence). Reported: goodput; goodput with each restart counted at the median restart time (an
 interpreter start slower than usual — this machine is shared — given back at the job's own rate: the
 policies cannot change how long importing torch takes); Young/Daly's prediction at each policy's own
 interval; work lost per failure; the P50 interval and its ratio to D; the stalled fraction and the
@@ -260,7 +260,7 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
             sequences.append(times)
         runs: dict[str, list[dict]] = {name: [] for name, _ in policies}
         for k, failures in enumerate(sequences):  # interleaved: drift on a shared machine hits every policy alike
-            for name, policy in policies:
+            for name, policy in policies if k % 2 == 0 else policies[::-1]:  # and no policy always runs first
                 r = run_policy(policy, args, setting, failures, out / setting / name.replace(" ", "-"))
                 r["horizon"] = args.horizon
                 runs[name].append(r)
