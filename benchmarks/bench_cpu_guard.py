@@ -1,0 +1,97 @@
+"""In a CPU-bound loop, does the overlap pay? Continuous saving with ``engine.guard(opt)`` against without.
+
+The cpu setting of ``bench_goodput.py`` (4 x Linear(--width) + Adam, forward/backward matmuls on the host
+cores) in blocks of --block steps, interleaved in one process (the order reversed every other round): no
+saves (the baseline), saving continuously with a guard (``save()`` returns after planning; the parameters
+and Adam's state are copied by a background thread while the next forward and backward run, and the update
+waits for it), and saving continuously without one (``save()`` copies everything before it returns). Each
+block ends with ``engine.wait()``, inside its time. Per kind: the median step, the saves a block, and
+C = (step with saves - step without) x steps / saves, medians over the rounds. On a host whose cores the
+training's own ops fill, the background copy takes a core from a 2-thread forward/backward (each of its
+barriers waits for the thread descheduled), so it can cost more than the copy it hides.
+
+    .venv/bin/python benchmarks/bench_cpu_guard.py [--rounds 12] [--width 1536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from persist_core import CheckpointEngine, Continuous, KeepLastN  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--block", type=int, default=16)
+    parser.add_argument("--width", type=int, default=1536)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(4)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x = torch.randn(64, args.width)
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
+    kinds = ("no saves", "guarded", "not guarded")
+    results: dict[str, list[tuple[float, int]]] = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory(prefix="bench-cpu-guard-") as work:
+        engines = {k: CheckpointEngine(Path(work) / str(i), save_policy=Continuous(), keep_local=KeepLastN(2))
+                   for i, k in enumerate(kinds[1:])}
+        n = 0
+        for r in range(args.rounds):
+            for kind in kinds if r % 2 == 0 else kinds[:1] + kinds[:0:-1]:
+                engine = engines.get(kind)
+                guard = engine.guard(opt) if kind == "guarded" else None
+                saves0 = engine.summary()["saves"] if engine is not None else 0
+                t0 = time.perf_counter()
+                for _ in range(args.block):
+                    n += 1
+                    step()
+                    if engine is not None:
+                        engine.maybe_save(state, step=n)
+                if engine is not None:
+                    engine.wait()
+                took = time.perf_counter() - t0
+                if guard is not None:
+                    guard.remove()
+                saves = engine.summary()["saves"] - saves0 if engine is not None else 0
+                results[kind].append((took / args.block, saves))
+        for engine in engines.values():
+            engine.close()
+    med = statistics.median
+    bare = [r[0] for r in results["no saves"]]
+    tensors = list(model.state_dict().values()) + [v for s in opt.state.values() for v in s.values()
+                                                   if isinstance(v, torch.Tensor)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    print(f"CPU-bound steps: 4 x Linear({args.width}) + Adam ({nbytes / 1e9:.2f} GB saved), {torch.get_num_threads()} "
+          f"intra-op threads, saving continuously, {args.rounds} rounds of {args.block} steps")
+    print(f"{'':>12} {'step':>8} {'/ no saves':>11} {'saves/block':>12} {'C per save':>11}")
+    cost = {}
+    for kind in kinds:
+        step_s = med(r[0] for r in results[kind])
+        per = [(r[0] - b) * args.block / r[1] for r, b in zip(results[kind], bare) if r[1]]
+        cost[kind] = med(per) if per else None
+        print(f"{kind:>12} {step_s * 1e3:>6.1f}ms {step_s / med(bare):>10.3f}x {med(r[1] for r in results[kind]):>12.1f} "
+              + (f"{cost[kind] * 1e3:>9.1f}ms" if cost[kind] is not None else f"{'-':>11}"))
+    if cost["guarded"] and cost["not guarded"]:
+        print(f"C guarded / not guarded: {cost['guarded'] / cost['not guarded']:.2f}x (above 1: on this host the overlap "
+              "costs more than the copy it hides)")
+
+
+if __name__ == "__main__":
+    main()
