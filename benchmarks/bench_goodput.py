@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 from persist_core.tiers.local import committed_steps  # noqa: E402
 
 
-def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: float) -> None:
+def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: float, guard: bool = True) -> None:
     """One training process: resume from the newest checkpoint and train until killed, ``maybe_save``
     deciding; prints each step, and the engine's summary every 10 steps.
 
@@ -67,7 +67,8 @@ def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: f
     host cores free, as while a GPU computes), then an in-place optimizer update (SGD with momentum on fixed
     gradients) mutates the state. ``"cpu"``: real forward/backward matmuls on the host cores, then Adam.
     Either way the optimizer is guarded (``engine.guard``): ``save()`` returns after planning, the copy runs
-    during the next step, and the update waits for it.
+    during the next step, and the update waits for it — unless ``guard`` is false (``--no-cpu-guard``): then
+    ``save()`` copies everything before it returns.
     """
     sys.path.insert(0, str(ROOT))
     import torch
@@ -92,7 +93,8 @@ def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: f
         start = state["step"]
     except CheckpointNotFoundError:
         pass
-    engine.guard(opt)  # for the process's life: the update waits for a save's background copy
+    if guard:
+        engine.guard(opt)  # for the process's life: the update waits for a save's background copy
     print(json.dumps({"event": "start", "step": start}), flush=True)
     x = torch.randn(64, width)
     step = start
@@ -130,7 +132,8 @@ def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: li
             break
         deadline = min([k for k in kills if k > spawned] + [horizon])
         proc = subprocess.Popen([sys.executable, __file__, "--child", str(local), "--policy", policy,
-                                 "--width", str(args.accel_width if setting == "accel" else args.width), "--setting", setting, "--step-ms", str(args.step_ms)],
+                                 "--width", str(args.accel_width if setting == "accel" else args.width), "--setting", setting, "--step-ms", str(args.step_ms),
+                                 "--guard", str(int(setting == "accel" or getattr(args, "cpu_guard", True)))],
                                 stdout=subprocess.PIPE, text=True)
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
@@ -228,7 +231,8 @@ def _goodput(r: dict, restart_s: float, step_s: float) -> tuple[float, float]:
 
 def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[float]) -> tuple[list[str], dict]:
     cal = calibrate(args, setting, out / setting)
-    lines = [f"### {setting}: {SETTINGS[setting]}", "",
+    unguarded = setting == "cpu" and not getattr(args, "cpu_guard", True)
+    lines = [f"### {setting}: {SETTINGS[setting]}" + (" — optimizer not guarded (--no-cpu-guard)" if unguarded else ""), "",
              f"Calibration (uninterrupted, {args.horizon:g} s; rates and counts from each job's third step on, past "
              f"its first save's copy into never-touched memory, a one-time cost each restart pays): "
              f"{cal['step_s'] * 1e3:.0f} ms a step without saves; saving continuously ({cal['saves']} saves) costs C = {cal['C'] * 1e3:.1f} ms of training per save "
@@ -366,9 +370,14 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--policy", help=argparse.SUPPRESS)
     parser.add_argument("--setting", help=argparse.SUPPRESS)
+    parser.add_argument("--guard", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--cpu-guard", action=argparse.BooleanOptionalAction, default=True,
+                        help="guard the optimizer in the cpu setting, as in the accel one (--no-cpu-guard: save() copies "
+                             "everything before it returns, which costs this host's CPU-bound steps less: "
+                             "bench_cpu_guard.py)")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.policy, args.width, args.setting, args.step_ms)
+        child(args.child, args.policy, args.width, args.setting, args.step_ms, bool(args.guard))
         return
     if args.quick:
         args.mtbfs, args.seeds = "30", 1
