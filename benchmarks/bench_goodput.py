@@ -133,7 +133,7 @@ def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: li
         deadline = min([k for k in kills if k > spawned] + [horizon])
         proc = subprocess.Popen([sys.executable, __file__, "--child", str(local), "--policy", policy,
                                  "--width", str(args.accel_width if setting == "accel" else args.width), "--setting", setting, "--step-ms", str(args.step_ms),
-                                 "--guard", str(int(setting == "accel" or getattr(args, "cpu_guard", True)))],
+                                 "--guard", str(int(setting == "accel" or args.cpu_guard))],
                                 stdout=subprocess.PIPE, text=True)
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
@@ -231,7 +231,7 @@ def _goodput(r: dict, restart_s: float, step_s: float) -> tuple[float, float]:
 
 def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[float]) -> tuple[list[str], dict]:
     cal = calibrate(args, setting, out / setting)
-    unguarded = setting == "cpu" and not getattr(args, "cpu_guard", True)
+    unguarded = setting == "cpu" and not args.cpu_guard
     lines = [f"### {setting}: {SETTINGS[setting]}" + (" — optimizer not guarded (--no-cpu-guard)" if unguarded else ""), "",
              f"Calibration (uninterrupted, {args.horizon:g} s; rates and counts from each job's third step on, past "
              f"its first save's copy into never-touched memory, a one-time cost each restart pays): "

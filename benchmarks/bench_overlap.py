@@ -68,15 +68,22 @@ def main() -> None:
         accel(args)
 
 
+def accel_model(width: int) -> tuple[torch.nn.Module, torch.optim.SGD]:
+    """The accelerator-like step's model, 4 x Linear(``width``), and its SGD with momentum on fixed gradients
+    (the device's backward, done), stepped once so that the momentum exists."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return model, opt
+
+
 def accel(args: argparse.Namespace) -> None:
     from persist_core import Continuous, KeepLastN
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(args.accel_width, args.accel_width) for _ in range(4)])
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)  # fixed gradients: the device's backward, done
-    opt.step()
+    model, opt = accel_model(args.accel_width)
     state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
     kinds = ("no saves", "saving, writes yield", "saving, no yield", WHOLE, RAW, RAW_WHOLE, SNAPSHOT, CHECKSUMMED)
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
@@ -186,7 +193,7 @@ class RawWrites:
 
     def __init__(self, path: Path, nbytes: int, *, piece: int = YIELD_PIECE_BYTES) -> None:
         self._path, self._piece = path, piece  # piece: RawWrites.CHUNK writes each chunk in one pwrite
-        self._nbytes = max(self.CHUNK, nbytes // self.CHUNK * self.CHUNK)
+        self.pass_bytes = max(self.CHUNK, nbytes // self.CHUNK * self.CHUNK)  # what one pass writes
         self._buf = mmap.mmap(-1, self.CHUNK)  # page-aligned, as O_DIRECT needs
         self._buf.write(os.urandom(1 << 20) * (self.CHUNK >> 20))
         self.turn = threading.Event()
@@ -219,7 +226,7 @@ class RawWrites:
         try:
             with ThreadPoolExecutor(self.THREADS) as pool:
                 while not self._stop.is_set():
-                    _write_pass(pool, fd, lambda at: view, self._nbytes, self.turn,  # the one buffer at every offset
+                    _write_pass(pool, fd, lambda at: view, self.pass_bytes, self.turn,  # the one buffer at every offset
                                 piece=self._piece)
                     self.passes += 1
         finally:

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_overlap import RawWrites  # noqa: E402
+from bench_overlap import RawWrites, accel_model  # noqa: E402
 
 from persist_core.fileio import YIELD_PIECE_BYTES  # noqa: E402
 
@@ -40,12 +40,7 @@ def main() -> None:
     parser.add_argument("--accel-width", type=int, default=3072)
     args = parser.parse_args()
     sizes = [int(p) << 20 for p in args.pieces.split(",")]
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(args.accel_width, args.accel_width) for _ in range(4)])
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    opt.step()
+    model, opt = accel_model(args.accel_width)
     nbytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters and momentum
 
     def block(writes: RawWrites | None) -> tuple[float, float]:
@@ -63,7 +58,7 @@ def main() -> None:
             updates.append(time.perf_counter() - u0)
         passes = writes.stop() - passes0 if writes is not None else 0  # the pass in flight at the end finishes
         took = time.perf_counter() - t0
-        return statistics.median(updates), passes * (writes._nbytes if writes is not None else 0) / took
+        return statistics.median(updates), passes * (writes.pass_bytes if writes is not None else 0) / took
 
     slowdown: dict[int, list[float]] = {s: [] for s in sizes}
     speed: dict[int, list[float]] = {s: [] for s in sizes}
