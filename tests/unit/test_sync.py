@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import uuid
 
 import fsspec
@@ -134,12 +135,15 @@ def test_slow_remote_supersedes_queued_uploads_but_never_milestones(tmp_path, ur
 def test_upload_failure_is_raised_once_and_nothing_partial_is_listed(tmp_path, url, monkeypatch, fast_retries):
     engine = CheckpointEngine(tmp_path / "a", remote_url=url, remote_timeout_s=0.5)
     calls = []
+    counted = threading.Event()  # the engine's own background retry waits for the test to count the first round
 
     pipe = type(engine._tier.fs).pipe_file
 
     def broken_pipe(self, path, value, **kwargs):
         if not path.endswith("manifest.json"):
             return pipe(self, path, value, **kwargs)
+        if len(calls) == 3:
+            counted.wait(60)
         calls.append(path)
         raise ConnectionResetError("connection reset by peer")
 
@@ -148,6 +152,7 @@ def test_upload_failure_is_raised_once_and_nothing_partial_is_listed(tmp_path, u
     with pytest.raises(PersistError, match="committing .*after 3 attempts.*local checkpoints are intact"):
         handle.wait()
     assert len(calls) == 3  # the per-operation attempts
+    counted.set()
     handle.wait()  # raised once
     with pytest.raises(RemoteError, match=r"un-synced steps \[1\]"):  # retried in the background, still failing
         engine.wait()
