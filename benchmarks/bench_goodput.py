@@ -14,6 +14,9 @@ step, the update waits for it). Goodput is the step reached at the horizon / the
   update (SGD with momentum on fixed gradients) mutates the state;
 * ``cpu`` (CPU-bound): real forward/backward matmuls and Adam on the host cores.
 
+Every job runs with glibc's malloc keeping what it frees (``STEADY_MALLOC``; ``--no-steady-malloc`` for
+glibc's defaults, under which each CPU-bound process was fast or slow at random for its whole life here).
+
 Per setting: two pairs of uninterrupted calibration jobs (no saves; saving continuously; medians of the
 pairs) measure the step time,
 a save's cost to training ``C`` (the time saving adds per save, at least its stall plus the fence's
@@ -33,7 +36,7 @@ Bars (issue 17): accel — continuous's P50 interval <= 2x D and its goodput >= 
 every MTBF; cpu — reported as it is, and OptimalInterval >= 0.95x the best fixed interval.
 
 Usage: ``python benchmarks/bench_goodput.py [--quick] [--horizon 20] [--mtbfs 10,30,120] [--seeds 2]
-[--width 1536] [--step-ms 80] [--settings accel,cpu] [--dir bench-out]`` (the defaults: about 24 minutes
+[--width 1536] [--step-ms 80] [--settings accel,cpu] [--no-steady-malloc] [--dir bench-out]`` (the defaults: about 24 minutes
 here; ``--quick``: one MTBF, one sequence)
 """
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
 import selectors
@@ -57,6 +61,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from persist_core.tiers.local import committed_steps  # noqa: E402
+
+#: glibc's malloc told never to hand freed memory back to the kernel (``--steady-malloc``, the default). With its
+#: defaults a CPU-bound job's process lands, at random, in one of two modes for its whole life: tens of MB freed
+#: and re-faulted every step (Adam's temporaries, the gradients ``zero_grad`` frees) or not — on this VM a fault
+#: is expensive, and steps of the same model took 60 or 105 ms (28,000 minor faults and 80 ms of system time a
+#: step against 4,000-8,000 and 16 ms), so back-to-back jobs of one policy differed by more than policies do.
+#: With these two settings: 50 ms steps, under 100 faults a step, in every process.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(16 << 30)}
 
 
 def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: float, guard: bool = True) -> None:
@@ -134,7 +146,8 @@ def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: li
         proc = subprocess.Popen([sys.executable, __file__, "--child", str(local), "--policy", policy,
                                  "--width", str(args.accel_width if setting == "accel" else args.width), "--setting", setting, "--step-ms", str(args.step_ms),
                                  "--guard", str(int(setting == "accel" or args.cpu_guard))],
-                                stdout=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, **STEADY_MALLOC} if args.steady_malloc else None)
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         started, start_step = None, None
@@ -375,6 +388,10 @@ def main() -> None:
                         help="guard the optimizer in the cpu setting, as in the accel one (--no-cpu-guard: save() copies "
                              "everything before it returns, which costs this host's CPU-bound steps less: "
                              "bench_cpu_guard.py)")
+    parser.add_argument("--steady-malloc", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the jobs with glibc's malloc keeping what it frees (STEADY_MALLOC); "
+                             "--no-steady-malloc: glibc's defaults, under which a CPU-bound process's steps are "
+                             "fast or slow at random for its whole life on this VM")
     args = parser.parse_args()
     if args.child:
         child(args.child, args.policy, args.width, args.setting, args.step_ms, bool(args.guard))
@@ -391,7 +408,8 @@ def main() -> None:
              f"4 x Linear({args.width}) in the cpu setting (states with optimizer up to {gb(args.accel_width):.2f} "
              f"and {gb(args.width):.2f} GB), SIGKILLed at exponential times (MTBF {args.mtbfs} s, {args.seeds} sequence(s) of "
              "absolute times: every policy meets the same failures) and restarted at once (importing torch, "
-             "loading: included)", ""]
+             "loading: included)" + ("; glibc's malloc keeps what it frees (STEADY_MALLOC)" if args.steady_malloc
+                                      else "; glibc's malloc with its defaults (--no-steady-malloc)"), ""]
     print(lines[0], flush=True)
     t0 = time.perf_counter()
     verdicts = {}
