@@ -36,7 +36,7 @@ Bars (issue 17): accel — continuous's P50 interval <= 2x D and its goodput >= 
 every MTBF; cpu — reported as it is, and OptimalInterval >= 0.95x the best fixed interval.
 
 Usage: ``python benchmarks/bench_goodput.py [--quick] [--horizon 20] [--mtbfs 10,30,120] [--seeds 2]
-[--width 1536] [--step-ms 80] [--settings accel,cpu] [--no-steady-malloc] [--dir bench-out]`` (the defaults: about 24 minutes
+[--width 1536] [--step-ms 80] [--settings accel,cpu] [--cpu-guard] [--no-steady-malloc] [--dir bench-out]`` (the defaults: about 24 minutes
 here; ``--quick``: one MTBF, one sequence)
 """
 
@@ -78,8 +78,9 @@ def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: f
     ``setting="accel"``: each step is device time — the host waits ``step_ms`` (a GIL-releasing sleep, the
     host cores free, as while a GPU computes), then an in-place optimizer update (SGD with momentum on fixed
     gradients) mutates the state. ``"cpu"``: real forward/backward matmuls on the host cores, then Adam.
-    Either way the optimizer is guarded (``engine.guard``): ``save()`` returns after planning, the copy runs
-    during the next step, and the update waits for it — unless ``guard`` is false (``--no-cpu-guard``): then
+    With ``guard`` (the accel setting; the cpu one with ``--cpu-guard``) the optimizer is guarded
+    (``engine.guard``): ``save()`` returns after planning, the copy runs during the next step, and the update
+    waits for it. Without (the cpu setting's default, as the README advises for CPU-bound training):
     ``save()`` copies everything before it returns.
     """
     sys.path.insert(0, str(ROOT))
@@ -244,8 +245,8 @@ def _goodput(r: dict, restart_s: float, step_s: float) -> tuple[float, float]:
 
 def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[float]) -> tuple[list[str], dict]:
     cal = calibrate(args, setting, out / setting)
-    unguarded = setting == "cpu" and not args.cpu_guard
-    lines = [f"### {setting}: {SETTINGS[setting]}" + (" — optimizer not guarded (--no-cpu-guard)" if unguarded else ""), "",
+    guarded_cpu = setting == "cpu" and args.cpu_guard
+    lines = [f"### {setting}: {SETTINGS[setting]}" + (" — optimizer guarded (--cpu-guard)" if guarded_cpu else ""), "",
              f"Calibration (uninterrupted, {args.horizon:g} s; rates and counts from each job's third step on, past "
              f"its first save's copy into never-touched memory, a one-time cost each restart pays): "
              f"{cal['step_s'] * 1e3:.0f} ms a step without saves; saving continuously ({cal['saves']} saves) costs C = {cal['C'] * 1e3:.1f} ms of training per save "
@@ -384,10 +385,10 @@ def main() -> None:
     parser.add_argument("--policy", help=argparse.SUPPRESS)
     parser.add_argument("--setting", help=argparse.SUPPRESS)
     parser.add_argument("--guard", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--cpu-guard", action=argparse.BooleanOptionalAction, default=True,
-                        help="guard the optimizer in the cpu setting, as in the accel one (--no-cpu-guard: save() copies "
-                             "everything before it returns, which costs this host's CPU-bound steps less: "
-                             "bench_cpu_guard.py)")
+    parser.add_argument("--cpu-guard", action=argparse.BooleanOptionalAction, default=False,
+                        help="guard the optimizer in the cpu setting, as in the accel one (the default, --no-cpu-guard: "
+                             "save() copies everything before it returns, which costs this host's CPU-bound steps less "
+                             "(bench_cpu_guard.py) and is what the README advises for CPU-bound training)")
     parser.add_argument("--steady-malloc", action=argparse.BooleanOptionalAction, default=True,
                         help="run the jobs with glibc's malloc keeping what it frees (STEADY_MALLOC); "
                              "--no-steady-malloc: glibc's defaults, under which a CPU-bound process's steps are "
