@@ -36,8 +36,8 @@ Bars (issue 17): accel — continuous's P50 interval <= 2x D and its goodput >= 
 every MTBF; cpu — reported as it is, and OptimalInterval >= 0.95x the best fixed interval.
 
 Usage: ``python benchmarks/bench_goodput.py [--quick] [--horizon 20] [--mtbfs 10,30,120] [--seeds 2]
-[--width 1536] [--step-ms 80] [--settings accel,cpu] [--cpu-guard] [--no-steady-malloc] [--dir bench-out]`` (the defaults: about 24 minutes
-here; ``--quick``: one MTBF, one sequence)
+[--width 1536] [--step-ms 80] [--settings accel,cpu] [--cpu-guard] [--no-steady-malloc] [--dir bench-out]`` (the defaults: about 23 minutes
+here; ``--quick``: one MTBF, one sequence, about 6)
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from persist_core.tiers.local import committed_steps  # noqa: E402
 #: and re-faulted every step (Adam's temporaries, the gradients ``zero_grad`` frees) or not — on this VM a fault
 #: is expensive, and steps of the same model took 60 or 105 ms (28,000 minor faults and 80 ms of system time a
 #: step against 4,000-8,000 and 16 ms), so back-to-back jobs of one policy differed by more than policies do.
-#: With these two settings: 50 ms steps, under 100 faults a step, in every process.
+#: With these two settings: 45-61 ms steps, under 60 faults a step, in each of 6 processes.
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(16 << 30)}
 
 
