@@ -386,7 +386,7 @@ def main() -> None:
     parser.add_argument("--setting", help=argparse.SUPPRESS)
     parser.add_argument("--guard", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--cpu-guard", action=argparse.BooleanOptionalAction, default=False,
-                        help="guard the optimizer in the cpu setting, as in the accel one (the default, --no-cpu-guard: "
+                        help="guard the optimizer in the cpu setting, as in the accel one (default: --no-cpu-guard, "
                              "save() copies everything before it returns, which costs this host's CPU-bound steps less "
                              "(bench_cpu_guard.py) and is what the README advises for CPU-bound training)")
     parser.add_argument("--steady-malloc", action=argparse.BooleanOptionalAction, default=True,
