@@ -141,6 +141,73 @@ def test_a_turn_holds_writers_until_released_and_a_forgotten_hold_ends_by_itself
     assert 0.04 <= time.perf_counter() - t0 < 2
 
 
+class _Clock:
+    """A clock the test sets: when the Turn's holds begin and updates are due."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _turn_in_rhythm(period: float, holds: int = 4):
+    """A Turn (on a clock the test sets) that has seen ``holds`` updates, one every ``period`` seconds."""
+    from persist_core.overlap import Turn
+
+    clock = _Clock()
+    turn = Turn(clock=clock)
+    for i in range(holds):
+        clock.now = i * period
+        turn.hold()
+        turn.release()
+    return turn, clock
+
+
+def test_a_pwrite_that_would_still_run_when_the_next_update_is_due_waits_for_that_update():
+    turn, clock = _turn_in_rhythm(0.1)  # updates at 0.0, 0.1, 0.2, 0.3: the next is due at 0.4
+    assert turn.due(0.01) == pytest.approx(0.4)
+    clock.now = 0.395  # a 10 ms pwrite started now would be in flight at 0.4
+    writer = threading.Thread(target=turn.wait, args=(0.01,))
+    writer.start()
+    writer.join(timeout=0.05)
+    assert writer.is_alive() and turn.early >= 1
+    clock.now = 0.4
+    turn.hold()  # the update comes
+    writer.join(timeout=0.05)
+    assert writer.is_alive()  # and while it runs, the writer waits as for any hold
+    turn.release()
+    writer.join(timeout=5)
+    assert not writer.is_alive() and turn.held_s > 0
+    t0 = time.perf_counter()
+    turn.wait(0.01)  # just after the update: the next is due at 0.5, the pwrite goes at once
+    turn.wait(0.0)  # checksums never look ahead
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_an_update_that_does_not_come_when_due_lets_the_writer_go_on():
+    turn, clock = _turn_in_rhythm(0.1)
+    clock.now = 0.395
+    writer = threading.Thread(target=turn.wait, args=(0.01,))
+    writer.start()
+    writer.join(timeout=0.05)
+    assert writer.is_alive()
+    clock.now = 0.42  # past the time it was due by more than lead_s, and no update (an eval loop, the end of an epoch)
+    writer.join(timeout=5)
+    assert not writer.is_alive()
+
+
+@pytest.mark.parametrize(("period", "holds"), [(0.02, 4), (0.1, 3)], ids=["too-short-a-period", "too-few-updates"])
+def test_no_rhythm_to_keep_to_means_no_waiting_ahead(period, holds):
+    """Updates every 20 ms would leave pwrites of 10 ms too little time between them; three updates are too few
+    to tell a rhythm."""
+    turn, clock = _turn_in_rhythm(period, holds)
+    clock.now = holds * period - 0.005  # 5 ms before the next would be due
+    t0 = time.perf_counter()
+    turn.wait(0.01)
+    assert time.perf_counter() - t0 < 0.5 and turn.early == 0 and turn.held_s == 0
+
+
 def test_while_a_guarded_update_runs_the_background_writes_hold_off(tmp_path):
     """From the fence to the optimizer's step post-hook the host is the update's: no checksum or pwrite of the
     pending save runs (a CPU-bound update would otherwise share its cores with them); after it, the save commits."""
