@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import secrets
-import time
 from collections.abc import Callable
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
@@ -87,31 +86,16 @@ def checksum_block(chunk_bytes: int) -> int:
     return math.gcd(chunk_bytes, CHECKSUM_BLOCK_BYTES)
 
 
-#: What writers call before each piece of host work: ``turn(lead_s)`` blocks while a guarded update has the host,
-#: or (``lead_s`` > 0: how long the pwrite about to start will take) until an update due before it would end has
-#: passed (:meth:`persist_core.overlap.Turn.wait`).
-TurnFn = Callable[[float], None]
-
-
-@dataclass
-class _Pace:
-    """How long the last pwrite of a file took (its writer threads share it): the next one's ``lead_s``."""
-
-    s: float = 0.0
-
-
 def _write_chunk(ops: FileOps, fd: int, data: memoryview, offset: int, on_chunk: OnChunk | None,
-                 block: int, turn: TurnFn, piece: int, pace: _Pace) -> tuple[int, ...]:
+                 block: int, turn: Callable[[], None], piece: int) -> tuple[int, ...]:
     crc = []
     for o in range(0, len(data), block):
-        turn(0.0)  # waits while a guarded update has the cores
+        turn()  # waits while a guarded update has the cores
         crc.append(crc32c.crc32c(data[o : o + block]))
     done = 0
     while done < len(data):
-        turn(pace.s)  # a hold stops the chunk's next piece, and so does an update due before it would end
-        t0 = time.perf_counter()
+        turn()  # a hold stops the chunk's next piece: what is in flight is at most one piece a thread
         n = ops.pwrite(fd, data[done : done + piece], offset + done)
-        pace.s = time.perf_counter() - t0
         if n <= 0:
             raise OSError(errno.EIO, f"pwrite returned {n} at offset {offset + done}")
         done += n
@@ -121,11 +105,11 @@ def _write_chunk(ops: FileOps, fd: int, data: memoryview, offset: int, on_chunk:
 
 
 def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk_bytes: int, ops: FileOps,
-               on_chunk: OnChunk | None, turn: TurnFn, piece_bytes: int | None) -> tuple[int, ...]:
+               on_chunk: OnChunk | None, turn: Callable[[], None], piece_bytes: int | None) -> tuple[int, ...]:
     fd = ops.open(path, flags, 0o644)
     try:
-        block, piece, pace = checksum_block(chunk_bytes), min(piece_bytes or chunk_bytes, chunk_bytes), _Pace()
-        futures = [pool.submit(_write_chunk, ops, fd, data[o : o + chunk_bytes], o, on_chunk, block, turn, piece, pace)
+        block, piece = checksum_block(chunk_bytes), min(piece_bytes or chunk_bytes, chunk_bytes)
+        futures = [pool.submit(_write_chunk, ops, fd, data[o : o + chunk_bytes], o, on_chunk, block, turn, piece)
                    for o in range(0, len(data), chunk_bytes)]
         wait(futures)  # every chunk finishes before the fd closes, failed or not
         crcs = tuple(c for f in futures for c in f.result())
@@ -143,12 +127,12 @@ def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk
 YIELD_PIECE_BYTES = 4 << 20
 
 
-def no_wait(lead_s: float = 0.0) -> None:
+def no_wait() -> None:
     """The ``turn`` of writes that never yield (no guarded update to wait for)."""
 
 
 def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int, direct_io: str, ops: FileOps,
-               on_chunk: OnChunk | None = None, turn: TurnFn = no_wait,
+               on_chunk: OnChunk | None = None, turn: Callable[[], None] = no_wait,
                piece_bytes: int | None = None) -> WrittenFile:
     """Write ``data`` to a new file at ``path`` in parallel chunks and fsync it.
 
@@ -163,9 +147,8 @@ def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int
         on_chunk: called as ``on_chunk(offset, length)`` once a chunk is written and checksummed,
             after which the caller may reuse those bytes of ``data``. Only with ``direct_io``
             ``"on"`` or ``"off"``: the ``"auto"`` fallback rewrites the file from ``data``.
-        turn: called before each checksum block (``turn(0.0)``) and each pwrite (``turn(lead_s)``, the last
-            pwrite's duration); it blocks while the training's update has the host, and before a pwrite also
-            while an update is due before the pwrite would end (:class:`persist_core.overlap.Turn`).
+        turn: called before each checksum block and each pwrite; it blocks while the training's update has
+            the host (:class:`persist_core.overlap.Turn`).
         piece_bytes: write each chunk in pwrites of this many bytes (a multiple of 4 KiB), ``turn`` before
             each; ``None``: one pwrite a chunk. Writes that yield to guarded updates pass
             :data:`YIELD_PIECE_BYTES`.

@@ -26,12 +26,9 @@ forward and backward *inside* ``optimizer.step(closure)``, so its adapter fences
 
 from __future__ import annotations
 
-import itertools
 import logging
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -47,76 +44,32 @@ log = logging.getLogger(__name__)
 class Turn:
     """Whose turn the host is: the training's while a guarded update runs (:meth:`hold` to :meth:`release`),
     the writers' otherwise. Writer threads call :meth:`wait` before each piece of host work; a hold that is
-    never released (an update that raised before its post-hook) ends by itself after ``max_hold_s``.
+    never released (an update that raised before its post-hook) ends by itself after ``max_hold_s``."""
 
-    A pwrite in flight when the update starts runs on through it (the disk's DMA), and slows it: so a writer
-    about to start one passes how long its pwrites take (``lead_s``), and if the next update is due before that
-    one would end, it waits for that update to pass first. When it is due comes from the rhythm of the last
-    holds (:meth:`due`): the median gap between them, only once there are a few and only where the gap leaves
-    the writers most of the time (a period of at least :attr:`MIN_PERIOD_LEADS` leads); an update that does not
-    come within ``lead_s`` of when it was due lets the writer go on, so an irregular loop costs a writer at
-    most twice its lead a step."""
-
-    #: How many gaps between holds :meth:`due` goes by (the median of the last ones), and how few it needs.
-    RHYTHM_GAPS, MIN_GAPS = 8, 3
-    #: A rhythm whose period is shorter than this many leads is not kept to (the writers would mostly wait).
-    MIN_PERIOD_LEADS = 4
-
-    def __init__(self, max_hold_s: float = 1.0, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock  # when holds begin and updates are due (waits themselves are in real seconds)
-        self._cond = threading.Condition()
-        self._held = False
+    def __init__(self, max_hold_s: float = 1.0) -> None:
+        self._open = threading.Event()
+        self._open.set()
         self._until = 0.0
-        self._holds: deque[float] = deque(maxlen=self.RHYTHM_GAPS + 1)  # when the last holds began
         self.max_hold_s = max_hold_s
         self.held_s = 0.0  # total time writers waited for updates (the price in D of not slowing them)
-        self.early = 0  # pwrites put off because an update was due before they would end
+        self._held_lock = threading.Lock()  # several writer threads add to held_s
 
     def hold(self) -> None:
-        with self._cond:
-            now = self._clock()
-            self._holds.append(now)
-            self._until = now + self.max_hold_s
-            self._held = True
+        self._until = time.monotonic() + self.max_hold_s
+        self._open.clear()
 
     def release(self) -> None:
-        with self._cond:
-            if self._held:
-                self._held = False
-                self._cond.notify_all()
+        self._open.set()
 
-    def due(self, lead_s: float) -> float | None:
-        """When the next update is due (on the ``clock``), from the rhythm of the last ones; ``None`` with
-        too few, or a period too short to keep to with pwrites of ``lead_s``."""
-        holds = list(self._holds)
-        if len(holds) <= self.MIN_GAPS:
-            return None
-        period = statistics.median(b - a for a, b in itertools.pairwise(holds))
-        return holds[-1] + period if period >= self.MIN_PERIOD_LEADS * lead_s else None
-
-    def wait(self, lead_s: float = 0.0) -> None:
-        """Block while an update holds the host; with ``lead_s`` (the pwrite about to start takes about that
-        long) also from ``lead_s`` before the next update is due until it has passed, or until ``lead_s`` after
-        it was due if it does not come. The seconds waited go to :attr:`held_s`."""
-        if not self._held and lead_s <= 0:
+    def wait(self) -> None:
+        if self._open.is_set():
             return
         t0 = time.monotonic()
-        waited = False
-        with self._cond:
-            while True:
-                now = self._clock()
-                if self._held:
-                    if now >= self._until:
-                        break
-                    self._cond.wait(self._until - now)
-                elif (due := self.due(lead_s) if lead_s > 0 else None) is not None and due - lead_s <= now < due + lead_s:
-                    self.early += 1
-                    self._cond.wait(due + lead_s - now)  # a hold, or the update's lateness, ends it
-                else:
-                    break
-                waited = True
-            if waited:
-                self.held_s += time.monotonic() - t0
+        left = self._until - t0
+        if left > 0:
+            self._open.wait(left)
+        with self._held_lock:
+            self.held_s += time.monotonic() - t0
 
 
 class Guard:

@@ -24,7 +24,7 @@ from typing import Any
 from persist_core.commit import Nodes, commit_checkpoint, discover_nodes
 from persist_core.distributed import Collectives
 from persist_core.errors import PersistError, StepExistsError, WriteError
-from persist_core.fileio import CHECKSUM_ALGORITHM, YIELD_PIECE_BYTES, FileOps, TurnFn, no_wait, write_file
+from persist_core.fileio import CHECKSUM_ALGORITHM, YIELD_PIECE_BYTES, FileOps, no_wait, write_file
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.layout import shard_filename
@@ -63,13 +63,13 @@ class Writer:
         ledger: where failures go.
         after_commit: called after each successful commit.
         write_threads / chunk_bytes / direct_io: see :class:`CheckpointEngine`.
-        turn: blocks while a guarded update has the host (or is due, :data:`~persist_core.fileio.TurnFn`); yielding: a guard is on (each chunk is then written
+        turn: blocks while a guarded update has the host; yielding: a guard is on (each chunk is then written
             in pwrites of :data:`~persist_core.fileio.YIELD_PIECE_BYTES`, so that a hold stops the next one).
     """
 
     def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
                  after_commit: AfterCommit, write_threads: int, chunk_bytes: int, direct_io: str,
-                 on_nodes: Callable[[Nodes], None] | None = None, turn: TurnFn = no_wait,
+                 on_nodes: Callable[[Nodes], None] | None = None, turn: Callable[[], None] = no_wait,
                  yielding: Callable[[], bool] = lambda: False) -> None:
         self._root = root
         self._turn = turn  # blocks while a guarded update has the host (overlap.Turn.wait)

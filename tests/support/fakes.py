@@ -110,10 +110,10 @@ def record_upload_turns(monkeypatch: Any) -> list[str]:
     callers: list[str] = []
     wait = Turn.wait
 
-    def recording(self: Turn, lead_s: float = 0.0) -> None:
+    def recording(self: Turn) -> None:
         if any(frame.name in ("put_file", "on_progress", "call") for frame in traceback.extract_stack()):
             callers.append(threading.current_thread().name)
-        wait(self, lead_s)
+        wait(self)
 
     monkeypatch.setattr(Turn, "wait", recording)
     return callers
