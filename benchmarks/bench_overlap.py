@@ -22,7 +22,8 @@ file, the one before removed: what any checkpoint of this state must do (and the
 block before its pwrite, as the engine's writes checksum); the kinds' order reversed every other round (the
 no-saves block first). Per block the mean step and update
 times; C (what saving adds per save, or per pass) = (step with saves - step without) x steps / saves;
-medians over the rounds; and the update before any engine saved beside the no-saves blocks' (a save must
+medians over the rounds; the share of updates that began with one of the engine's pwrites in flight (it runs on
+through the update: the disk's DMA); and the update before any engine saved beside the no-saves blocks' (a save must
 leave nothing behind that slows the training after it: a parallel copy on another thread once did). C over
 the snapshot floor's is what the engine adds (its checksums, commit, history); the floors themselves are
 what copying and writing the state cost this host's update.
@@ -51,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import crc32c  # noqa: E402
 
 from persist_core import CheckpointEngine  # noqa: E402
-from persist_core.fileio import CHECKSUM_BLOCK_BYTES, YIELD_PIECE_BYTES  # noqa: E402
+from persist_core.fileio import CHECKSUM_BLOCK_BYTES, YIELD_PIECE_BYTES, OsFileOps  # noqa: E402
 
 
 def main() -> None:
@@ -87,6 +88,7 @@ def accel(args: argparse.Namespace) -> None:
     state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
     kinds = ("no saves", "saving, writes yield", "saving, no yield", WHOLE, RAW, RAW_WHOLE, SNAPSHOT, CHECKSUMMED)
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
+    in_flight: dict[str, list[bool]] = {k: [] for k in kinds}  # per update: did it begin with a pwrite in flight
     tensors = [p for p in model.parameters()] + [opt.state[p]["momentum_buffer"] for p in model.parameters()]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)  # parameters and momentum
     fresh = []  # the update before any engine exists or saves: what the no-saves blocks' update should stay at
@@ -96,7 +98,9 @@ def accel(args: argparse.Namespace) -> None:
         opt.step()
         fresh.append(time.perf_counter() - u0)
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as work:
-        engines = {k: CheckpointEngine(Path(work) / str(i), save_policy=Continuous(), keep_local=KeepLastN(1))
+        ops = {k: CountingOps() for k in kinds[:4]}
+        engines = {k: CheckpointEngine(Path(work) / str(i), save_policy=Continuous(), keep_local=KeepLastN(1),
+                                       file_ops=ops[k])
                    for i, k in enumerate(kinds[:4])}
         engines["saving, no yield"]._overlap.turn.hold = lambda: None  # the writes run through the updates
         engines[WHOLE]._writer._yielding = lambda: False  # a chunk in one pwrite: it runs on through a hold
@@ -116,6 +120,8 @@ def accel(args: argparse.Namespace) -> None:
                     u0 = time.perf_counter()
                     if floor is not None:
                         floor.before_update()  # the floors' writes hold off during the update, as the engine's do
+                    if kind in ops:
+                        in_flight[kind].append(ops[kind].in_flight > 0)
                     opt.step()
                     if floor is not None:
                         floor.after_update()
@@ -138,15 +144,17 @@ def accel(args: argparse.Namespace) -> None:
     print(f"\naccelerator-like step ({args.step_ms:g} ms device time + the in-place update of 4 x "
           f"Linear({args.accel_width}), {gb:.2f} GB with momentum), saving continuously, blocks of {args.block} "
           f"steps x {args.accel_rounds} rounds")
-    print(f"{'':>22} {'step':>8} {'update':>8} {'saves/block':>12} {'C per save':>11}")
+    print(f"{'':>22} {'step':>8} {'update':>8} {'saves/block':>12} {'C per save':>11} {'a pwrite at its start':>22}")
     cost = {}
     for kind in kinds:
         step, update = med(r[0] for r in results[kind]), med(r[1] for r in results[kind])
         saves = med(r[2] for r in results[kind])
         per = [(r[0] - b[0]) * args.block / r[2] for r, b in zip(results[kind], results["no saves"]) if r[2]]
         cost[kind] = med(per) if per else None
+        began = in_flight[kind]
         print(f"{kind:>22} {step * 1e3:>6.1f}ms {update * 1e3:>6.1f}ms {saves:>12.1f} "
-              + (f"{cost[kind] * 1e3:>9.1f}ms" if cost[kind] is not None else f"{'-':>11}"))
+              + (f"{cost[kind] * 1e3:>9.1f}ms" if cost[kind] is not None else f"{'-':>11}")
+              + (f" {sum(began) / len(began):>21.0%}" if began else ""))
     untouched, after = med(fresh[1:]), med(r[1] for r in results["no saves"])
     print(f"the update with no saves: {untouched * 1e3:.1f} ms before any engine saved, {after * 1e3:.1f} ms in the "
           f"no-saves blocks between saving ones ({after / untouched:.2f}x: above 1, saving leaves training slower)")
@@ -181,6 +189,23 @@ RAW = "raw writes (the floor)"
 RAW_WHOLE = "raw, 32 MiB pwrites"
 SNAPSHOT = "copy + raw writes"
 CHECKSUMMED = "copy + crc + raw writes"
+
+
+class CountingOps(OsFileOps):
+    """The engine's file system calls, counting the pwrites in flight (to tell whether an update began with one)."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self._lock = threading.Lock()
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        with self._lock:
+            self.in_flight += 1
+        try:
+            return super().pwrite(fd, data, offset)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
 
 
 class RawWrites:
