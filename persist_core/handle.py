@@ -118,6 +118,13 @@ class SaveHandle:
                 return
         fn(not self._failed)
 
+    @property
+    def staged(self) -> Future[None]:
+        """Done once the state is copied: when ``save()`` returns without a guard, when the background copy
+        ends with one (:meth:`CheckpointEngine.guard`) — copied or failed: failures are raised by :meth:`wait`,
+        never by this future, so a callback on it (``staged.add_done_callback``) runs either way."""
+        return self._staged
+
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the state is copied (a guarded save copies in the background): after this the
         caller may mutate anything. Failures are raised by :meth:`wait`."""

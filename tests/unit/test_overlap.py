@@ -48,8 +48,10 @@ def test_a_guarded_save_returns_before_the_copy_and_the_next_step_waits_for_it(t
         handle = engine.save({"model": model.state_dict(), "optim": opt.state_dict()["state"]}, step=1)
         with pytest.raises(TimeoutError):
             handle.wait_staged(timeout=0.01)  # returned before the parameters were copied
+        assert not handle.staged.done()
         model(torch.randn(4, 8)).sum().backward()  # the next forward/backward (BatchNorm's stats change)
         opt.step()  # mutates parameters and moments: only once the copy is done
+        assert handle.staged.done() and handle.staged.exception() is None
         handle.wait()
         assert handle.stats.stall_s > 0
         saved = engine.load(1)
@@ -63,6 +65,7 @@ def test_without_a_guard_save_returns_once_everything_is_copied_and_remove_undoe
     with CheckpointEngine(tmp_path) as engine:
         handle = engine.save({"model": model.state_dict()}, step=1)
         handle.wait_staged(timeout=0)  # already
+        assert handle.staged.done()
         guard = engine.guard(opt)
         guard.remove()
         assert not engine._overlap.active
