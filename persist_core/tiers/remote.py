@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -40,6 +41,9 @@ from persist_core.tiers.tier import CheckpointInfo
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: what a set-aside copy reads at a time on a backend that cannot copy on the server
+_COPY_PIECE_BYTES = 64 << 20
 
 class RemoteTier:
     """The :class:`~persist_core.tiers.tier.Tier` of one fsspec URL, laid out as the local tier.
@@ -256,9 +260,20 @@ class RemoteTier:
         files = sorted(self.retry(f"listing {src}", lambda: self.fs.find(src)), key=lambda p: p.endswith(MANIFEST_NAME))
         for path in files:
             target = dst + path[len(src.rstrip("/")):] if path.startswith(src) else f"{dst}/{path.rsplit('/', 1)[-1]}"
-            self.retry(f"copying {path}", lambda path=path, target=target: self.fs.copy(path, target))
+            self.retry(f"copying {path}", lambda path=path, target=target: self._copy(path, target))
         self.remove(step)
         log.info("[step=%d] set aside on %s: the run resumed from step %d and saved past it", step, self.url, at)
+
+    def _copy(self, path: str, target: str) -> None:
+        """One object copied on the remote: server-side where the backend can (S3), else read and written back
+        in pieces (a backend without a copy); a file system that wants directories gets the target's first."""
+        if "file" in self._protocols:
+            self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        try:
+            self.fs.copy(path, target)
+        except NotImplementedError:
+            with self.fs.open(path, "rb") as src, self.fs.open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst, _COPY_PIECE_BYTES)
 
     def abandoned(self) -> list[CheckpointInfo]:
         """Checkpoints set aside when a run resumed from an older one, oldest first."""
