@@ -7,6 +7,12 @@ Trainer decides to save (``control.should_save``, set by its own flow callback a
 same state (model, optimizer, scheduler, RNG states, ``trainer_state.json``) through the engine:
 asynchronous, verified, synced to ``remote_url``, retained.
 
+The save is taken where the Trainer's own would be: the Trainer logs the step and evaluates after
+``on_step_end`` and saves after both, so a step that is to be logged or evaluated is saved at its
+``on_log`` (once no evaluation is left) or ``on_evaluate``. ``trainer_state.json`` is then what the
+Trainer writes at that save, the step's log entry included, and a resumed run's ``log_history``
+is the uninterrupted run's.
+
 Resume: ``trainer.train(resume_from_checkpoint=callback.resume_path())``. The Trainer resumes only
 from a local directory in its own layout (and silently skips a missing optimizer or RNG file),
 so :meth:`PersistTrainerCallback.resume_path` writes the newest committed checkpoint (downloaded
@@ -51,7 +57,8 @@ class PersistTrainerCallback(TrainerCallback):
         trainer = Trainer(model=model, args=TrainingArguments(..., save_steps=500), callbacks=[callback], ...)
         trainer.train(resume_from_checkpoint=callback.resume_path())   # None on a first run
 
-    Saves happen where the Trainer's ``save_strategy``/``save_steps`` put them; each is the step
+    Saves happen where the Trainer's ``save_strategy``/``save_steps`` put them, at the point of the
+    step the Trainer would write its own (after it logs and evaluates that step); each is the step
     ``state.global_step``. Options that need the Trainer's own ``checkpoint-N`` directories are
     refused when the Trainer is built (``load_best_model_at_end``, ``save_total_limit`` — use
     ``keep_last`` —, ``save_strategy="best"``), as are several processes, DeepSpeed and FSDP (not
@@ -76,6 +83,7 @@ class PersistTrainerCallback(TrainerCallback):
         self._session = PersistSession(
             options, resume_hint="resume with trainer.train(resume_from_checkpoint=callback.resume_path())")
         self.saved_steps: list[int] = []
+        self._pending: tuple[int, dict[str, Any]] | None = None  # a save taken over, not yet at its point
 
     # ------------------------------------------------------------------ Trainer events
 
@@ -98,24 +106,63 @@ class PersistTrainerCallback(TrainerCallback):
         return self._take_over(state, control, kwargs)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self._save_pending(state, control)
         return self._take_over(state, control, kwargs)
+
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The Trainer logged the step: its save is due now, unless an evaluation of it is still to come."""
+        if not control.should_evaluate:
+            self._save_pending(state, control)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The Trainer evaluated the step (its metrics are logged): its save is due now."""
+        self._save_pending(state, control)
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """A save whose log or evaluation never came is due before the next epoch."""
+        self._save_pending(state, control)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """A save whose log or evaluation never came is due before the next step."""
+        self._save_pending(state, control)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Wait for pending saves and uploads, log the summary; raises a background failure once."""
+        self._save_pending(state, control)
         self._session.close()
 
     # ------------------------------------------------------------------ saving
 
     def _take_over(self, state: Any, control: Any, kwargs: dict[str, Any]) -> Any:
+        """Clear the Trainer's decision to save and save the step at the point the Trainer would.
+
+        The Trainer runs ``on_step_end`` / ``on_epoch_end``, then logs the step (``on_log``), then
+        evaluates it (its metrics logged, then ``on_evaluate``), then saves. A step with neither a
+        log nor an evaluation to come is saved now; otherwise at the last of those events.
+        """
         if not control.should_save:
             return control
         control.should_save = False  # the Trainer writes nothing itself
+        self._save_pending(state, control)  # one whose log or evaluation never came
         step = int(state.global_step)
         if self._session.saved(step):
             return control
+        self._pending = (step, kwargs)
+        if not (control.should_log or control.should_evaluate):
+            self._save_pending(state, control)
+        return control
+
+    def _save_pending(self, state: Any, control: Any) -> None:
+        """Save the step taken over, if any, with the state the Trainer's own save would write."""
+        if self._pending is None:
+            return
+        step, kwargs = self._pending
+        self._pending = None
         model = kwargs["model"]
         stateful = dict(state.stateful_callbacks or {})
-        stateful["TrainerControl"] = control.state()  # as the Trainer records it in its own save
+        recorded = control.state()
+        recorded["args"]["should_save"] = True  # as the Trainer records it in its own save (it is saving)
+        stateful["TrainerControl"] = recorded
         trainer_state = json.dumps({**dataclasses.asdict(state), "stateful_callbacks": stateful}, indent=2,
                                    sort_keys=True)
         checkpoint = {
@@ -129,7 +176,6 @@ class PersistTrainerCallback(TrainerCallback):
         self._session.save(checkpoint, step, metadata={"saved_by": "accelerate_persist.PersistTrainerCallback"})
         self._session.report()
         self.saved_steps.append(step)
-        return control
 
     def wait(self) -> None:
         """Block until every pending save is committed and uploaded; raises a background failure once."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -40,14 +44,18 @@ class StopAt(TrainerCallback):
         return control
 
 
-def run(out, callbacks, resume=None, **overrides) -> BertForSequenceClassification:
+def train(out, callbacks, resume=None, eval_dataset=None, **overrides) -> Trainer:
     options = dict(output_dir=str(out), max_steps=8, save_steps=2, per_device_train_batch_size=4, learning_rate=5e-3,
                    report_to=[], use_cpu=True, seed=0, logging_strategy="no", disable_tqdm=True)
     options.update(overrides)
-    m = model()
-    trainer = Trainer(model=m, args=TrainingArguments(**options), train_dataset=data(), callbacks=callbacks)
+    trainer = Trainer(model=model(), args=TrainingArguments(**options), train_dataset=data(), eval_dataset=eval_dataset,
+                      callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
-    return m
+    return trainer
+
+
+def run(out, callbacks, resume=None, **overrides) -> BertForSequenceClassification:
+    return train(out, callbacks, resume, **overrides).model
 
 
 def test_the_callback_takes_over_the_trainers_saves_and_resumes_exactly_as_the_trainer_would(tmp_path):
@@ -93,3 +101,36 @@ def test_each_file_resume_path_writes_is_one_the_trainer_uses(tmp_path):
                     resume=resume)
         (tmp_path / name).rename(tmp_path / "ckpt" / ".trainer" / "checkpoint-4" / name)
         assert any(not torch.equal(a, b) for a, b in zip(other.state_dict().values(), straight.state_dict().values())), name
+
+
+def timeless(state: dict) -> dict:
+    """``state`` with the log entries' wall-clock fields (``eval_runtime``, ``*_per_second``) left out."""
+    wall_clock = ("_runtime", "_per_second")
+    entries = [{k: v for k, v in e.items() if not k.endswith(wall_clock)} for e in state["log_history"]]
+    return {**state, "log_history": entries}
+
+
+@pytest.mark.parametrize("evaluated", [False, True], ids=["logged", "logged-and-evaluated"])
+def test_the_checkpoints_trainer_state_is_the_trainers_own_log_history_included(tmp_path, evaluated):
+    """The Trainer logs (and evaluates) a step after ``on_step_end`` and saves after that: the checkpoint holds
+    the step's entries, and a run resumed from it has the uninterrupted run's log history entry for entry."""
+    options = dict(logging_strategy="steps", logging_steps=1)
+    if evaluated:
+        options.update(eval_strategy="steps", eval_steps=2, eval_dataset=data()[:8])
+    straight = train(tmp_path / "straight", [], **options)
+    train(tmp_path / "native", [StopAt(5)], **options)  # the Trainer's own saves, killed after step 5
+    native = json.loads((tmp_path / "native" / "checkpoint-4" / "trainer_state.json").read_text())
+    train(tmp_path / "ours", [PersistTrainerCallback(local_dir=tmp_path / "ckpt"), StopAt(5)], **options)
+    resume = PersistTrainerCallback(local_dir=tmp_path / "ckpt").resume_path()
+    assert resume is not None and resume.endswith("checkpoint-4")
+    ours = json.loads((Path(resume) / "trainer_state.json").read_text())
+    logged_steps = [1, 2, 2, 3, 4, 4] if evaluated else [1, 2, 3, 4]
+    assert [entry["step"] for entry in ours["log_history"]] == logged_steps  # the saved step's entries included
+    assert timeless(ours) == timeless(native)  # every other field bit for bit: what the Trainer writes at that save
+    resumed = train(tmp_path / "ours2", [PersistTrainerCallback(local_dir=tmp_path / "ckpt2")], resume=resume,
+                    **options)
+    *entries, summary = timeless(dataclasses.asdict(resumed.state))["log_history"]
+    *straight_entries, straight_summary = timeless(dataclasses.asdict(straight.state))["log_history"]
+    assert [entry["step"] for entry in entries] == [entry["step"] for entry in straight_entries]
+    assert entries == straight_entries  # entry for entry: loss, grad norm, learning rate, eval loss, epoch, step
+    assert summary.keys() == straight_summary.keys() and summary["step"] == straight_summary["step"] == 8
