@@ -9,7 +9,9 @@ sharded checkpoints to go through :class:`~lightning_persist.PersistCheckpointIO
 * every rank calls the plugin's ``save_checkpoint`` (its own gloo group commits), so each writes
   the parts it holds and the paths of ``ModelCheckpoint`` (top-k, ``last.ckpt``) link as always;
 * ``load_checkpoint`` fills the model's and optimizers' sharded state in place, each rank reading
-  only the byte ranges its parts need — from any number of devices the checkpoint was saved on.
+  only the byte ranges its parts need — from any number of devices the checkpoint was saved on;
+* ``teardown`` calls the plugin's ``teardown`` on every rank (``ModelParallelStrategy``'s does not), so
+  ``fit`` returns with every save committed and linked.
 
 Without a ``PersistCheckpointIO`` it is the plain strategy.
 """
@@ -60,6 +62,21 @@ class PersistModelParallelStrategy(ModelParallelStrategy):
         super()._setup_distributed()
         if self._persist_io is not None:
             self._persist_io._use_collectives(TorchCollectives.new_group(timeout_s=self._commit_timeout_s))
+
+    def teardown(self) -> None:
+        """Wait for the plugin's saves, then tear down as ``ModelParallelStrategy`` does.
+
+        ``ModelParallelStrategy.teardown`` never calls ``checkpoint_io.teardown()`` (``Strategy.teardown``
+        does), so ``fit`` returned with the last save still being written and its paths (``last.ckpt``)
+        naming the one before, until the interpreter exited. Every rank calls it here, while the commit's
+        process group still lives: each waits until every save is committed, linked and uploaded.
+        """
+        io = self._persist_io
+        try:
+            if io is not None:
+                io.teardown()
+        finally:
+            super().teardown()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._persist_io is None:

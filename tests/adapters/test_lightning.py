@@ -459,3 +459,18 @@ def test_save_last_link_into_a_dirpath_that_does_not_exist_yet(tmp_path):
             callbacks=[ModelCheckpoint(dirpath=d, every_n_train_steps=1, save_top_k=-1, save_last="link")]).fit(Net())
     assert os.path.islink(d / "last.ckpt")  # Lightning links last.ckpt to the newest path itself
     assert io.load_checkpoint(d / "last.ckpt")["global_step"] == 3
+
+
+def test_persist_ddp_fit_returns_with_its_last_save_committed_and_linked(tmp_path, held_until_teardown):
+    """``PersistDDPStrategy`` keeps ``Strategy.teardown``'s ``checkpoint_io.teardown()`` (``ModelParallelStrategy``
+    drops it): step 4's write waits until the plugin's ``teardown`` begins, and ``fit`` returns with it committed."""
+    from lightning_persist import PersistDDPStrategy
+
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d)
+    ops = held_until_teardown(io, step=4)
+    fit(io, d, max_steps=4, strategy=PersistDDPStrategy())
+    assert not [p.name for p in d.iterdir() if p.name.startswith(".tmp-step-")]
+    assert (d / "step-000000000004" / "manifest.json").is_file()
+    assert linked(d / "last.ckpt") == "step-000000000004"
+    assert ops.entered.is_set()

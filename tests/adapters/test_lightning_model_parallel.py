@@ -61,3 +61,28 @@ def test_save_distributed_checkpoint_false_is_refused_with_the_fix():
 
     with pytest.raises(ConfigError, match="sharded by design"):
         PersistModelParallelStrategy(save_distributed_checkpoint=False)
+
+
+def test_fit_returns_with_its_last_save_committed_and_linked(tmp_path, held_until_teardown):
+    """``ModelParallelStrategy.teardown`` never calls ``checkpoint_io.teardown()``: ``fit`` returned with the
+    last save still a ``.tmp-step-*`` and ``last.ckpt`` naming the one before (until the interpreter exited).
+    Step 4's write waits until the plugin's ``teardown`` begins, so only a strategy that calls it passes."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_persist import PersistCheckpointIO, PersistModelParallelStrategy
+    from tests.support.model_parallel_app import ShardedNet
+
+    d = tmp_path / "ckpt"
+    io = PersistCheckpointIO(local_dir=d)
+    ops = held_until_teardown(io, step=4)
+    Trainer(max_steps=4, accelerator="cpu", devices=1, plugins=[io],
+            strategy=PersistModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_last=True)]).fit(ShardedNet())
+    # right after fit returned, in this process: no io.wait(), no teardown of the test's own
+    assert not [p.name for p in d.iterdir() if p.name.startswith(".tmp-step-")]
+    assert (d / "step-000000000004" / "manifest.json").is_file()
+    assert linked(d / "last.ckpt") == "step-000000000004"
+    assert linked(d / "epoch=0-step=4.ckpt") == "step-000000000004"
+    assert ops.entered.is_set()  # step 4's write did wait for the gate

@@ -50,6 +50,21 @@ class GatedOps(OsFileOps):
         return super().pwrite(fd, data, offset)
 
 
+class GatedStepOps(OsFileOps):
+    """Real file calls; opening a file of step ``step``'s temporary directory blocks until ``gate`` is set
+    (``entered`` tells it began). The other steps' writes go through: only that step's commit waits."""
+
+    def __init__(self, step: int) -> None:
+        self.marker = f".tmp-step-{step:012d}-"
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if self.marker in path:
+            self.entered.set()
+            assert self.gate.wait(60), "test gate never opened"
+        return super().open(path, flags, mode)
+
+
 class NoDirectOps(OsFileOps):
     """A file system that refuses O_DIRECT at open, as tmpfs and some network file systems do."""
 
