@@ -98,6 +98,10 @@ class PersistHook:
             loader state); the prepared optimizers' parameters and state are copied in the background
             while the next forward and backward run, and each ``optimizer.step()`` waits for that copy
             (see ``CheckpointEngine.guard``). The checkpoint is the state at ``save_state()``.
+        start_over: train afresh on a ``remote_url`` that holds another run's checkpoints: they are set aside
+            on both tiers (kept, listed by ``persist ls``, never pruned) at the first save. Without it, the first
+            ``save_state()`` of a run that resumed nothing there raises a ``ConfigError`` (resume with
+            ``hook.resume()``).
     """
 
     def __init__(
@@ -117,13 +121,14 @@ class PersistHook:
         save_policy: SavePolicy | None = None,
         preemption_signals: tuple[int, ...] = (signal.SIGTERM,),
         overlap: bool = False,
+        start_over: bool = False,
     ) -> None:
         self._options = PersistOptions.from_keywords(
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending,
             preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, save_policy=save_policy,
-            preemption_signals=preemption_signals)
+            preemption_signals=preemption_signals, start_over=start_over)
         if not isinstance(overlap, bool):
             raise ConfigError(f"overlap={overlap!r} must be True or False")
         self._overlap = overlap

@@ -59,3 +59,9 @@ def device(map_location: Any) -> Any:
     if isinstance(map_location, (str, torch.device)):
         return map_location
     raise ConfigError(f"map_location={map_location!r} is not supported; pass None (CPU), a device string or a torch.device")
+
+
+def remote_path(text: str, remote_url: str | None) -> bool:
+    """``text`` names remote storage: an fsspec URL, or a checkpoint under ``remote_url`` (``file://`` too: a
+    fresh machine's ``io.latest_path()`` on a ``file://`` remote is such a URL, not another run's ``local_dir``)."""
+    return is_url(text) or (remote_url is not None and text.rstrip("/").startswith(remote_url.rstrip("/") + "/"))

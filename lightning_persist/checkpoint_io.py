@@ -30,13 +30,13 @@ from lightning.fabric.utilities.cloud_io import _load as torch_load
 from lightning.pytorch.callbacks import Callback
 
 from lightning_persist._links import Links, keep_linked
-from lightning_persist._paths import device, kind_of, path_key, restricted, shard_checkpoint
+from lightning_persist._paths import device, kind_of, path_key, remote_path, restricted, shard_checkpoint
 from lightning_persist._strategies import check_strategy
 from lightning_persist._trainer import exit_as_sigterm, find_trainer, loggers_sink, rank_zero_info
 from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
 from persist_core import PersistError, RetentionPolicy
 from persist_core.distributed import decision_channel
-from persist_core.layout import FULL, is_url, shard_filename
+from persist_core.layout import FULL, shard_filename
 from persist_core.reader import checkpoint_of
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistOptions, PersistSession
@@ -104,6 +104,10 @@ class PersistCheckpointIO(CheckpointIO):
             it raises one ``RemoteError`` naming the un-synced steps, which stay on disk (default 300 s).
         exit_after_sigterm: after a SIGTERM stopped the Trainer and ``teardown`` flushed, exit with
             status 143 as SIGTERM would (default); ``False`` lets ``fit`` return (Lightning exits 0).
+        start_over: train afresh on a ``remote_url`` that holds another run's checkpoints: they are set aside
+            on both tiers (kept, listed by ``persist ls``, never pruned) at the first save. Without it, a ``fit``
+            that resumes nothing there is refused before its first batch (resume with
+            ``ckpt_path=io.latest_path()``: on a fresh machine Lightning's ``"last"`` finds no local file).
 
     Raises:
         ConfigError: a bad argument, an unwritable ``local_dir`` or an unusable ``remote_url``
@@ -126,6 +130,7 @@ class PersistCheckpointIO(CheckpointIO):
         preemption_grace_s: float = 120.0,
         remote_timeout_s: float = 300.0,
         exit_after_sigterm: bool = True,
+        start_over: bool = False,
     ) -> None:
         super().__init__()
         self._exit_after_sigterm = exit_after_sigterm
@@ -134,7 +139,8 @@ class PersistCheckpointIO(CheckpointIO):
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending, write_threads=write_threads,
-            preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, torch_loadable=True)
+            preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, torch_loadable=True,
+            start_over=start_over)
         self._session = PersistSession(
             options, resume_hint="resume that run with trainer.fit(..., ckpt_path=io.latest_path())")
         self._links = Links(options.local_dir, file_name=shard_filename(0, torch_zip=True))
@@ -228,7 +234,7 @@ class PersistCheckpointIO(CheckpointIO):
         agreed = self._agreed_step(text)
         if agreed is not None:  # several ranks: every one loads the step rank 0's path names, from its own tiers
             return read(self._reader_of(agreed[0]), agreed[1])
-        if not is_url(text):
+        if not remote_path(text, self._session.options.remote_url):
             text = path_key(text)
             key = self._links.intended(text)
             handle = None if key is None else self._session.handle(key[1], key[0])
@@ -241,7 +247,7 @@ class PersistCheckpointIO(CheckpointIO):
             if not os.path.lexists(text):
                 raise CheckpointNotFoundError(f"checkpoint {text!r} does not exist")
         reader = self._get_reader()
-        real = checkpoint_of(Path(os.path.realpath(text))) if not is_url(text) else None
+        real = checkpoint_of(Path(os.path.realpath(text))) if not remote_path(text, self._session.options.remote_url) else None
         if real is not None and real.parent != Path(os.path.realpath(reader.local_dir)):
             with CheckpointReader(real.parent, verify=self._session.options.verify) as other:  # another run's local_dir
                 return read(other, other.step_of(real))
@@ -268,7 +274,7 @@ class PersistCheckpointIO(CheckpointIO):
             return None
         mine: tuple[str, int] | None = None
         try:
-            key = None if is_url(text) else self._links.intended(path_key(text))
+            key = None if remote_path(text, self._session.options.remote_url) else self._links.intended(path_key(text))
             if key is not None:
                 handle = self._session.handle(key[1], key[0])
                 if handle is not None:
@@ -276,7 +282,7 @@ class PersistCheckpointIO(CheckpointIO):
                 mine = (key[0], key[1])
             else:
                 reader = self._get_reader()
-                real = None if is_url(text) else checkpoint_of(Path(os.path.realpath(text)))
+                real = None if remote_path(text, self._session.options.remote_url) else checkpoint_of(Path(os.path.realpath(text)))
                 if real is None or real.parent == Path(os.path.realpath(reader.local_dir)):
                     mine = (FULL, reader.step_of(text))
         except (PersistError, OSError):

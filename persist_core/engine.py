@@ -104,6 +104,12 @@ class CheckpointEngine:
         max_unsynced_bytes: the most bytes of checkpoints not yet uploaded that may pile up locally
             during an outage; then ``save`` raises ``WriteError`` (nothing is deleted). Default:
             whatever leaves 10% of ``local_dir``'s file system free.
+        start_over: this run starts afresh where another run's checkpoints are: at the first save of a run that
+            loaded nothing, every committed checkpoint of both tiers is set aside as an abandoned branch (kept,
+            listed by :meth:`abandoned` and ``persist ls``, never pruned, never the latest). Without it, such a
+            run's first save is refused while ``remote_url`` holds committed checkpoints (another run's: its
+            saves would replace or mix with them) — resume with :meth:`load` instead. A run that loads is not
+            affected.
         run_id: this run's id for its lease on ``remote_url`` (one writing run per remote). Default: the
             launcher's (``PERSIST_RUN_ID``, ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``), else one kept in
             ``local_dir``. Pass the same id to resume the run on a fresh machine before its old lease expires.
@@ -148,6 +154,7 @@ class CheckpointEngine:
         run_id: str | None = None,
         torch_loadable: bool = False,
         replica_check: str = "sampled",
+        start_over: bool = False,
         clock: Clock = time.monotonic,
         wall_clock: Clock = time.time,
         file_ops: FileOps | None = None,
@@ -160,6 +167,7 @@ class CheckpointEngine:
         if keep_remote is not None and remote_url is None:
             raise ConfigError("keep_remote was given without remote_url; pass remote_url='s3://...' or drop keep_remote")
         save_policy = None if save_policy is None else check_save_policy(save_policy)
+        _knobs.check_bool("start_over", start_over)
         if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
             raise ConfigError(f"run_id={run_id!r} must be a non-empty string (the id of this training run)")
         self._root = Path(os.fspath(_knobs.check_local_dir(local_dir)).removeprefix("file://")).expanduser().absolute()
@@ -191,7 +199,7 @@ class CheckpointEngine:
                                   remote_timeout_s=settings.remote_timeout_s,
                                   max_unsynced_bytes=settings.max_unsynced_bytes, run_id=run_id,
                                   turn=self._overlap.turn.wait, yielding=lambda: self._overlap.active,
-                                  slowdown=self._history.meter.slowdown)
+                                  slowdown=self._history.meter.slowdown, start_over=start_over)
         self._writer = self._pipeline.writer
         if isinstance(preemption, str):
             if preemption != "default":
@@ -224,7 +232,9 @@ class CheckpointEngine:
             A handle to wait on; its ``stats`` tell the stall and the write speed.
 
         Raises:
-            ConfigError: a bad step. StepExistsError: ``step`` is already committed or pending.
+            ConfigError: a bad step; or this run loaded nothing and ``remote_url`` holds another run's committed
+                checkpoints (resume with :meth:`load`, or pass ``start_over=True``).
+                StepExistsError: ``step`` is already committed or pending.
             UnsupportedStateError: a leaf of ``state`` cannot be saved (its key path is named).
             PersistError: an earlier save failed in the background (raised once).
         """

@@ -9,6 +9,7 @@ A local tier looks like::
         .tmp-step-000000000200-pid4242-1a2b3c/        being written, downloaded or deleted
         .tmp-step-000000000200-pid4242-1a2b3c.owner   its owner's mark: locked while the owner lives
         abandoned-step-000000000300-at-000000000200-9f8e7d/   set aside: a resume from step 200 branched
+        abandoned-step-000000000300-at-start-4c5d6e/          set aside: a run started over (start_over=True)
         .lock-rank-00000                    the writer lock of rank 0 (who holds it: host, pid, start)
         .unsynced.json                      steps committed here and not yet uploaded (for ``persist gc``)
         .run-id                             the run id a restart on this directory keeps (remote lease)
@@ -35,7 +36,10 @@ MANIFEST_NAME = "manifest.json"
 _STEP_DIGITS = 12
 _CHECKPOINT_RE = re.compile(r"^step-(\d{%d,})$" % _STEP_DIGITS)
 _TMP_RE = re.compile(r"^\.tmp-step-(\d+)-pid(\d+)-[0-9a-f]+$")
-_ABANDONED_RE = re.compile(r"^abandoned-step-(\d{%d,})-at-(\d{%d,})-[0-9a-f]+$" % (_STEP_DIGITS, _STEP_DIGITS))
+_ABANDONED_RE = re.compile(r"^abandoned-step-(\d{%d,})-at-(\d{%d,}|start)-[0-9a-f]+$" % (_STEP_DIGITS, _STEP_DIGITS))
+
+#: the branch point of a run that started over (``start_over=True``): every committed checkpoint is set aside
+START = -1
 _LOCK_RE = re.compile(r"^\.lock-rank-(\d{5,})$")
 
 OWNER_SUFFIX = ".owner"
@@ -127,14 +131,18 @@ def parse_lock_filename(name: str) -> int | None:
 
 def abandoned_dirname(step: int, at: int, token: str) -> str:
     """Name a checkpoint of an abandoned branch is set aside under: ``step``, set aside when a run
-    resumed from ``at`` and saved past it."""
-    return f"abandoned-{checkpoint_dirname(step)}-at-{at:0{_STEP_DIGITS}d}-{token}"
+    resumed from ``at`` and saved past it (``at-start`` for :data:`START`: a run that started over)."""
+    point = "start" if at == START else f"{at:0{_STEP_DIGITS}d}"
+    return f"abandoned-{checkpoint_dirname(step)}-at-{point}-{token}"
 
 
 def parse_abandoned_dirname(name: str) -> tuple[int, int] | None:
-    """``(step, at)`` of a set-aside checkpoint's name, or ``None`` for any other name."""
+    """``(step, at)`` of a set-aside checkpoint's name (``at`` is :data:`START` for a run that started over),
+    or ``None`` for any other name."""
     m = _ABANDONED_RE.match(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    if not m:
+        return None
+    return int(m.group(1)), START if m.group(2) == "start" else int(m.group(2))
 
 
 def node_probe_filename(token: str, rank: int) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from persist_core._knobs import WriteSettings, remote_lease_s, run_id_from_env
 from persist_core.assembly import Coordinator, Follower, uploads_channel
 from persist_core.commit import Nodes
-from persist_core.distributed import Collectives
+from persist_core.distributed import Collectives, decision_channel
 from persist_core.errors import RemoteError, WriteError
 from persist_core.fileio import FileOps, no_wait
 from persist_core.format.manifest import Manifest
@@ -55,7 +55,7 @@ class Pipeline:
         tier: the remote tier, or ``None``.
         keep_local / keep_remote: the tiers' retention policies.
         latest_step: the newest step saved (for upload lag).
-        remote_timeout_s / max_unsynced_bytes / run_id: see :class:`CheckpointEngine`.
+        remote_timeout_s / max_unsynced_bytes / run_id / start_over: see :class:`CheckpointEngine`.
     """
 
     def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
@@ -63,7 +63,7 @@ class Pipeline:
                  keep_remote: RetentionPolicy | None, latest_step: Callable[[], int], remote_timeout_s: float = 300.0,
                  max_unsynced_bytes: int | None = None, run_id: str | None = None,
                  turn: Callable[[], None] = no_wait, yielding: Callable[[], bool] = lambda: False,
-                 slowdown: Callable[[], float | None] = lambda: None) -> None:
+                 slowdown: Callable[[], float | None] = lambda: None, start_over: bool = False) -> None:
         self._root = root
         self._slowdown = slowdown  # recorded with each commit: a restarted job's decisions start from it
         self._turn = turn
@@ -89,7 +89,10 @@ class Pipeline:
             latest_step=latest_step, lease=RemoteLease(tier, run_id or run_id_from_env() or local_run_id(root),
                                                        ttl_s=remote_lease_s()),
             abandoned=local.abandoned_manifests)
-        self.timeline = Timeline(root, local, self.sync, leader=leader)
+        chan = decision_channel(coll)
+        agree = chan.broadcast if chan is not None and chan.world_size > 1 else (lambda refusal: refusal)
+        self.timeline = Timeline(root, local, self.sync, leader=leader, url=self._url, start_over=start_over,
+                                 listing_timeout_s=remote_timeout_s, agree=agree)
         if self.sync is not None:  # now that protected() and the record can see it
             self.sync.start()
 

@@ -62,6 +62,8 @@ class PersistOptions:
         save_policy: when ``maybe_save`` saves; with one, a preemption signal only sets a notice.
         preemption_signals: the signals that mean "preempted".
         torch_loadable: single-writer shards are also archives ``torch.load`` reads (see the engine).
+        start_over: a run that resumes nothing sets every committed checkpoint of both tiers aside at its first
+            save, instead of being refused beside another run's remote checkpoints (see the engine).
     """
 
     local_dir: Path
@@ -76,12 +78,14 @@ class PersistOptions:
     save_policy: SavePolicy | None = None
     preemption_signals: tuple[int, ...] = field(default=(signal.SIGTERM,))
     torch_loadable: bool = False
+    start_over: bool = False
 
     def __post_init__(self) -> None:
         local = os.fspath(_knobs.check_local_dir(self.local_dir)).removeprefix("file://")
         object.__setattr__(self, "local_dir", Path(local).expanduser().absolute())
         check_grace(self.preemption_grace_s)
         _knobs.check_bool("verify", self.verify)
+        _knobs.check_bool("start_over", self.start_over)
         _knobs.check_storage_options(self.storage_options)
         _knobs.WriteSettings.resolve(write_threads=self.write_threads, chunk_bytes=None, direct_io=None,
                                      max_pending=self.max_pending, verify=self.verify,
@@ -213,7 +217,7 @@ class PersistSession:
             keep_local=local, keep_remote=None if user is None or url is None else local, verify=o.verify,
             max_pending=o.max_pending, write_threads=o.write_threads, collectives=self._collectives,
             preemption_grace_s=o.preemption_grace_s, remote_timeout_s=o.remote_timeout_s,
-            torch_loadable=o.torch_loadable, **extra)
+            torch_loadable=o.torch_loadable, start_over=o.start_over, **extra)
 
     def engines(self) -> list[CheckpointEngine]:
         """Every engine open now (the full one first)."""

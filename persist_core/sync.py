@@ -77,6 +77,7 @@ class RemoteSync:
         #: rank 0's side of the upload rounds with the other ranks (several nodes), set once they are found
         self.peers: Coordinator | None = None
         self._waiting: dict[int, SyncJob] = {}  # node copies an earlier run left, until peers are set
+        self._make_refusal: Callable[[set[int]], Exception] | None = None
         self._lease = lease
         self._keep = keep_remote
         self._ledger = ledger
@@ -97,6 +98,11 @@ class RemoteSync:
         self._active: SyncJob | None = None  # being uploaded: protected from local retention
         self._busy = True  # the thread is working (start-up, or a job until its outcome is recorded)
         self._listed = False
+        self._attempted = threading.Event()  # the start-up listing was tried (listed, or it failed)
+        self._first_listing: set[int] | None = None  # the remote's steps as first listed (before any upload)
+        self._fresh = False  # this run loaded nothing: another run's checkpoints there mean no upload
+        self._refusal: Exception | None = None  # why nothing of this run may be uploaded
+        self._refused: dict[int, SyncJob] = {}  # not uploaded because of it: kept (protected), never retried
         self._stopping = False
         self._gave_up = False  # close() after remote_timeout_s: nothing more is started
         # a daemon: close() waits for it, except for a request the remote never answers after giving up
@@ -123,7 +129,7 @@ class RemoteSync:
         """The jobs not uploaded yet: queued, uploading, failed or waiting for the other nodes, by step."""
         with self._cond:
             return {j.step: j for j in [*self._queue, *self._failed.values(), *self._waiting.values(),
-                                        *([self._active] if self._active else [])]}
+                                        *self._refused.values(), *([self._active] if self._active else [])]}
 
     def set_peers(self, peers: Coordinator) -> None:
         """The other ranks take part in uploads from now on (the first save found them on several nodes):
@@ -133,6 +139,22 @@ class RemoteSync:
             self._queue = self._order.ordered([*self._queue, *self._waiting.values()])
             self._waiting.clear()
             self._cond.notify_all()
+
+    def wait_listed(self, timeout: float) -> set[int] | None:
+        """Wait (at most ``timeout`` s) for the start-up listing to be tried: the remote's steps as first listed
+        (before this run uploaded anything), or ``None`` when it could not be listed (an outage) in time."""
+        self._attempted.wait(timeout)
+        with self._cond:
+            return None if self._first_listing is None else set(self._first_listing)
+
+    def fresh_run(self, refusal: Callable[[set[int]], Exception]) -> None:
+        """This run loaded nothing and the remote was not listed yet: once it is, committed checkpoints there
+        (another run's) mean nothing of this run is uploaded; ``refusal(steps)`` says why, once, through the
+        ledger, and the checkpoints stay committed locally (any thread)."""
+        with self._cond:
+            self._fresh, self._make_refusal = True, refusal
+            if self._first_listing:
+                self._refusal = refusal(self._first_listing)
 
     def known_steps(self) -> set[int]:
         """The remote's committed steps as this thread knows them (empty until it is listed)."""
@@ -256,7 +278,13 @@ class RemoteSync:
         Raises:
             RemoteError: the remote cannot be listed (the next upload tries again, and reports it).
         """
-        self._known.reset(self._tier.list())
+        listing = self._tier.list()
+        with self._cond:
+            self._known.reset(listing)
+            if self._first_listing is None:
+                self._first_listing = {i.step for i in listing}
+                if self._fresh and self._first_listing:
+                    self._refusal = self._make_refusal(self._first_listing)
         self._listed = True
         self._aside.listed()
         backlog = self._backlog(self._known.steps())
@@ -275,6 +303,8 @@ class RemoteSync:
             self._start()
         except Exception as e:  # unreachable, no bucket, no access: the first upload finds out and reports it
             log.warning("listing %s failed (%s); the next upload tries again", self._tier.url, e)
+        finally:
+            self._attempted.set()
         while True:
             with self._cond:
                 self._busy = False
@@ -310,6 +340,8 @@ class RemoteSync:
                      "finds the other nodes' ranks to upload their files); it stays committed and protected",
                      job.step, len(job.manifest.nodes))
             return
+        if self._refused_before_upload(job):
+            return
         t0 = time.perf_counter()
         uploaded, announced, error = self._attempt(job)
         upload_s = time.perf_counter() - t0
@@ -344,6 +376,25 @@ class RemoteSync:
             except BaseException as e:
                 error = e
         self._conclude(job, error, uploaded=uploaded, vanished=vanished)
+
+    def _refused_before_upload(self, job: SyncJob) -> bool:
+        """A run that loaded nothing found another run's checkpoints on the remote: ``job`` is not uploaded, it
+        stays committed locally (protected) and its handle fails once with the refusal. Lists the remote first
+        if the start-up listing failed (an outage: nothing is uploaded before it is listed)."""
+        if self._fresh and not self._listed:
+            try:
+                self._start()
+            except Exception:  # still down: the upload's own attempt reports it and is retried
+                return False
+        with self._cond:
+            refusal = self._refusal
+            if refusal is None:
+                return False
+            self._active = None
+            self._refused[job.step] = job
+            first = len(self._refused) == 1
+        self._ledger.fail(job.handle, refusal, remote=not first)  # raised once; each handle's wait raises it too
+        return True
 
     def _attempt(self, job: SyncJob) -> tuple[bool, bool, BaseException | None]:
         """Upload ``job`` (and apply remote retention after it): ``(uploaded, announced to the other ranks,

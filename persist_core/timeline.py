@@ -1,6 +1,13 @@
 """The timeline of one ``local_dir``: saves go forward, except after a resume from an older step,
 which starts a new branch and sets the old branch's newer checkpoints aside on both tiers.
 
+Whose timeline the remote holds is settled at the first save: a run that loaded nothing may not write
+beside another run's committed checkpoints (it would replace or mix with them). The remote's start-up
+listing decides; the save is refused, or, with ``start_over=True``, every committed checkpoint of both tiers
+is set aside (branch point :data:`~persist_core.layout.START`). When the remote cannot be listed in time (an
+outage) the saves go on locally and the upload queue decides once it lists it: nothing of this run is
+uploaded beside another run's checkpoints.
+
 The engine asks :meth:`Timeline.check` before every save (caller's thread). Setting aside is one
 durable rename per local checkpoint (:meth:`LocalTier.set_aside`), done at once, and a request to
 the upload queue (:meth:`RemoteSync.start_branch`), whose :class:`RemoteAside` moves the remote's newer
@@ -18,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format.manifest import Manifest
+from persist_core.layout import START
 from persist_core.tiers.local import LocalTier
 
 if TYPE_CHECKING:
@@ -34,6 +42,14 @@ class Uploads(Protocol):
 
     def start_branch(self, at: int) -> None: ...
 
+    def wait_listed(self, timeout: float) -> set[int] | None: ...
+
+    def fresh_run(self, refusal: Callable[[set[int]], Exception]) -> None: ...
+
+
+#: ``agree(refusal)``: rank 0's verdict on every rank (a broadcast on the decisions channel; one process: itself)
+Agree = Callable[["str | None"], "str | None"]
+
 
 class Timeline:
     """Which steps may be saved next in ``root`` (and on the remote ``sync`` uploads to).
@@ -43,13 +59,23 @@ class Timeline:
         local: its tier.
         sync: the upload queue, or ``None`` (no remote, or not rank 0).
         leader: this rank sets aside (rank 0); the others only agree.
+        url: the remote's URL (for messages), or ``None``.
+        start_over: a run that loads nothing sets every committed checkpoint of both tiers aside.
+        listing_timeout_s: how long the first save waits for the remote's start-up listing.
+        agree: rank 0's refusal, on every rank.
     """
 
-    def __init__(self, root: Path, local: LocalTier, sync: Uploads | None, *, leader: bool) -> None:
+    def __init__(self, root: Path, local: LocalTier, sync: Uploads | None, *, leader: bool, url: str | None = None,
+                 start_over: bool = False, listing_timeout_s: float = 300.0,
+                 agree: Agree = lambda refusal: refusal) -> None:
         self._root = root
         self._local = local
         self._sync = sync
         self._leader = leader
+        self._url = url
+        self._start_over = start_over
+        self._listing_timeout_s = listing_timeout_s
+        self._agree = agree
         self._newest: int | None = None  # the newest step committed or saved on the live branch
 
     def check(self, step: int, resumed_at: int | None) -> None:
@@ -61,8 +87,9 @@ class Timeline:
         Raises:
             ConfigError: ``step`` is older than the newest committed checkpoint and no resume explains it.
         """
-        if self._newest is None:  # once: what is committed here (and on the remote, if it was listed)
-            remote = self._sync.known_steps() if self._sync is not None else set()
+        if self._newest is None:  # once: whose timeline this is, then what is committed here and on the remote
+            started_over = self._settle(resumed_at)
+            remote = self._sync.known_steps() if self._sync is not None and not started_over else set()
             self._newest = max([*self._local.committed_steps(), *remote], default=-1)
         if resumed_at is not None and resumed_at <= step <= self._newest and not step == resumed_at == self._newest:
             if self._leader:
@@ -81,6 +108,48 @@ class Timeline:
             "purpose, load the older checkpoint first (engine.load(step), or the adapters' fit(ckpt_path=...) / "
             "load_state(...)): the next save starts a new branch and sets the newer ones aside; otherwise save a "
             f"step after {self._newest}")
+
+
+    def _settle(self, resumed_at: int | None) -> bool:
+        """The first save: a run that loaded nothing is refused beside another run's remote checkpoints, or
+        starts over (every committed checkpoint of both tiers set aside). Every rank takes rank 0's verdict.
+
+        Returns:
+            Whether this run started over (the remote's checkpoints are being set aside).
+
+        Raises:
+            ConfigError: the remote holds committed checkpoints and this run neither resumed nor started over.
+        """
+        fresh = resumed_at is None
+        refusal = None
+        if self._leader and fresh and self._sync is not None and not self._start_over:
+            listed = self._sync.wait_listed(self._listing_timeout_s)
+            if listed is None:  # an outage: saves go on locally, the upload queue decides once it lists
+                self._sync.fresh_run(lambda steps: ConfigError(self._refusal(steps)))
+            elif listed:
+                refusal = self._refusal(listed)
+        if fresh and self._url is not None and not self._start_over:  # a verdict every rank can wait for
+            refusal = self._agree(refusal)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        if not (fresh and self._start_over):
+            return False
+        if self._leader:
+            for step in self._local.committed_steps():
+                self._local.set_aside(step, START)
+            if self._sync is not None:
+                self._sync.start_branch(START)
+        return True
+
+    def _refusal(self, remote_steps: set[int]) -> str:
+        return (
+            f"remote_url={self._url!r} holds committed checkpoints of another run (newest step {max(remote_steps)}, "
+            f"{len(remote_steps)} in all) and this run loaded none: its saves would replace or mix with them, so "
+            "nothing of it is saved there. Either resume that run: engine.load() (Lightning: trainer.fit(..., "
+            "ckpt_path=io.latest_path()); Accelerate: hook.resume(); HF Trainer: trainer.train("
+            "resume_from_checkpoint=callback.resume_path())); or start over with start_over=True, which sets every "
+            f"committed checkpoint of {self._url} and {self._root} aside as an abandoned branch (kept, listed by "
+            "`persist ls`, never pruned); or give this run its own remote_url")
 
 
 class RemoteAside:

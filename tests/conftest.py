@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import uuid
 
+import fsspec
+
 import pytest
 
 from tests.support.moto_server import CREDENTIALS, FaultyProxy, moto_server
@@ -64,3 +66,26 @@ def proxy(s3_endpoint):
     p = FaultyProxy(int(s3_endpoint.rsplit(":", 1)[1]))
     yield p
     p.close()
+
+
+# ---- a remote of each kind the engine accepts
+
+
+@pytest.fixture(params=["memory", "file", "s3"])
+def remote_url(request, tmp_path, monkeypatch, s3_endpoint):
+    """(``s3_endpoint`` is asked for up front, a session fixture: asked for lazily, the credentials it sets
+    would be undone by ``_environment_restored`` after this test.) A remote_url on each kind of backend the engine accepts: fsspec's memory and
+    local file systems (no server-side copy of a directory) and S3 (the moto server, through s3fs)."""
+    if request.param == "file":
+        yield f"file://{tmp_path}/remote/run"
+        return
+    if request.param == "s3":
+        bucket = request.getfixturevalue("bucket")
+        monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": s3_endpoint})  # every s3fs the engine opens
+        yield f"s3://{bucket}/run"
+        return
+    root = f"/persist-tests/{uuid.uuid4().hex}/run"
+    yield f"memory://{root}"
+    store = fsspec.filesystem("memory").store
+    for key in [k for k in store if k.startswith(root)]:
+        del store[key]

@@ -18,7 +18,7 @@ import torch
 from accelerate.utils import ProjectConfiguration
 
 from accelerate_persist import PersistHook, export_accelerate
-from persist_core import ConfigError
+from persist_core import CheckpointReader, ConfigError
 from tests.support.accelerate_app import build, fresh_accelerator, train, weights
 from tests.support.states import assert_state_equal
 from tests.support.moto_server import free_port
@@ -345,3 +345,32 @@ def test_export_of_another_kind_of_checkpoint_is_refused_before_anything_is_down
     with pytest.raises(ConfigError, match="not saved by accelerate_persist.PersistHook.*nothing downloaded"):
         export_accelerate(url, tmp_path / "out", storage_options=s3_options)
     assert fetched == [] and not (tmp_path / "out").exists()
+
+
+def test_a_fresh_machine_that_does_not_resume_is_refused_at_its_first_save_and_start_over_sets_aside(tmp_path):
+    url = f"file://{tmp_path}/remote/run"
+    acc = fresh_accelerator()
+    parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "m1", remote_url=url).register(acc):
+        train(acc, *parts, start=0, stop=12, save_every=6)
+    remote = Path(f"{tmp_path}/remote/run")
+    before = {p.relative_to(remote): p.read_bytes() for p in remote.rglob("*") if p.is_file() and p.name != ".lease.json"}
+    acc = fresh_accelerator()
+    parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "m2", remote_url=url).register(acc):  # no hook.resume(): from scratch
+        with pytest.raises(ConfigError, match=r"newest step 12.*hook\.resume\(\).*start_over=True"):
+            train(acc, *parts, start=0, stop=6, save_every=6)
+    after = {p.relative_to(remote): p.read_bytes() for p in remote.rglob("*") if p.is_file() and p.name != ".lease.json"}
+    assert after == before
+    acc = fresh_accelerator()
+    parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "m2", remote_url=url).register(acc) as hook:  # resumed: goes on
+        assert hook.resume() == 12
+        train(acc, *parts, start=12, stop=18, save_every=6)
+    acc = fresh_accelerator()
+    parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "m3", remote_url=url, start_over=True).register(acc):
+        train(acc, *parts, start=0, stop=6, save_every=6)
+    with CheckpointReader(tmp_path / "r", remote_url=url) as reader:
+        assert [c.step for c in reader.list("remote")] == [6]
+        assert [c.step for c in reader.abandoned("remote")] == [6, 12, 18]

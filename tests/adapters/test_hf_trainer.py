@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from accelerate_persist import PersistTrainerCallback  # noqa: E402
-from persist_core import ConfigError  # noqa: E402
+from persist_core import CheckpointReader, ConfigError  # noqa: E402
 from tests.support.states import assert_state_equal  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -134,3 +134,20 @@ def test_the_checkpoints_trainer_state_is_the_trainers_own_log_history_included(
     assert [entry["step"] for entry in entries] == [entry["step"] for entry in straight_entries]
     assert entries == straight_entries  # entry for entry: loss, grad norm, learning rate, eval loss, epoch, step
     assert summary.keys() == straight_summary.keys() and summary["step"] == straight_summary["step"] == 8
+
+
+def test_a_fresh_machine_that_does_not_resume_is_refused_and_start_over_sets_the_remote_aside(tmp_path):
+    url = f"file://{tmp_path}/remote/run"
+    run(tmp_path / "out1", [PersistTrainerCallback(tmp_path / "m1", remote_url=url)], max_steps=4)
+    remote = Path(f"{tmp_path}/remote/run")
+    before = {p.relative_to(remote): p.read_bytes() for p in remote.rglob("*") if p.is_file() and p.name != ".lease.json"}
+    with pytest.raises(ConfigError, match=r"newest step 4.*resume_from_checkpoint=callback\.resume_path\(\).*start_over"):
+        run(tmp_path / "out2", [PersistTrainerCallback(tmp_path / "m2", remote_url=url)], max_steps=4)
+    assert {p.relative_to(remote): p.read_bytes() for p in remote.rglob("*")
+            if p.is_file() and p.name != ".lease.json"} == before
+    callback = PersistTrainerCallback(tmp_path / "m3", remote_url=url)
+    run(tmp_path / "out3", [callback], resume=callback.resume_path(), max_steps=6)  # resumed: goes on
+    run(tmp_path / "out4", [PersistTrainerCallback(tmp_path / "m4", remote_url=url, start_over=True)], max_steps=2)
+    with CheckpointReader(tmp_path / "r", remote_url=url) as reader:
+        assert [c.step for c in reader.list("remote")] == [2]
+        assert [c.step for c in reader.abandoned("remote")] == [2, 4, 6]

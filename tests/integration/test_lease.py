@@ -26,7 +26,7 @@ def test_a_second_run_on_one_remote_url_is_refused_and_prunes_nothing_until_the_
         first.save(state_for(step), step=step)
     first.wait()
     second = CheckpointEngine(tmp_path / "b", remote_url=url, storage_options=s3_options, keep_remote=KeepLastN(1),
-                              remote_timeout_s=3)
+                              remote_timeout_s=3, start_over=True)  # it would set the first run's aside, too
     second.save(state_for(10), step=10)  # training goes on: the refusal comes from the upload
     with pytest.raises(DirectoryInUseError, match=r"written by another run: run_id='run-[0-9a-f]+' on host=.* "
                                                   r"pid=\d+.*own remote_url.*run_id="):
@@ -36,6 +36,7 @@ def test_a_second_run_on_one_remote_url_is_refused_and_prunes_nothing_until_the_
     first.close()  # gives the lease back
     second.wait()  # retried at once: now it is the writer
     assert [c.step for c in second.list("remote")] == [10]
+    assert [c.step for c in second.abandoned("remote")] == [1, 2, 3]  # set aside (kept) only once it writes there
     second.close()
 
 
@@ -51,6 +52,7 @@ def test_the_same_run_on_a_fresh_machine_and_anyone_after_expiry_take_over(tmp_p
     lease = f"{bucket}/run/.lease.json"
     fs.pipe_file(lease, json.dumps({"run_id": "job-8", "host": "gone", "pid": 1, "expires": time.time() - 1}).encode())
     with CheckpointEngine(tmp_path / "other", remote_url=url, storage_options=s3_options) as later:
+        assert later.load()["step"] == 2  # it continues the remote's checkpoints (else it would be refused)
         later.save(state_for(3), step=3)  # an expired lease is free
     assert [c.step for c in CheckpointReader(tmp_path / "x", remote_url=url, storage_options=s3_options)
             .list("remote")] == [1, 2, 3]

@@ -125,3 +125,29 @@ def test_after_an_outage_the_newest_goes_first_then_the_milestones_then_the_rest
         up.wait()
         assert uploads == [9, 4, 8], uploads  # the newest, then the milestones KeepEveryNSteps(4) keeps for good
         assert [c.step for c in up.list("remote")] == [4, 8, 9]
+
+
+def test_a_fresh_run_during_an_outage_saves_locally_and_uploads_nothing_beside_another_runs_checkpoints(
+    tmp_path, bucket, s3_options, proxy, fast
+):
+    import s3fs
+
+    from persist_core import ConfigError
+
+    url = f"s3://{bucket}/run"
+    with CheckpointEngine(tmp_path / "m1", remote_url=url, storage_options=s3_options) as first:
+        for step in (8, 16):
+            first.save(state_for(step), step=step)
+    fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
+    before = {p: fs.cat_file(p) for p in fs.find(f"{bucket}/run") if not p.endswith(".lease.json")}
+    proxy.outage(True)
+    fresh = CheckpointEngine(tmp_path / "m2", remote_url=url, storage_options=_options(proxy), remote_timeout_s=2)
+    fresh.save(state_for(8), step=8).wait_local()  # the remote cannot be listed: saved locally, nothing uploaded
+    assert [c.step for c in fresh.list()] == [8]
+    proxy.outage(False)
+    with pytest.raises(ConfigError, match=r"newest step 16.*start_over=True"):
+        fresh.wait()  # listed now: another run's checkpoints there, so this run's are not uploaded
+    fresh.close()
+    fs.invalidate_cache()
+    assert {p: fs.cat_file(p) for p in fs.find(f"{bucket}/run") if not p.endswith(".lease.json")} == before
+    assert [c.step for c in CheckpointReader(tmp_path / "m2").list()] == [8]  # kept locally

@@ -4,9 +4,6 @@ the newest committed without such a resume is refused."""
 
 from __future__ import annotations
 
-import uuid
-
-import fsspec
 import pytest
 import torch
 from click.testing import CliRunner
@@ -14,7 +11,6 @@ from click.testing import CliRunner
 from persist_core import CheckpointEngine, CheckpointReader, ConfigError, KeepLastN
 from persist_core.cli import main as cli
 from persist_core.tiers.local import LocalTier
-from tests.support.moto_server import CREDENTIALS
 from tests.support.states import assert_state_equal
 
 
@@ -22,26 +18,9 @@ def state_for(step: int) -> dict:
     return {"w": torch.full((256,), float(step)), "step": step}
 
 
-@pytest.fixture(params=["memory", "file", "s3"])
-def url(request, tmp_path, monkeypatch):
-    """The remote of every branch test, on each kind of backend the engine accepts: fsspec's memory and
-    local file systems (no server-side copy of a directory) and S3 (the moto server, through s3fs)."""
-    if request.param == "file":
-        yield f"file://{tmp_path}/remote/run"
-        return
-    if request.param == "s3":
-        endpoint = request.getfixturevalue("s3_endpoint")
-        for key, value in CREDENTIALS.items():  # asked for here, after the environment was saved for this test
-            monkeypatch.setenv(key, value)
-        bucket = request.getfixturevalue("bucket")
-        monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint})  # every s3fs the engine opens
-        yield f"s3://{bucket}/run"
-        return
-    root = f"/persist-tests/{uuid.uuid4().hex}/run"
-    yield f"memory://{root}"
-    store = fsspec.filesystem("memory").store
-    for key in [k for k in store if k.startswith(root)]:
-        del store[key]
+@pytest.fixture
+def url(remote_url):
+    return remote_url
 
 
 def test_a_resume_from_an_older_checkpoint_starts_a_branch_and_retention_follows_it(tmp_path, url):
