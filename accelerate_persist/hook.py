@@ -183,7 +183,9 @@ class PersistHook:
                     f"ProjectConfiguration(total_limit={config.total_limit}) conflicts with the hook's retention "
                     f"{options.retention!r}: set one of them (the hook applies retention after each commit)"
                 )
-        session = PersistSession(options, resume_hint="resume it with hook.resume() before training")
+        session = PersistSession(options, resume_hint="resume it with hook.resume() before training",
+                                 release_hint="Here that is an earlier PersistHook on this local_dir: call "
+                                              "hook.close() on it (or use `with hook.register(accelerator):`)")
         session.use_collectives(TorchCollectives.new_group() if accelerator.num_processes > 1 else SingleProcess())
         named = None if options.retention is None else KeepStepsOf(self._named.steps, "KeepNamed")  # no policy: all kept
         session.open(preemption=options.save_policy is not None, keep_extra=named)

@@ -17,8 +17,9 @@ class StrategyBypassWarning(UserWarning):
     """The Trainer's strategy writes its own checkpoints: this plugin is not used for them."""
 
 
-_FIX = ("use strategy='ddp' or strategy=PersistDDPStrategy() with PersistCheckpointIO, or drop the plugin for this "
-        "strategy (sharded DTensor state through the engine is the README's 'Sharded state' section)")
+_FIX = ("use strategy=PersistModelParallelStrategy(...) (FSDP2 / tensor parallel, sharded through the plugin), or "
+        "strategy='ddp' / PersistDDPStrategy() for data parallel, with PersistCheckpointIO; or drop the plugin for "
+        "this strategy")
 
 
 def _bypass_of(strategy: Any) -> tuple[str, bool] | None:

@@ -142,7 +142,9 @@ class PersistCheckpointIO(CheckpointIO):
             preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, torch_loadable=True,
             start_over=start_over)
         self._session = PersistSession(
-            options, resume_hint="resume that run with trainer.fit(..., ckpt_path=io.latest_path())")
+            options, resume_hint="resume that run with trainer.fit(..., ckpt_path=io.latest_path())",
+            release_hint="Here that is an earlier PersistCheckpointIO on this local_dir: call io.teardown() on it (a "
+                         "Trainer's fit does; after trainer.save_checkpoint() outside fit, io.wait() only flushes)")
         self._links = Links(options.local_dir, file_name=shard_filename(0, torch_zip=True))
 
     # ------------------------------------------------------------------ set-up
@@ -383,7 +385,7 @@ class PersistCheckpointIO(CheckpointIO):
     # ------------------------------------------------------------------ internals
 
     def _step_of(self, checkpoint: dict[str, Any]) -> int:
-        for key in ("global_step", "step"):
+        for key in ("global_step", "step", "iteration"):  # the Trainer's, a loop's, Fabric's docs' loop counter
             value = checkpoint.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                 return value

@@ -3,6 +3,9 @@ its first save (an epoch in, perhaps), so these checks run from a callback Light
 through its ``lightning.pytorch.callbacks_factory`` entry point. It does nothing unless the Trainer's
 checkpoint IO is a :class:`~lightning_persist.PersistCheckpointIO`.
 
+* What the plugin cannot work with, found at ``setup``: a ``ModelCheckpoint(dirpath=...)`` that is a URL (the
+  remote tier is ``remote_url``), a strategy that saves through the plugin but cannot resume from it (and the
+  warning for strategies that go around it), instead of at the first save, an epoch in.
 * A run that resumed nothing, on a ``remote_url`` that holds committed checkpoints (another run's, or this
   run's from a machine that is gone): its saves would replace or mix with them. ``fit(ckpt_path="last")`` on a
   fresh machine is that run — Lightning resolves ``"last"`` to the local ``last.ckpt``, which a fresh machine
@@ -17,6 +20,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from lightning_persist._paths import path_key
+from lightning_persist._strategies import check_strategy
 from persist_core import ConfigError, PersistError
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,16 @@ def persist_io_of(trainer: Any) -> Any | None:
 class PersistPreflight(Callback):
     """Refuses, before the first training batch, a ``fit`` that :class:`PersistCheckpointIO` would make lose or
     mix up checkpoints (see the module's docstring). Added to every Trainer by the entry point; inert otherwise."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        io = persist_io_of(trainer)
+        if io is None:
+            return
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if dirpath is not None:
+                path_key(dirpath)  # a URL: ConfigError naming remote_url
+        io._strategy_seen = check_strategy(trainer, io._strategy_seen)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         io = persist_io_of(trainer)

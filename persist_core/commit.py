@@ -289,24 +289,24 @@ class Report(NamedTuple):
 
 
 def _replica_mismatches(base: Manifest, reports: list[Report]) -> list[str]:
-    """A problem per tensor taken to be replicated whose digests differ between ranks."""
+    """One problem naming the tensors taken to be replicated whose digests differ between ranks (the first few,
+    each with the ranks that differ from rank 0), then the fix, once; ``[]`` when they all agree."""
     if len(reports) < 2 or not reports[0].digests:
         return []
     paths = tensor_paths(base.tree)
-    problems = []
+    found = []
     for i, mine in enumerate(reports[0].digests):
         if mine is None:
             continue
         differ = [r for r, rep in enumerate(reports) if rep.digests[i] != mine]
         if differ:
-            problems.append(
-                f"state[{paths[i]!r}] is a plain tensor, so it is taken to be replicated, but ranks {differ} hold "
-                f"other values than rank 0: saving it would mix the ranks' data. If it is sharded, save the "
-                "DTensor itself (not .to_local()); if it differs per rank on purpose, wrap it in "
-                "persist_core.PerRank(...)")
-            if len(problems) == 3:
-                break
-    return problems
+            found.append(f"state[{paths[i]!r}] (ranks {differ})")
+    if not found:
+        return []
+    named = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    return [f"{len(found)} plain tensor(s) are taken to be replicated but hold other values than rank 0: {named}. "
+            "Saving them would mix the ranks' data. If they are sharded, save the DTensor itself (not .to_local()); "
+            "if they differ per rank on purpose, wrap them in persist_core.PerRank(...)"]
 
 
 def _merge(base: Manifest, reports: list[Report]) -> Manifest:

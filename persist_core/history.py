@@ -160,6 +160,7 @@ class SaveHistory:
             "save_p50_s": _quantile([_duration(s) for s in stats if s.commit_s is not None], 0.5),
             "stall_fraction": sum(s.stall_s for s in stats) / elapsed if elapsed > 0 else None,
             "fence_wait_s": sum(s.fence_s for s in stats),
+            "fence_fraction": sum(s.fence_s for s in stats) / elapsed if elapsed > 0 else None,
             "write_slowdown": self.meter.slowdown(),
             "upload_lag_p50_s": _quantile([s.lag_s for s in stats if s.lag_s is not None], 0.5),
         }
@@ -181,9 +182,13 @@ def describe_summary(summary: dict[str, Any]) -> str:
     def sec(v: Any) -> str:
         return "-" if v is None else f"{v:.1f} s"
     stall, slow = summary["stall_fraction"], summary.get("write_slowdown")
+    p50, fence = summary.get("stall_p50_s"), summary.get("fence_fraction")
+    where = "" if p50 is None else f" in save() (P50 {p50 * 1e3:.1f} ms a save)"
+    if fence:  # overlapped saves: what the updates waited for their background copies, apart
+        where += f" and {fence:.1%} in updates waiting for a save's background copy"
     return (f"{summary['saves']} saves, interval P50 {sec(summary['interval_p50_s'])} / P90 "
             f"{sec(summary['interval_p90_s'])} ({summary['interval_p50_steps'] or '-'} steps), training stalled "
-            f"{'-' if stall is None else f'{stall:.1%}'} of the time"
+            f"{'-' if stall is None else f'{stall:.1%}'} of the time{where}"
             f"{'' if slow is None else f' and ran {slow:.0%} slower while a save was written'}, upload lag P50 "
             f"{sec(summary['upload_lag_p50_s'])}")
 

@@ -30,7 +30,7 @@ from typing import Any
 from persist_core.distributed import Collectives, SingleProcess
 from persist_core.engine import CheckpointEngine
 from persist_core import _knobs
-from persist_core.errors import ConfigError, StepExistsError
+from persist_core.errors import ConfigError, DirectoryInUseError, StepExistsError
 from persist_core.handle import SaveHandle, SaveStats
 from persist_core.history import describe_summary
 from persist_core.layout import FULL, kind_subdir
@@ -137,11 +137,14 @@ class PersistSession:
         options: what the user configured.
         resume_hint: how this adapter's users resume a run (named when a step is committed already),
             e.g. ``"resume that run with trainer.fit(..., ckpt_path=io.latest_path())"``.
+        release_hint: what this process holds when its own earlier adapter still writes ``local_dir`` and the
+            call that lets go of it, e.g. ``"... io.teardown() on the first PersistCheckpointIO"``.
     """
 
-    def __init__(self, options: PersistOptions, *, resume_hint: str) -> None:
+    def __init__(self, options: PersistOptions, *, resume_hint: str, release_hint: str | None = None) -> None:
         self.options = options
         self._hint = resume_hint
+        self._release_hint = release_hint
         self._engine: CheckpointEngine | None = None
         self._reader: CheckpointReader | None = None
         self._collectives: Collectives = SingleProcess()
@@ -212,12 +215,17 @@ class PersistSession:
         local = keep_extra if user is None else user if keep_extra is None else AnyOf(user, keep_extra)
         sub = kind_subdir(kind)
         url = o.remote_url if o.remote_url is None or not sub else f"{o.remote_url.rstrip('/')}/{sub}"
-        return CheckpointEngine(
-            o.local_dir / sub if sub else o.local_dir, remote_url=url, storage_options=o.storage_options,
-            keep_local=local, keep_remote=None if user is None or url is None else local, verify=o.verify,
-            max_pending=o.max_pending, write_threads=o.write_threads, collectives=self._collectives,
-            preemption_grace_s=o.preemption_grace_s, remote_timeout_s=o.remote_timeout_s,
-            torch_loadable=o.torch_loadable, start_over=o.start_over, **extra)
+        try:
+            return CheckpointEngine(
+                o.local_dir / sub if sub else o.local_dir, remote_url=url, storage_options=o.storage_options,
+                keep_local=local, keep_remote=None if user is None or url is None else local, verify=o.verify,
+                max_pending=o.max_pending, write_threads=o.write_threads, collectives=self._collectives,
+                preemption_grace_s=o.preemption_grace_s, remote_timeout_s=o.remote_timeout_s,
+                torch_loadable=o.torch_loadable, start_over=o.start_over, **extra)
+        except DirectoryInUseError as e:
+            if self._release_hint is None or "this process" not in str(e):
+                raise
+            raise DirectoryInUseError(f"{e}. {self._release_hint}") from e
 
     def engines(self) -> list[CheckpointEngine]:
         """Every engine open now (the full one first)."""

@@ -104,6 +104,7 @@ class RemoteSync:
         self._refusal: Exception | None = None  # why nothing of this run may be uploaded
         self._refused: dict[int, SyncJob] = {}  # not uploaded because of it: kept (protected), never retried
         self._stopping = False
+        self._down = False  # the last listing or upload failed (its recovery is logged once)
         self._gave_up = False  # close() after remote_timeout_s: nothing more is started
         # a daemon: close() waits for it, except for a request the remote never answers after giving up
         self._thread = threading.Thread(target=self._run, name="persist-sync", daemon=True)
@@ -302,7 +303,11 @@ class RemoteSync:
         try:
             self._start()
         except Exception as e:  # unreachable, no bucket, no access: the first upload finds out and reports it
-            log.warning("listing %s failed (%s); the next upload tries again", self._tier.url, e)
+            with self._cond:
+                self.failures += 1  # counted like a failed upload: summary()["upload_failures"] shows the outage
+                self._down = True
+            log.warning("listing %s failed (%s); the next upload tries again, and checkpoints stay local until "
+                        "then", self._tier.url, e)
         finally:
             self._attempted.set()
         while True:
@@ -356,9 +361,14 @@ class RemoteSync:
             elif not uploaded:
                 self._failed[job.step] = job
                 self.failures += 1
+                self._down = True
                 self._retry_s = min(self._retry_s * 2, 60.0)
             else:
                 self._retry_s = self._tier.backoff_s
+                if self._down:
+                    self._down = False
+                    log.warning("%s is reachable again (after %d failed attempts); uploading what waited",
+                                self._tier.url, self.failures)
                 if self._failed and not self._gave_up:  # the remote is back: the newest un-synced next
                     self._requeue_failed()
         if announced:  # the other ranks learn how it ended (and what is still un-synced)

@@ -129,7 +129,11 @@ class Bar:
 
     def echo(self, text: str) -> None:
         if self._progress is not None:
-            self._progress.console.print(text, highlight=False, markup=False)
+            from rich.text import Text
+
+            # a Text, not markup=False: that flag also reached the bar redrawn with the line, which then
+            # showed its own style tag literally ("[progress.description]push ...")
+            self._progress.console.print(Text(text), highlight=False)
         else:
             click.echo(text)
 

@@ -7,15 +7,29 @@ mutation cannot leak into the checkpoint); :func:`unflatten` rebuilds the same o
 
 from __future__ import annotations
 
+import logging
 import pickle
 import sys
+import threading
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from persist_core.errors import CorruptCheckpointError, UnsupportedStateError
+from persist_core.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedStateError
+
+log = logging.getLogger(__name__)
+
+
+class PickledLeafWarning(UserWarning):
+    """A value of the state saves, but loading it back needs ``weights_only=False`` (full pickle)."""
+
+
+#: ``(key path, type)`` of the pickled leaves checked already: a verdict each, once per process
+_CHECKED: set[tuple[str, type]] = set()
+_CHECKED_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -115,7 +129,7 @@ def flatten(state: Any) -> FlatState:
 
 def _pickle(obj: Any, path: str) -> bytes:
     try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # pickle raises many types: PicklingError, TypeError, AttributeError
         kind = type(obj)
         raise UnsupportedStateError(
@@ -123,6 +137,31 @@ def _pickle(obj: Any, path: str) -> bytes:
             "Keep tensors, dicts, lists, tuples and picklable values in the state, "
             "or convert this value before saving"
         ) from e
+    _check_loadable(data, obj, path)
+    return data
+
+
+def _check_loadable(data: bytes, obj: Any, path: str) -> None:
+    """Warn once per key path (and type) when a leaf saves but will not load with the default
+    ``weights_only=True``: a dataclass, a custom class. Found at ``save()``, not at the resume."""
+    key = (path, type(obj))
+    with _CHECKED_LOCK:
+        if key in _CHECKED:
+            return
+        _CHECKED.add(key)
+    from persist_core.format.unpickle import loads
+
+    try:
+        loads(data, where=f"state[{path!r}]")
+    except UnsafeCheckpointError as e:
+        kind = type(obj)
+        text = (f"state[{path!r}] ({kind.__module__}.{kind.__qualname__}) is saved pickled, and loading it back will "
+                f"need weights_only=False (full pickle, for checkpoints you trust): {e}. To resume with the default, "
+                "save it as plain data (a dict of numbers and strings, e.g. dataclasses.asdict(value))")
+        log.warning("%s", text)
+        warnings.warn(text, PickledLeafWarning, stacklevel=2)
+    except CorruptCheckpointError:
+        pass  # a value whose pickle does not load back at all: its load says so
 
 
 def tensor_paths(tree: Any, objects: list[Any] | None = None) -> list[str]:

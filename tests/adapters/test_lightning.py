@@ -183,6 +183,17 @@ def test_fabric_save_and_load(tmp_path):
     io.teardown()
 
 
+def test_fabric_states_keyed_iteration_are_saved_under_that_step(tmp_path):
+    io = PersistCheckpointIO(local_dir=tmp_path / "ckpt")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+    model = fabric.setup(torch.nn.Linear(4, 2))
+    for iteration in (10, 20):  # Fabric's own docs key the loop counter "iteration"
+        fabric.save(tmp_path / "ckpt" / f"it-{iteration}.ckpt", {"model": model, "iteration": iteration})
+    io.wait()
+    assert [c.step for c in CheckpointReader(tmp_path / "ckpt").list()] == [10, 20]
+    io.teardown()
+
+
 def test_a_fresh_local_dir_resumes_from_the_s3_remote(tmp_path, bucket, s3_options):
     url = f"s3://{bucket}/run-7"
     straight = fit(PersistCheckpointIO(local_dir=tmp_path / "a"), tmp_path / "a", max_steps=9)
@@ -474,3 +485,15 @@ def test_persist_ddp_fit_returns_with_its_last_save_committed_and_linked(tmp_pat
     assert (d / "step-000000000004" / "manifest.json").is_file()
     assert linked(d / "last.ckpt") == "step-000000000004"
     assert ops.entered.is_set()
+
+
+def test_a_second_plugin_on_a_local_dir_this_process_still_holds_names_the_call_that_releases_it(tmp_path):
+    first = PersistCheckpointIO(local_dir=tmp_path / "ckpt")
+    trainer = make_trainer(first, tmp_path / "ckpt", max_steps=2)
+    trainer.fit(Net())
+    trainer.save_checkpoint(tmp_path / "ckpt" / "manual.ckpt")  # outside fit: the plugin opens its engine again
+    first.wait()
+    second = PersistCheckpointIO(local_dir=tmp_path / "ckpt")
+    with pytest.raises(PersistError, match=r"in use.*earlier PersistCheckpointIO.*io\.teardown\(\)"):
+        make_trainer(second, tmp_path / "ckpt", max_steps=4).fit(Net(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    first.teardown()

@@ -151,3 +151,22 @@ def test_a_fresh_run_during_an_outage_saves_locally_and_uploads_nothing_beside_a
     fs.invalidate_cache()
     assert {p: fs.cat_file(p) for p in fs.find(f"{bucket}/run") if not p.endswith(".lease.json")} == before
     assert [c.step for c in CheckpointReader(tmp_path / "m2").list()] == [8]  # kept locally
+
+
+def test_a_remote_down_at_start_is_one_warning_counted_in_upload_failures_and_its_recovery_is_said(
+    tmp_path, bucket, proxy, fast, caplog
+):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="persist_core.sync")
+    proxy.outage(True)
+    engine = CheckpointEngine(tmp_path / "a", remote_url=f"s3://{bucket}/run", storage_options=_options(proxy),
+                              remote_timeout_s=2)
+    engine.save(state_for(1), step=1).wait_local()
+    assert engine.summary()["upload_failures"] >= 1  # the outage shows while it lasts
+    assert [r for r in caplog.records if r.levelno == logging.WARNING and "listing" in r.getMessage()]
+    proxy.outage(False)
+    engine.wait()
+    assert [c.step for c in engine.list("remote")] == [1]
+    assert any("reachable again" in r.getMessage() for r in caplog.records)
+    engine.close()

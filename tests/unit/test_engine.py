@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -393,3 +394,19 @@ def test_a_manifest_whose_tree_does_not_fit_is_corrupt_and_load_falls_back_namin
         with caplog.at_level(logging.WARNING):
             assert_state_equal(engine.load(), state_for(1))  # before: an IndexError stopped the fallback
     assert "step=2" in caplog.text and "a tree node names tensor 9" in caplog.text
+
+
+@dataclasses.dataclass
+class HyperConfig:
+    lr: float = 0.1
+
+
+def test_a_leaf_that_will_need_full_pickle_to_load_warns_once_at_save_naming_its_key_path(tmp_path):
+    from persist_core.format.tree import PickledLeafWarning
+
+    with CheckpointEngine(tmp_path) as engine:
+        with pytest.warns(PickledLeafWarning, match=r"state\['hparams/config'\].*HyperConfig.*weights_only=False"):
+            engine.save({"w": torch.ones(2), "hparams": {"config": HyperConfig()}}, step=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PickledLeafWarning)  # once: the second save is silent
+            engine.save({"w": torch.ones(2), "hparams": {"config": HyperConfig(0.2)}}, step=2)

@@ -43,3 +43,14 @@ def test_recent_costs_come_from_the_last_committed_records_of_the_file_tail(tmp_
     assert prior.commit_s == pytest.approx(sum(s + 1.0 for s in stalls) / 5)
     assert prior.cost_s == pytest.approx(sum(s + 0.25 * 1.0 for s in stalls) / 5)
     assert recent_costs(tmp_path / "nothing-here") is None
+
+
+def test_the_closing_line_shows_the_fence_waits_apart_from_the_stall():
+    from persist_core.history import describe_summary
+
+    summary = {"saves": 4, "interval_p50_s": 0.2, "interval_p90_s": 0.3, "interval_p50_steps": 1, "stall_p50_s": 0.004,
+               "stall_fraction": 0.02, "fence_wait_s": 0.3, "fence_fraction": 0.31, "write_slowdown": None,
+               "upload_lag_p50_s": None}
+    line = describe_summary(summary)
+    assert "stalled 2.0% of the time in save() (P50 4.0 ms a save) and 31.0% in updates waiting for" in line
+    assert "waiting" not in describe_summary({**summary, "fence_wait_s": 0.0, "fence_fraction": 0.0})

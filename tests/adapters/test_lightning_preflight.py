@@ -1,6 +1,9 @@
-"""A fresh machine on another run's remote, with Lightning's usual ``fit(ckpt_path="last")`` or no ``ckpt_path``:
+"""What PersistCheckpointIO checks before the first training batch (a callback Lightning adds by entry point).
+
+A fresh machine on another run's remote, with Lightning's usual ``fit(ckpt_path="last")`` or no ``ckpt_path``:
 refused before the first training batch, naming ``ckpt_path=io.latest_path()`` and ``start_over=True``, and every
-byte of the first machine's remote checkpoints stays where it was. ``start_over=True`` trains and sets them aside."""
+byte of the first machine's remote checkpoints stays where it was. ``start_over=True`` trains and sets them aside.
+A ``ModelCheckpoint(dirpath="s3://...")`` is refused before the first batch too."""
 
 from __future__ import annotations
 
@@ -62,3 +65,25 @@ def test_the_fresh_machine_resumes_with_latest_path_or_starts_over(tmp_path, fir
         assert [c.step for c in reader.list("remote")] == [1, 2, 3]
         assert {c.step for c in reader.abandoned("remote")} >= {12, 13, 14}
         assert reader.load()["global_step"] == 3
+
+
+def test_a_model_checkpoint_dirpath_on_s3_is_refused_before_any_batch(tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    batches = CountBatches()
+    trainer = Trainer(max_steps=4, plugins=[PersistCheckpointIO(tmp_path / "ckpt")], accelerator="cpu", devices=1,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[ModelCheckpoint(dirpath="s3://bucket/ckpts", every_n_train_steps=2), batches])
+    with pytest.raises(ConfigError, match=r"s3://bucket/ckpts.*is remote.*remote_url"):
+        trainer.fit(Net())
+    assert batches.batches == 0
+
+
+def test_the_preflight_is_inert_without_the_plugin(tmp_path):
+    from lightning_persist.preflight import PersistPreflight
+
+    trainer = make_trainer(None, tmp_path / "plain", max_steps=2)
+    assert any(isinstance(c, PersistPreflight) for c in trainer.callbacks)  # added by the entry point
+    trainer.fit(Net())
+    assert (tmp_path / "plain" / "last.ckpt").is_file()
