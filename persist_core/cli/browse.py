@@ -194,6 +194,7 @@ def du(ctx: click.Context, location: str, as_json: bool) -> None:
     for kind in KINDS:
         sub = kind_subdir(kind)
         if sub and not (is_url(location) or os.path.isdir(os.path.join(location.removeprefix("file://"), sub))):
+            report[kind] = {"checkpoints": 0, "bytes": 0}  # every kind's key, here as on a remote
             continue
         loc = open_location(ctx, f"{location.rstrip('/')}/{sub}" if sub else location)
         infos = loc.tier.list()
@@ -211,7 +212,7 @@ def du(ctx: click.Context, location: str, as_json: bool) -> None:
         click.echo(json.dumps(report))
         return
     for key in (*KINDS, "abandoned"):
-        if key in report:
+        if key in report and (key == KINDS[0] or report[key]["checkpoints"]):
             r = report[key]
             click.echo(f"{key}: {r['checkpoints']} checkpoint{'s' * (r['checkpoints'] != 1)}, {human_size(r['bytes'])}")
     click.echo(f"total: {human_size(total)}")

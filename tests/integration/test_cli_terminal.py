@@ -1,4 +1,4 @@
-"""The ``persist`` command on a terminal (a pseudo-terminal): what a person sees while it transfers."""
+"""The ``persist`` command as a person meets it: on a terminal (a pseudo-terminal) while it transfers, and its reports."""
 
 from __future__ import annotations
 
@@ -39,3 +39,19 @@ def test_push_on_a_terminal_shows_its_bar_and_each_line_without_markup_tags(tmp_
     out = on_terminal("push", str(tmp_path / "local"), f"file://{tmp_path}/remote")
     assert "step 2 -> " in out and "pushed 2 checkpoints" in out
     assert "[progress.description]" not in out
+
+
+def test_du_gives_every_kind_the_same_keys_locally_and_on_a_remote(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from persist_core.cli import main as cli
+
+    remote = f"memory://{tmp_path}/remote"  # an fsspec URL, as s3:// is
+    with CheckpointEngine(tmp_path / "local", remote_url=remote) as engine:
+        engine.save({"w": torch.ones(8)}, step=1)
+    reports = [json.loads(CliRunner().invoke(cli, ["du", where, "--json"], catch_exceptions=False).output)
+               for where in (str(tmp_path / "local"), remote)]
+    assert reports[0].keys() == reports[1].keys() >= {"full", "weights-only", "bytes"}
+    assert reports[0]["weights-only"] == {"checkpoints": 0, "bytes": 0} == reports[1]["weights-only"]
