@@ -1,4 +1,4 @@
-# The README's two commands: `make demo` and `make test`. Each builds .venv on a fresh machine.
+# The README's two commands: `make demo` and `make test` (and `make docs`, the site). Each builds .venv on a fresh machine.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -8,7 +8,7 @@ WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-remote bench-lightning venv clean
+.PHONY: demo test docs bench bench-remote bench-lightning venv clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# the site (mkdocs.yml, docs/) into site/; --strict: a broken link or a page missing from nav fails
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save.py
 
@@ -37,4 +41,4 @@ bench-lightning: $(STAMP)
 	$(PY) benchmarks/bench_lightning.py
 
 clean:
-	rm -rf $(VENV) demo-out bench-out
+	rm -rf $(VENV) demo-out bench-out site
