@@ -8,7 +8,7 @@ WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test docs bench bench-remote bench-lightning venv clean
+.PHONY: demo test docs lint bench bench-remote bench-lightning venv clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # the site (mkdocs.yml, docs/) into site/; --strict: a broken link or a page missing from nav fails
+# pyflakes and pycodestyle over every Python file (pyproject.toml's [tool.ruff]); CI runs it
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict
 

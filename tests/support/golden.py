@@ -1,6 +1,7 @@
 """The state behind tests/golden/v1-*: every kind of leaf, written by the v1 engine before the restructuring."""
 
-import collections, torch
+import collections
+import torch
 def golden_state():
     g = torch.Generator().manual_seed(7)
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
