@@ -12,7 +12,7 @@ Per save: the stall (what the training loop waits: the gap from ``on_step_end`` 
 ``on_step_begin`` of a saving step, minus the same gap of a step that does not save), and for
 persist the save→durable time (``commit_s``). The floors, measured in the same run: a plain
 ``copy_`` of the state into preallocated memory, and the disk's own durable write of its bytes
-(``bench_save.disk_gbps``).
+(``benchmarks._common.disk_gbps``).
 
 Usage: ``python benchmarks/bench_hf_trainer.py [--hidden 768] [--layers 4] [--rounds 2] [--dir bench-out]``
 """
@@ -108,7 +108,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from benchmarks.bench_save import disk_gbps, floor_copy
+    from benchmarks._common import disk_gbps, floor_copy
 
     model = build(args.hidden, args.layers)
     weights = {k: v.detach() for k, v in model.state_dict().items()}

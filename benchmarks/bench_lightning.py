@@ -15,7 +15,7 @@ and the ``.ckpt`` files left behind (exactly 2 are expected).
 
 The floor, measured in the same run (once per round, between the configurations): the disk's own
 time to write the state's bytes durably — parallel ``pwrite`` + ``fsync``, buffered or ``O_DIRECT``,
-whichever is faster (``bench_save.disk_gbps``). A loop that checkpoints every step can be no faster
+whichever is faster (``benchmarks._common.disk_gbps``). A loop that checkpoints every step can be no faster
 than max(step without checkpoints, that time); each configuration's step time is also given over it.
 
 Usage: ``python benchmarks/bench_lightning.py [--width 3072] [--steps 30] [--rounds 2] [--dir bench-out]``
@@ -119,7 +119,7 @@ def main() -> None:
     print(f"Lightning loop, 4 x Linear({args.width}) + Adam (state {state_gb:.2f} GB), batch {args.batch}, "
           f"{args.steps} steps, checkpoint every step (save_top_k=2); {args.rounds} rounds, interleaved")
     sys.path.insert(0, str(ROOT))
-    from benchmarks.bench_save import disk_gbps
+    from benchmarks._common import disk_gbps
 
     results: dict[str, list[dict]] = {m: [] for m in MODES}
     disk: list[float] = []

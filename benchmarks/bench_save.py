@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import mmap
 import os
 import shutil
 import statistics
 import sys
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -37,10 +35,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import disk_gbps, floor_copy, fsync_tree  # noqa: E402
 from persist_core import CheckpointEngine  # noqa: E402
 from persist_core.layout import checkpoint_dirname  # noqa: E402
-
-MB = 1 << 20
 
 
 def make_state(gib: float, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -57,63 +54,8 @@ def nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def fsync_tree(path: Path) -> None:
-    for p in [path] if path.is_file() else path.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-
-
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
-
-
-# ------------------------------------------------------------------ baselines
-
-
-def floor_copy(state: dict[str, torch.Tensor], repeat: int) -> float:
-    """Seconds of a plain copy_ of every tensor into preallocated (already touched) memory."""
-    dst = {k: torch.empty_like(v) for k, v in state.items()}
-    for k in state:
-        dst[k].copy_(state[k])
-    times = []
-    for _ in range(repeat + 1):
-        t0 = time.perf_counter()
-        for k, v in state.items():
-            dst[k].copy_(v)
-        times.append(time.perf_counter() - t0)
-    return median(times[1:])
-
-
-def disk_gbps(size: int, out: Path, repeat: int, threads: int = 4, chunk: int = 32 * MB) -> dict[str, float]:
-    """GB/s of parallel pwrite + fsync of ``size`` bytes, buffered and O_DIRECT."""
-    size -= size % 4096
-    buf = mmap.mmap(-1, size)
-    view = memoryview(buf)
-    for o in range(0, size, MB):
-        view[o : o + 16] = os.urandom(16)
-    result = {}
-    for name, extra in (("buffered", 0), ("O_DIRECT", getattr(os, "O_DIRECT", 0))):
-        times = []
-        for _ in range(repeat):
-            path = out / "disk.bin"
-            t0 = time.perf_counter()
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | extra, 0o644)
-            except OSError:
-                break
-            with ThreadPoolExecutor(threads) as ex:
-                list(ex.map(lambda o: os.pwrite(fd, view[o : o + chunk], o), range(0, size, chunk)))
-            os.fsync(fd)
-            os.close(fd)
-            times.append(time.perf_counter() - t0)
-            path.unlink()
-        if times:
-            result[name] = size / median(times) / 1e9
-    view.release()
-    buf.close()
-    return result
 
 
 # ------------------------------------------------------------------ contenders
@@ -137,7 +79,9 @@ def run_persist(state):
     engines: dict[str, CheckpointEngine] = {}
 
     def run(i: int, d: Path) -> tuple[float, float]:
-        engine = engines.setdefault("e", CheckpointEngine(d.parent / "persist"))
+        if "e" not in engines:  # one engine (setdefault would open a second one on its locked directory)
+            engines["e"] = CheckpointEngine(d.parent / "persist")
+        engine = engines["e"]
         t0 = time.perf_counter()
         handle = engine.save(state, step=i)
         stall = time.perf_counter() - t0
