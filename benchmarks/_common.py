@@ -25,12 +25,13 @@ import torch
 MB = 1 << 20
 
 
-def copy_floor(tensors: Sequence[torch.Tensor], repeat: int, *, to: str | None = None, pin: bool = False) -> float:
+def copy_floor(tensors: Sequence[torch.Tensor], repeat: int, *, to: str | None = None, pin: bool = False,
+               warmup: int = 2) -> float:
     """Median seconds of a plain ``copy_`` of every tensor into preallocated, already touched memory.
 
     Args:
         tensors: the sources.
-        repeat: timed copies (after two untimed ones: the first touches the destination's pages).
+        repeat: timed copies, after ``warmup`` untimed ones (the first touches the destination's pages).
         to: the destination's device: ``None`` for the sources' own (a memcpy on the host), ``"cpu"`` for the
             device-to-host copy of device tensors.
         pin: page-locked destinations, copied ``non_blocking`` (then the device is synchronized).
@@ -43,14 +44,14 @@ def copy_floor(tensors: Sequence[torch.Tensor], repeat: int, *, to: str | None =
     dst = [empty(t) for t in tensors]
     sync = torch.cuda.synchronize if any(t.is_cuda for t in tensors) else (lambda: None)
     times = []
-    for _ in range(repeat + 2):
+    for _ in range(repeat + warmup):
         sync()
         t0 = time.perf_counter()
         for d, t in zip(dst, tensors):
             d.copy_(t, non_blocking=pin)
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:])
+    return statistics.median(times[warmup:])
 
 
 def floor_copy(state: dict[str, torch.Tensor], repeat: int) -> float:
@@ -76,7 +77,7 @@ def disk_gbps(size: int, out: Path, repeat: int, threads: int = 4, chunk: int = 
             except OSError:
                 break
             with ThreadPoolExecutor(threads) as ex:
-                list(ex.map(lambda o: os.pwrite(fd, view[o : o + chunk], o), range(0, size, chunk)))
+                list(ex.map(lambda o, fd=fd: os.pwrite(fd, view[o : o + chunk], o), range(0, size, chunk)))
             os.fsync(fd)
             os.close(fd)
             times.append(time.perf_counter() - t0)

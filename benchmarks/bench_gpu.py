@@ -469,12 +469,33 @@ def fmt(value: float | None, scale: float = 1.0, digits: int = 0, suffix: str = 
     return "-" if value is None else f"{value * scale:.{digits}f}{suffix}"
 
 
+def floor_seconds(floors: dict[str, Any], nbytes: int) -> tuple[float, float]:
+    """The D2H floor (pinned where there is one) and the disk's durable write of ``nbytes``, in seconds."""
+    d2h = floors["pinned"] if floors["pinned"] is not None else floors["pageable"]
+    return d2h, nbytes / 1e9 / floors["disk_gbps"]
+
+
+def row(r: Result, d2h: float, disk_s: float) -> str:
+    """The table's row for one method (``d2h``, ``disk_s``: the floors' seconds)."""
+    if r.error is not None:
+        return f"| {r.method.name} | failed: {r.error} |||||||||||"
+    base = statistics.mean(r.baseline_s)
+    n = len(r.saves)
+    c = (r.block_s - base) / n if n else None
+    blocking = median([s.blocking_s for s in r.saves])
+    waited = median([s.waited_s for s in r.saves])
+    durable = median([s.durable_s for s in r.saves if s.durable_s is not None])
+    return (f"| {r.method.name} | {n} | {fmt(c, 1e3)} | {fmt(c and c / d2h, digits=2, suffix='x')} "
+            f"| {(r.block_s / base - 1) * 100:+.1f}% | {fmt(blocking, 1e3, 1)} "
+            f"| {fmt(blocking and blocking / d2h, digits=2, suffix='x')} | {fmt(waited, 1e3, 1)} | {fmt(durable, digits=2)} "
+            f"| {fmt(durable and durable / disk_s, digits=2, suffix='x')} | {r.drain_s:.2f} | {r.snapshot} |")
+
+
 def report(args: argparse.Namespace, loop: Loop, nbytes: int, ntensors: int, floors: dict[str, float | None],
            results: list[Result], restores: list[tuple[str, float]], baseline: float) -> list[str]:
     dev = loop.device
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-    d2h = floors["pinned"] if floors["pinned"] is not None else floors["pageable"]
-    disk_s = nbytes / 1e9 / floors["disk_gbps"]
+    d2h, disk_s = floor_seconds(floors, nbytes)
     gbps = lambda s: nbytes / s / 1e9  # noqa: E731
     lines = [
         f"{datetime.date.today().isoformat()}: `python benchmarks/bench_gpu.py {shlex.join(sys.argv[1:])}`".rstrip(),
@@ -495,21 +516,7 @@ def report(args: argparse.Namespace, loop: Loop, nbytes: int, ntensors: int, flo
          "| update waited (ms) | save→durable (s) | durable / disk floor | drain (s) | snapshot |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for r in results:
-        if r.error is not None:
-            lines.append(f"| {r.method.name} | failed: {r.error} |||||||||||")
-            continue
-        base = statistics.mean(r.baseline_s)
-        n = len(r.saves)
-        c = (r.block_s - base) / n if n else None
-        blocking = median([s.blocking_s for s in r.saves])
-        waited = median([s.waited_s for s in r.saves])
-        durable = median([s.durable_s for s in r.saves if s.durable_s is not None])
-        lines.append(
-            f"| {r.method.name} | {n} | {fmt(c, 1e3)} | {fmt(c and c / d2h, digits=2, suffix='x')} "
-            f"| {(r.block_s / base - 1) * 100:+.1f}% | {fmt(blocking, 1e3, 1)} "
-            f"| {fmt(blocking and blocking / d2h, digits=2, suffix='x')} | {fmt(waited, 1e3, 1)} | {fmt(durable, digits=2)} "
-            f"| {fmt(durable and durable / disk_s, digits=2, suffix='x')} | {r.drain_s:.2f} | {r.snapshot} |")
+    lines += [row(r, d2h, disk_s) for r in results]
     lines += ["", "C: (block - baseline) / saves, the baseline the mean of the blocks without saves before and after; "
               "blocking: the save call; update waited: the next optimizer step's wait for the save's background copy "
               "(the guard's fence, DCP's staging); Lightning's worker and torch.save fsync their file. DCP's "
@@ -526,7 +533,7 @@ def report(args: argparse.Namespace, loop: Loop, nbytes: int, ntensors: int, flo
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="8 layers, a save every 15 steps, single repeats")
+    parser.add_argument("--quick", action="store_true", help="8 layers, a save every 15 steps")
     parser.add_argument("--smoke", action="store_true", help="the CPU, a small model: a check that it all runs")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--layers", type=int, default=None)
@@ -540,9 +547,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", type=Path, default=ROOT / "bench-out" / "gpu")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
-    preset = {"layers": 16, "width": 4096, "batch": 8192, "micro": 8, "every": 19, "saves": 2, "repeat": 2}
+    preset = {"layers": 16, "width": 4096, "batch": 8192, "micro": 8, "every": 19, "saves": 2, "repeat": 1}
     if args.quick:
-        preset.update(layers=8, every=15, repeat=1)
+        preset.update(layers=8, every=15)
     if args.smoke:
         preset.update(layers=4, width=128, batch=32, micro=2, every=3, saves=2, repeat=1)
         args.device = args.device or "cpu"
@@ -577,8 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     cuda = args.device.type == "cuda"
     floors: dict[str, Any] = {
-        "pinned": copy_floor(tensors, args.repeat, to="cpu", pin=True) if cuda else None,
-        "pageable": copy_floor(tensors, args.repeat, to="cpu"),
+        "pinned": copy_floor(tensors, args.repeat, to="cpu", pin=True, warmup=1) if cuda else None,
+        "pageable": copy_floor(tensors, args.repeat, to="cpu", warmup=1),
         "disks": disk_gbps(nbytes, args.dir, args.repeat),
     }
     floors["disk_gbps"] = max(floors["disks"].values())
@@ -600,9 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         baselines.append(block(loop, steps, args.every, 1, None)[0])
         result.baseline_s = baselines[-2:]
         results.append(result)
-        progress(f"{method.name}: " + (result.error or f"{len(result.saves)} saves, block {result.block_s:.2f} s "
-                                       f"against {statistics.mean(result.baseline_s):.2f} s, drain "
-                                       f"{result.drain_s:.2f} s, {result.snapshot}"))
+        progress(row(result, *floor_seconds(floors, nbytes))  # what a run cut short still shows
+                 + f" block {result.block_s:.2f} s, baseline {statistics.mean(result.baseline_s):.2f} s")
     restores = restore(methods, {r.method.key: r for r in results}, loop, args.repeat)
     shutil.rmtree(args.dir, ignore_errors=True)
     lines = report(args, loop, nbytes, len(list(leaves(loop.state(0)))), floors, results, restores,
