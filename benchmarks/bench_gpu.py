@@ -469,6 +469,21 @@ def fmt(value: float | None, scale: float = 1.0, digits: int = 0, suffix: str = 
     return "-" if value is None else f"{value * scale:.{digits}f}{suffix}"
 
 
+def shown_args() -> list[str]:
+    """The command line's options but ``--markdown PATH`` (where the report went is no part of the setting)."""
+    args, out = sys.argv[1:], []
+    skip = False
+    for a in args:
+        if skip or a.startswith("--markdown="):
+            skip = False
+            continue
+        if a == "--markdown":
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
 def floor_seconds(floors: dict[str, Any], nbytes: int) -> tuple[float, float]:
     """The D2H floor (pinned where there is one) and the disk's durable write of ``nbytes``, in seconds."""
     d2h = floors["pinned"] if floors["pinned"] is not None else floors["pageable"]
@@ -498,7 +513,7 @@ def report(args: argparse.Namespace, loop: Loop, nbytes: int, ntensors: int, flo
     d2h, disk_s = floor_seconds(floors, nbytes)
     gbps = lambda s: nbytes / s / 1e9  # noqa: E731
     lines = [
-        f"{datetime.date.today().isoformat()}: `python benchmarks/bench_gpu.py {shlex.join(sys.argv[1:])}`".rstrip(),
+        f"{datetime.date.today().isoformat()}: `python benchmarks/bench_gpu.py {shlex.join(shown_args())}`".rstrip(),
         "",
         (f"{where}, torch {torch.__version__}, {os.cpu_count()} CPUs, directory {args.dir}. State: {args.layers} x "
         f"(Linear({args.width}) + LayerNorm), fp32, {type(loop.opt).__name__}"
