@@ -590,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP without a process group
     started = time.perf_counter()
+    if args.smoke:  # its tiny matmuls gain nothing from more threads; beside the saves' threads on a few busy
+        torch.set_num_threads(1)  # cores, OpenMP's waits made its steps 2 to 500 ms
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
     loop = Loop(args.device, width=args.width, layers=args.layers, batch=args.batch, micro=args.micro)
