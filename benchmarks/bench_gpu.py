@@ -39,8 +39,9 @@ Usage::
     python benchmarks/bench_gpu.py [--quick | --smoke] [--layers 16] [--width 4096] [--batch 8192] [--micro 8]
         [--every 19] [--saves 2] [--methods guarded,torch-save,...] [--markdown PATH] [--dir bench-out/gpu]
 
-The default run takes about 4 minutes on one H200, ``--quick`` (8 layers) about 2; ``--smoke`` runs on the CPU
-with a small model in well under a minute (CI runs it).
+The default run should take about 3.5 minutes on one H200 and ``--quick`` (8 layers) under 2 (estimates from the
+first measurement's timings: not run on a GPU yet); ``--smoke`` runs on the CPU with a small model in seconds (CI runs
+it). ``benchmarks/gpu_check.sh`` runs the default with what is left of its 6 minutes.
 """
 
 from __future__ import annotations
