@@ -8,7 +8,7 @@ WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test docs lint bench bench-remote bench-lightning venv clean
+.PHONY: demo test test-quick docs lint bench bench-remote bench-lightning venv clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# the inner loop: everything but what starts a process or a server or runs a real Trainer (marked slow)
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
 # the site (mkdocs.yml, docs/) into site/; --strict: a broken link or a page missing from nav fails
 # pyflakes and pycodestyle over every Python file (pyproject.toml's [tool.ruff]); CI runs it
