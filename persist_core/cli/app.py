@@ -244,3 +244,19 @@ def main(ctx: click.Context, storage_options: str | None, endpoint_url: str | No
 
 def open_location(ctx: click.Context, location: str) -> Location:
     return Location(location, ctx.obj)
+
+
+def where(location: str) -> str:
+    """What ``location`` names, spelled one way: a local directory (or ``file://`` URL) as its real path, any
+    other URL as ``scheme://path`` without trailing slashes."""
+    if not is_url(location) or location.startswith("file://"):
+        return os.path.realpath(os.path.expanduser(location.removeprefix("file://")))
+    scheme, _, rest = location.partition("://")
+    return f"{scheme.lower()}://{'/'.join(p for p in rest.split('/') if p)}"
+
+
+def distinct(source: str, target: str) -> None:
+    """A usage error when ``source`` and ``target`` are one location (a copy onto itself rewrites what it reads)."""
+    if where(source) == where(target):
+        raise click.UsageError(f"{source} and {target} are the same location: a copy onto itself rewrites the files it "
+                               "reads; name another target")

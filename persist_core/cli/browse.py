@@ -19,7 +19,7 @@ from persist_core.cli.app import human_size, is_url, main, open_location
 @main.command("ls")
 @click.argument("location")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per checkpoint, for scripts")
-@click.option("--milestones", type=int, default=None, help="mark steps that are multiples of N")
+@click.option("--milestones", type=click.IntRange(min=1), default=None, help="mark steps that are multiples of N")
 @click.pass_context
 def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None) -> None:
     """Committed checkpoints: step, time, size, files (sizes checked; `verify` reads every byte).
@@ -77,9 +77,9 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None)
 
 @main.command()
 @click.argument("location")
-@click.option("--step", type=int, default=None, help="default: the newest")
+@click.option("--step", type=click.IntRange(min=0), default=None, help="default: the newest")
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--depth", type=int, default=None, help="show N levels of keys; deeper entries are summed into them")
+@click.option("--depth", type=click.IntRange(min=0), default=None, help="show N levels of keys; deeper entries are summed into them")
 @click.option("--filter", "pattern", default=None, help="only entries whose name matches (a glob, or a substring)")
 @click.pass_context
 def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool, depth: int | None,

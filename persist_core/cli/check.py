@@ -15,7 +15,7 @@ from persist_core.cli.app import CommandError, human_size, main, open_location, 
 
 @main.command()
 @click.argument("location")
-@click.option("--step", type=int, default=None, help="default: every committed checkpoint")
+@click.option("--step", type=click.IntRange(min=0), default=None, help="default: every committed checkpoint")
 @click.option("--quiet", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON report: each checkpoint, bytes, seconds")
 @click.pass_context
@@ -73,7 +73,8 @@ def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_
 @click.option("--json", "as_json", is_flag=True, help="one JSON object: every checkpoint's numbers and the verdict")
 @click.option("--plot", "plot_to", default=None, help="draw the series into this PNG (needs matplotlib: "
                                                       "pip install 'torch-persist[plot]')")
-@click.option("--last", type=int, default=20, show_default=True, help="rows of the table (the plot shows all)")
+@click.option("--last", type=click.IntRange(min=1), default=20, show_default=True,
+              help="rows of the table (the plot shows all)")
 @click.pass_context
 def stats(ctx: click.Context, location: str, as_json: bool, plot_to: str | None, last: int) -> None:
     """What the checkpoints cost, over time: interval, stall, save -> durable, bytes, upload lag, and a verdict.

@@ -16,7 +16,7 @@ from persist_core.layout import checkpoint_dirname
 from persist_core.reader import CheckpointReader
 from persist_core.tiers import RemoteTier
 from persist_core.tiers.local import discover, read_manifest
-from persist_core.cli.app import CommandError, Location, is_url, main, open_location, progress, took
+from persist_core.cli.app import CommandError, Location, distinct, is_url, main, open_location, progress, took
 
 
 def _exporters() -> dict[str, Any]:
@@ -29,7 +29,7 @@ def _exporters() -> dict[str, Any]:
 @main.command()
 @click.argument("url")
 @click.argument("local_dir")
-@click.option("--step", type=int, default=None, help="default: the newest")
+@click.option("--step", type=click.IntRange(min=0), default=None, help="default: the newest")
 @click.option("--quiet", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
@@ -95,7 +95,7 @@ def push(ctx: click.Context, local_dir: str, url: str, quiet: bool, as_json: boo
 @main.command()
 @click.argument("source")
 @click.argument("target")
-@click.option("--step", "steps", type=int, multiple=True, help="the step(s) to copy (default: the newest)")
+@click.option("--step", "steps", type=click.IntRange(min=0), multiple=True, help="the step(s) to copy (default: the newest)")
 @click.option("--quiet", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
@@ -106,6 +106,7 @@ def cp(ctx: click.Context, source: str, target: str, steps: tuple[int, ...], qui
     Example:
       persist cp s3://bucket/run-7 gs://archive/run-7 --step 4000
     """
+    distinct(source, target)
     src = open_location(ctx, source)
     there = [c.step for c in src.list()]
     todo = list(steps) or [src.step_or_latest(None, there)]
@@ -130,6 +131,7 @@ def sync(ctx: click.Context, source: str, target: str, quiet: bool, as_json: boo
     Example:
       persist sync s3://bucket/run-7 /nvme/ckpt
     """
+    distinct(source, target)
     have = set(open_location(ctx, target).tier.committed_steps()) if is_url(target) or os.path.isdir(
         target.removeprefix("file://")) else set()
     src = open_location(ctx, source)
@@ -196,7 +198,7 @@ def _upload_step(ctx: click.Context, src: Location, dst: RemoteTier, step: int, 
 
 @main.command()
 @click.argument("location")
-@click.option("--step", type=int, default=None, help="default: the newest")
+@click.option("--step", type=click.IntRange(min=0), default=None, help="default: the newest")
 @click.option("--to", "target", required=True, help="the file (torch) or directory (accelerate) to write")
 @click.option("--format", "fmt", type=click.Choice(["torch", "safetensors", *_exporters()]), default="torch",
               show_default=True,
@@ -243,7 +245,8 @@ def export(ctx: click.Context, location: str, step: int | None, target: str, fmt
         raise click.UsageError(f"{target} exists; choose a new file")
     cache = Path(target).absolute().parent / f".{Path(target).name}.download" if loc.remote else loc.root
     try:
-        with CheckpointReader(cache, remote_url=location if loc.remote else None, storage_options=ctx.obj) as reader:
+        with CheckpointReader(cache, remote_url=location if loc.remote else None,
+                              storage_options=ctx.obj if loc.remote else None) as reader:
             state = reader.load(s, weights_only=not unsafe_pickle)
     finally:  # a failed read (a corrupt chunk, a refused pickle) leaves no download behind either
         if loc.remote:

@@ -52,9 +52,9 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
     newest ones, every byte against its checksums, until one verifies, so corrupt newer ones never
     cost the last good one); a live job's un-synced checkpoints and temporaries.
     """
-    if incomplete_older_than < 0:
-        raise click.UsageError(f"--incomplete-older-than={incomplete_older_than:g} must be >= 0 (seconds): a "
-                               "running job may be writing a directory without a manifest right now")
+    if not incomplete_older_than >= 0:  # nan too: it compares as nothing, so it would remove nothing, silently
+        raise click.UsageError(f"--incomplete-older-than={incomplete_older_than:g} must be >= 0 (seconds; inf: "
+                               "never): a running job may be writing a directory without a manifest right now")
     policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds)
     if policy is None:
         raise click.UsageError("say what to keep: --keep-last, --keep-every-n-steps and/or --keep-every-n-seconds")
@@ -110,7 +110,7 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
 
 @main.command()
 @click.argument("location")
-@click.option("--step", "steps", type=int, multiple=True, required=True, help="the step to remove (repeatable)")
+@click.option("--step", "steps", type=click.IntRange(min=0), multiple=True, required=True, help="the step to remove (repeatable)")
 @click.option("--force", is_flag=True, help="also the newest committed checkpoint, or one not uploaded yet")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
