@@ -7,8 +7,12 @@ bad value is a :class:`~persist_core.errors.ConfigError` naming the variable and
 from __future__ import annotations
 
 import json
+import operator
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from persist_core.errors import ConfigError
 from persist_core.layout import is_url
@@ -17,9 +21,17 @@ from persist_core.layout import is_url
 PAGE_BYTES = 4096
 #: Alignment of each tensor entry inside the data section (bytes); 64 divides every dtype size.
 ENTRY_ALIGN_BYTES = 64
+#: The largest step a checkpoint may have: 18 digits. ``layout`` names steps with 12 digits and more past
+#: 10**12 (so 10**18 - 1 is a name of 18); a larger one would sort as the newest for good (every normal
+#: step after it is refused as older), and only an int64 holds every step a framework counts.
+MAX_STEP = 10**18 - 1
+#: The most threads one shard is written (or one reader reads) with: past the cores of any host, more only
+#: cost memory and start-up (10**6 of them exhausted the process before the first write).
+MAX_WRITE_THREADS = 256
 
 
-def _env_int(name: str, default: int, *, minimum: int, multiple: int = 1, what: str = "") -> int:
+def _env_int(name: str, default: int, *, minimum: int, multiple: int = 1, what: str = "",
+             maximum: int | None = None) -> int:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -27,16 +39,18 @@ def _env_int(name: str, default: int, *, minimum: int, multiple: int = 1, what: 
         value = int(raw)
     except ValueError:
         value = None
-    if value is None or value < minimum or value % multiple:
-        rule = f"an integer >= {minimum}" + (f" and a multiple of {multiple}" if multiple > 1 else "")
+    if value is None or value < minimum or value % multiple or (maximum is not None and value > maximum):
+        rule = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "") \
+            + (f" and a multiple of {multiple}" if multiple > 1 else "")
         raise ConfigError(f"environment variable {name}={raw!r} must be {rule}{what}; unset it for the default "
                           f"({default})")
     return value
 
 
 def write_threads() -> int:
-    """Threads that write (and checksum) chunks of one shard in parallel: ``PERSIST_WRITE_THREADS`` (>= 1)."""
-    return _env_int("PERSIST_WRITE_THREADS", 4, minimum=1)
+    """Threads that write (and checksum) chunks of one shard in parallel: ``PERSIST_WRITE_THREADS`` (1 to
+    :data:`MAX_WRITE_THREADS`)."""
+    return _env_int("PERSIST_WRITE_THREADS", 4, minimum=1, maximum=MAX_WRITE_THREADS)
 
 
 def chunk_bytes() -> int:
@@ -118,8 +132,9 @@ class WriteSettings:
         def whole(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        if not whole(self.write_threads) or self.write_threads < 1:
-            raise ConfigError(f"write_threads={self.write_threads!r} must be at least 1")
+        if not whole(self.write_threads) or not 1 <= self.write_threads <= MAX_WRITE_THREADS:
+            raise ConfigError(f"write_threads={self.write_threads!r} must be an int from 1 to {MAX_WRITE_THREADS} "
+                              "(threads writing one shard; the default, 4, suits most NVMe disks)")
         if not whole(self.chunk_bytes) or self.chunk_bytes < PAGE_BYTES or self.chunk_bytes % PAGE_BYTES:
             raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be a positive multiple of {PAGE_BYTES}")
         if self.direct_io not in ("auto", "on", "off"):
@@ -155,12 +170,18 @@ def check_local_dir(value: object) -> os.PathLike[str] | str:
 
 
 def check_remote_url(value: object) -> str | None:
-    """``value`` if it is ``None`` or a URL with a scheme and a bucket or path after it; else a ConfigError."""
+    """``value`` if it is ``None`` or a URL with a scheme and a bucket or path after it, without control
+    characters (a NUL or a newline reaches no object store: found at the first upload, hours later); else a
+    ConfigError."""
     if value is None:
         return None
     if not isinstance(value, str) or "://" not in value:
         raise ConfigError(f"remote_url={value!r} is not a URL; pass e.g. 's3://bucket/run-7' or "
                           "'file:///mnt/shared/run', or None for local only")
+    bad = _CONTROL.search(value)
+    if bad:
+        raise ConfigError(f"remote_url={value!r} holds the control character {bad.group()!r} at {bad.start()}; "
+                          "pass the URL without it, e.g. 's3://bucket/run-7'")
     scheme, _, rest = value.partition("://")
     if not scheme or not rest.strip("/"):
         raise ConfigError(f"remote_url={value!r} names no bucket or path after {scheme or 'its scheme'}://; pass e.g. "
@@ -176,28 +197,152 @@ def check_storage_options(value: object) -> dict | None:
     return value
 
 
+def check_remote(remote_url: object, storage_options: object) -> None:
+    """Both checked, and ``storage_options`` only with a ``remote_url`` (they configure nothing else: options
+    for an endpoint given without the URL are a remote the user meant and does not have)."""
+    check_remote_url(remote_url)
+    check_storage_options(storage_options)
+    if storage_options is not None and remote_url is None:  # its keys only: the values may hold credentials
+        raise ConfigError(f"storage_options (keys {sorted(map(str, storage_options))}) were given without "
+                          "remote_url; they configure the remote tier: pass remote_url='s3://bucket/run' too, or "
+                          "drop storage_options")
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: What a run id may hold: it is written into ``local_dir/.run-id`` and the remote's lease, and named in
+#: errors; launchers' ids (a SLURM job id ``123_4``, a torchrun rendezvous id, a uuid) all fit.
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}")
+
+
+def check_run_id(value: object, *, name: str = "run_id") -> str | None:
+    """``value`` if it is ``None`` or a run id (1 to 128 of ``A-Z a-z 0-9 . _ : @ + = -``, a letter or digit
+    first); else a ConfigError naming ``name`` (the keyword or the environment variable)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _RUN_ID.fullmatch(value):
+        raise ConfigError(f"{name}={value!r} is not a usable run id: it is kept in files and names, so it must be "
+                          "1 to 128 letters, digits and . _ : @ + = - (starting with a letter or digit), e.g. "
+                          "'run-7' or a job id")
+    return value
+
+
+def check_step(value: object, *, name: str = "step", what: str = "the training step") -> int:
+    """``value`` as an int if it is a whole number from 0 to :data:`MAX_STEP` (``True`` is not step 1, nor
+    ``1.0`` a step); else a ConfigError naming ``name``."""
+    try:
+        step = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        step = None
+    if step is None:
+        raise ConfigError(f"{name}={value!r} must be an int from 0 to MAX_STEP={MAX_STEP} ({what})")
+    if not 0 <= step <= MAX_STEP:
+        raise ConfigError(f"{name}={step!r} is outside 0..MAX_STEP={MAX_STEP} ({what}); steps are named with at "
+                          "most 18 digits: count steps from 0, not from a timestamp in ns or a random number")
+    return step
+
+
+def check_resume_step(value: object, reader: Any) -> int:
+    """``value`` as a step if it is committed on a tier of ``reader`` (a
+    :class:`~persist_core.reader.CheckpointReader`; the step it loaded last counts without a listing);
+    else a ConfigError naming the committed steps."""
+    step = check_step(value, what="the committed step this run continues from")
+    if step == reader.loaded_step:
+        return step
+    steps = [c.step for c in reader.list("local")]
+    if step not in steps and reader.remote_url is not None:
+        steps = sorted({c.step for c in reader.list("all")})
+    if step not in steps:
+        where = str(reader.local_dir) + (f" nor {reader.remote_url}" if reader.remote_url else "")
+        shown = ", ".join(map(str, steps[-10:])) or "none"
+        raise ConfigError(f"resume_from({step}): no checkpoint of step {step} is committed in {where} (committed "
+                          f"steps: {shown}{' ...' if len(steps) > 10 else ''}); pass one of them, or call load(), "
+                          "which resumes from what it loads")
+    return step
+
+
+def check_callable(**values: object) -> None:
+    """Each value callable (a clock); else a ConfigError naming the keyword."""
+    for name, value in values.items():
+        if not callable(value):
+            raise ConfigError(f"{name}={value!r} must be callable (a function returning seconds, e.g. time.monotonic)")
+
+
+def check_into(value: object) -> Any:
+    """``value`` if it is ``None``, a tensor or a dict / list / tuple of targets; else a ConfigError."""
+    import torch
+
+    if value is None or isinstance(value, (Mapping, list, tuple, torch.Tensor)):
+        return value
+    raise ConfigError(f"into={value!r} is not a state to load into: pass the targets shaped like the saved state "
+                      "(e.g. {'model': model.state_dict()}), or None to load the whole state")
+
+
+def check_map_location(value: object) -> Any:
+    """``value`` if it is ``None`` or names a device torch knows (``"cpu"``, ``"cuda:0"``, a ``torch.device``)."""
+    import torch
+
+    if value is None:
+        return None
+    try:
+        torch.device(value)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ConfigError(f"map_location={value!r} is not a device ({e}); pass e.g. 'cpu', 'cuda:0' or a "
+                          "torch.device") from e
+    return value
+
+
 def remote_lease_s() -> int:
     """How long a writer's lease on ``remote_url`` lasts unrenewed: ``PERSIST_REMOTE_LEASE_S`` (>= 10 s)."""
     return _env_int("PERSIST_REMOTE_LEASE_S", 600, minimum=10)
 
 
 def run_id_from_env() -> str | None:
-    """The run's id from the launcher: ``PERSIST_RUN_ID``, else torchrun's or SLURM's job id, else ``None``."""
+    """The run's id from the launcher: ``PERSIST_RUN_ID``, else torchrun's or SLURM's job id, else ``None``.
+
+    Raises:
+        ConfigError: the id is not one :func:`check_run_id` takes (names the variable).
+    """
     for name in ("PERSIST_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
         value = os.environ.get(name, "").strip()
         if value and value != "none":
-            return value
+            return check_run_id(value, name=f"environment variable {name}")
     return None
 
 
 def check_metadata(value: object) -> None:
-    """``value`` must be ``None`` or a dict of JSON-able values (it goes into the manifest as JSON)."""
+    """``value`` must be ``None`` or a dict that JSON gives back as it is (it goes into the manifest as JSON):
+    str keys at every depth (``{1: 'x'}`` would come back as ``{'1': 'x'}``), lists rather than tuples."""
     if value is None:
         return
     if not isinstance(value, dict):
         raise ConfigError(f"metadata={value!r} must be a dict of JSON-able values (or None)")
+    changed = _json_changes(value, "metadata")
+    if changed:
+        raise ConfigError(f"{changed}; JSON would give back something else: use str keys and list values, e.g. "
+                          "metadata={'1': 'x', 'shape': [3, 4]}")
     try:
         json.dumps(value)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"metadata={value!r} cannot be written as JSON ({e}); keep str, number, bool, None, list "
                           "and dict values") from e
+
+
+def _json_changes(value: Any, path: str, depth: int = 0) -> str | None:
+    """Where ``value`` would not survive a JSON round trip as itself, or ``None``."""
+    if depth > 100:
+        return None  # json.dumps names what is too deep
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{path} has the key {key!r} (a {type(key).__name__})"
+            found = _json_changes(item, f"{path}[{key!r}]", depth + 1)
+            if found:
+                return found
+    elif isinstance(value, tuple):
+        return f"{path} is the tuple {value!r}"
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _json_changes(item, f"{path}[{i}]", depth + 1)
+            if found:
+                return found
+    return None

@@ -168,10 +168,11 @@ class CheckpointEngine:
             raise ConfigError("keep_remote was given without remote_url; pass remote_url='s3://...' or drop keep_remote")
         save_policy = None if save_policy is None else check_save_policy(save_policy)
         _knobs.check_bool("start_over", start_over)
-        if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
-            raise ConfigError(f"run_id={run_id!r} must be a non-empty string (the id of this training run)")
+        _knobs.check_run_id(run_id)
+        _knobs.check_remote(remote_url, storage_options)
+        _knobs.check_callable(clock=clock, wall_clock=wall_clock)
         self._root = Path(os.fspath(_knobs.check_local_dir(local_dir)).removeprefix("file://")).expanduser().absolute()
-        self._torch_loadable = bool(torch_loadable)
+        self._torch_loadable = _knobs.check_bool("torch_loadable", torch_loadable)
         self._replica_check = check_replica_mode(replica_check)
         self._plans = PlanCache()  # the same structure every save: laid out once
         self._coll = check_collectives(collectives)
@@ -242,8 +243,7 @@ class CheckpointEngine:
         self._check_open()
         self._overlap.fence()  # the previous guarded save's copy goes to the writer first: saves stay in order
         self._ledger.raise_first()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step={step!r} must be a non-negative int (the training step)")
+        step = _knobs.check_step(step)
         _knobs.check_metadata(metadata)
         resumed_at = self.resumed_step
         self._pipeline.timeline.check(step, resumed_at)
@@ -481,9 +481,15 @@ class CheckpointEngine:
         aside on both tiers (kept, listed by :meth:`abandoned`, never pruned, never the latest).
         ``from_remote``: it was downloaded (a fresh machine), so this run takes over the lease of the
         run that wrote it on ``remote_url``.
+
+        Raises:
+            ConfigError: ``step`` is not a step committed on either tier (those that are are named).
         """
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step={step!r} must be a non-negative int (the step resumed from)")
+        self._continue_from(_knobs.check_resume_step(step, self._reader), from_remote=from_remote)
+
+    def _continue_from(self, step: int, *, from_remote: bool = False) -> None:
+        """:meth:`resume_from` without the check that ``step`` is committed here: a session's weights-only
+        engine continues from the step its full engine resumed from."""
         self._resumed = step
         self._history.resumed()
         if from_remote:

@@ -68,6 +68,8 @@ class CheckpointReader:
         on_loaded: Callable[[Manifest], None] | None = None,
     ) -> None:
         self._root = Path(os.fspath(_knobs.check_local_dir(local_dir)).removeprefix("file://")).expanduser().absolute()
+        if tier is None:
+            _knobs.check_remote(remote_url, storage_options)
         try:
             self._root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -199,8 +201,9 @@ class CheckpointReader:
             CheckpointNotFoundError: nothing committed (for ``step``) on any tier.
             CorruptCheckpointError: no copy of ``step`` verifies (names the file).
             UnsafeCheckpointError: a leaf names a type outside the allowlist (names it and the opt-in).
-            ConfigError: a target of another shape than saved, or one the checkpoint lacks.
+            ConfigError: a bad argument (named); a target of another shape than saved, or one the checkpoint lacks.
         """
+        step = None if step is None else _knobs.check_step(step)
         return self._load_listed(step, self._candidates(step), into=into, map_location=map_location, verify=verify,
                                  rank=rank, weights_only=weights_only)
 
@@ -208,8 +211,11 @@ class CheckpointReader:
                      map_location: Any = "cpu", verify: bool | None = None, rank: int = 0,
                      weights_only: bool = True) -> Any:
         """:meth:`load` from what :meth:`_candidates` listed: ``(steps to try, local steps, remote steps)``."""
-        opts = LoadOptions(verify=self._verify if verify is None else bool(verify), map_location=map_location,
-                           rank=rank, weights_only=check_weights_only(weights_only))
+        opts = LoadOptions(verify=self._verify if verify is None else _knobs.check_bool("verify", verify),
+                           map_location=_knobs.check_map_location(map_location),
+                           rank=_knobs.check_step(rank, name="rank", what="whose PerRank values to load"),
+                           weights_only=check_weights_only(weights_only))
+        _knobs.check_into(into)
         order, local, remote = listing
         for candidate in order:
             try:
@@ -323,7 +329,9 @@ class CheckpointReader:
         Raises:
             CheckpointNotFoundError: ``step`` is on neither tier.
             CorruptCheckpointError: the remote copy does not verify.
+            ConfigError: ``step`` is not a step.
         """
+        step = _knobs.check_step(step)
         ckpt = checkpoint_dir(self._root, step)
         if step in committed_steps(self._root):
             read_manifest(ckpt)  # its files are there with their sizes

@@ -86,7 +86,8 @@ class PersistOptions:
         check_grace(self.preemption_grace_s)
         _knobs.check_bool("verify", self.verify)
         _knobs.check_bool("start_over", self.start_over)
-        _knobs.check_storage_options(self.storage_options)
+        _knobs.check_bool("torch_loadable", self.torch_loadable)
+        _knobs.check_remote(self.remote_url, self.storage_options)
         _knobs.WriteSettings.resolve(write_threads=self.write_threads, chunk_bytes=None, direct_io=None,
                                      max_pending=self.max_pending, verify=self.verify,
                                      remote_timeout_s=self.remote_timeout_s)  # its checks, now, not at the first save
@@ -203,7 +204,7 @@ class PersistSession:
         engine = self._new_engine(kind, keep_extra)
         resumed = main.resumed_step
         if resumed is not None:  # the run goes on from there on every kind
-            engine.resume_from(resumed, from_remote=main.reader.loaded_from_remote)
+            engine._continue_from(resumed, from_remote=main.reader.loaded_from_remote)
         self._others[kind] = engine
         return engine
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from persist_core.format.tree import FlatState, PerRank, _join, _pickle, is_dtensor
+from persist_core.format.tree import FlatState, PerRank, _join, _pickle, is_dtensor, pickle_per_rank
 
 
 class _Mismatch(Exception):
@@ -209,6 +209,6 @@ def _per_rank(node: dict[str, Any], path: str) -> Take:
     def take(obj: Any, out: _Out) -> Any:
         if type(obj) is not PerRank:
             raise _Mismatch
-        out.per_rank.append(_pickle(obj.value, path))
+        out.per_rank.append(pickle_per_rank(obj.value, path))
         return node
     return take

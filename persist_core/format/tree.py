@@ -7,6 +7,7 @@ mutation cannot leak into the checkpoint); :func:`unflatten` rebuilds the same o
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from persist_core.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedStateError
+from persist_core.errors import ConfigError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedStateError
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def flatten(state: Any) -> FlatState:
     def enc(obj: Any, path: str) -> Any:
         kind = type(obj)
         if kind is PerRank:
-            per_rank.append(_pickle(obj.value, path))
+            per_rank.append(pickle_per_rank(obj.value, path))
             return {"per_rank": len(per_rank) - 1}
         if isinstance(obj, torch.Tensor):
             _check_tensor(obj, path)
@@ -162,6 +163,39 @@ def _check_loadable(data: bytes, obj: Any, path: str) -> None:
         warnings.warn(text, PickledLeafWarning, stacklevel=2)
     except CorruptCheckpointError:
         pass  # a value whose pickle does not load back at all: its load says so
+
+
+class _PerRankPickler(pickle.Pickler):
+    """Pickles a PerRank's value, refusing a PerRank inside it: a load would have to unpickle the wrapper."""
+
+    def reducer_override(self, obj: Any) -> Any:  # not called for plain ints, strs, dicts, lists...: cheap
+        if type(obj) is PerRank:
+            raise _NestedPerRank
+        return NotImplemented
+
+
+class _NestedPerRank(Exception):
+    pass
+
+
+def pickle_per_rank(value: Any, path: str) -> bytes:
+    """``value`` (a :class:`PerRank`'s) pickled.
+
+    Raises:
+        ConfigError: ``value`` holds another PerRank (it commits, and then no load could return it).
+        UnsupportedStateError: ``value`` cannot be pickled.
+    """
+    out = io.BytesIO()
+    try:
+        _PerRankPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    except _NestedPerRank:
+        raise ConfigError(f"state[{path!r}] is a PerRank holding another PerRank; wrap each per-rank value once: "
+                          "{'rng': PerRank(value)}, not PerRank(PerRank(value)) nor PerRank({'k': PerRank(...)})") from None
+    except Exception:
+        return _pickle(value, path)  # the same failure, with the message every leaf gets
+    data = out.getvalue()
+    _check_loadable(data, value, path)
+    return data
 
 
 def tensor_paths(tree: Any, objects: list[Any] | None = None) -> list[str]:

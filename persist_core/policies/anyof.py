@@ -26,6 +26,10 @@ class AnyOf:
     def __init__(self, *policies: Any) -> None:
         if not policies:
             raise ConfigError("AnyOf() needs at least one policy, e.g. AnyOf(KeepLastN(3), KeepEveryNSteps(1000))")
+        for i, p in enumerate(policies):
+            if isinstance(p, type):
+                raise ConfigError(f"AnyOf argument {i} is the class {p.__name__}; pass an instance, e.g. "
+                                  f"{p.__name__}(...)")
         if all(callable(getattr(p, "should_save", None)) for p in policies):
             self.kind = "save"
             self.policies = tuple(policies)

@@ -143,6 +143,9 @@ class KeepStepsOf:
 
 def check_policy(policy: object, *, name: str) -> RetentionPolicy:
     """``policy`` if it has a callable ``should_keep``, else :class:`ConfigError` naming ``name``."""
+    if isinstance(policy, type):  # the class itself has should_keep too, and fails after every commit
+        raise ConfigError(f"{name}={policy.__name__} is a class; pass an instance, e.g. {name}={policy.__name__}(...) "
+                          "(KeepLastN(3), KeepEveryNSteps(1000))")
     if not callable(getattr(policy, "should_keep", None)) or getattr(policy, "kind", "retention") != "retention":
         raise ConfigError(
             f"{name}={policy!r} is not a retention policy: pass e.g. KeepLastN(3), AnyOf(...), "

@@ -160,6 +160,9 @@ class OptimalInterval:
 
 
 def check_save_policy(policy: object) -> SavePolicy:
+    if isinstance(policy, type):  # the class itself has should_save too, and fails at the first decision
+        raise ConfigError(f"save_policy={policy.__name__} is a class; pass an instance, e.g. "
+                          f"save_policy={policy.__name__}(...) (EveryNSteps(100), Continuous())")
     if not callable(getattr(policy, "should_save", None)) or getattr(policy, "kind", "save") != "save":
         raise ConfigError(
             f"save_policy={policy!r} is not a save-decision policy: pass EveryNSteps, EveryNSeconds, Continuous, "
