@@ -61,7 +61,8 @@ def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike
             local = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="persist-export-")))
         else:
             local = Path(cache_dir) if remote else Path(text.removeprefix("file://"))
-        with CheckpointReader(local, remote_url=text if remote else None, storage_options=storage_options) as reader:
+        with CheckpointReader(local, remote_url=text if remote else None,
+                              storage_options=storage_options if remote else None) as reader:
             state = reader.load(step, weights_only=weights_only)
     if not (isinstance(state, dict) and _HOOK_KEYS <= state.keys()):
         raise ConfigError(f"the checkpoint in {text} was not saved by accelerate_persist.PersistHook; nothing to export")

@@ -79,7 +79,8 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None)
 @click.argument("location")
 @click.option("--step", type=click.IntRange(min=0), default=None, help="default: the newest")
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--depth", type=click.IntRange(min=0), default=None, help="show N levels of keys; deeper entries are summed into them")
+@click.option("--depth", type=click.IntRange(min=0), default=None,
+              help="show N levels of keys; deeper entries are summed into them")
 @click.option("--filter", "pattern", default=None, help="only entries whose name matches (a glob, or a substring)")
 @click.pass_context
 def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool, depth: int | None,

@@ -95,7 +95,8 @@ def push(ctx: click.Context, local_dir: str, url: str, quiet: bool, as_json: boo
 @main.command()
 @click.argument("source")
 @click.argument("target")
-@click.option("--step", "steps", type=click.IntRange(min=0), multiple=True, help="the step(s) to copy (default: the newest)")
+@click.option("--step", "steps", type=click.IntRange(min=0), multiple=True,
+              help="the step(s) to copy (default: the newest)")
 @click.option("--quiet", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context

@@ -110,7 +110,8 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
 
 @main.command()
 @click.argument("location")
-@click.option("--step", "steps", type=click.IntRange(min=0), multiple=True, required=True, help="the step to remove (repeatable)")
+@click.option("--step", "steps", type=click.IntRange(min=0), multiple=True, required=True,
+              help="the step to remove (repeatable)")
 @click.option("--force", is_flag=True, help="also the newest committed checkpoint, or one not uploaded yet")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context

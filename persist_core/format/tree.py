@@ -190,7 +190,8 @@ def pickle_per_rank(value: Any, path: str) -> bytes:
         _PerRankPickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     except _NestedPerRank:
         raise ConfigError(f"state[{path!r}] is a PerRank holding another PerRank; wrap each per-rank value once: "
-                          "{'rng': PerRank(value)}, not PerRank(PerRank(value)) nor PerRank({'k': PerRank(...)})") from None
+                          "{'rng': PerRank(value)}, not PerRank(PerRank(value)) nor PerRank({'k': PerRank(...)})"
+                          ) from None
     except Exception:
         return _pickle(value, path)  # the same failure, with the message every leaf gets
     data = out.getvalue()
