@@ -40,9 +40,10 @@ class CheckpointReader:
 
     Example::
 
-        reader = CheckpointReader("/nvme/ckpt", remote_url="s3://bucket/run-7")
-        state = reader.load()                      # newest that verifies, local first
-        steps = [c.step for c in reader.list("all")]
+        with CheckpointReader("/nvme/ckpt", remote_url="s3://bucket/run-7") as reader:
+            state = reader.load()                  # newest that verifies, local first
+            steps = [c.step for c in reader.list("all")]
+        # leaving the block commits the local copy a load streamed from the remote wrote (close() does)
 
     Args:
         local_dir: the local tier (created if missing; downloads land here).

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from persist_core import _knobs
+from persist_core.errors import PersistError, WriteError
 from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
 from persist_core.layout import checkpoint_dirname
@@ -66,7 +67,8 @@ class RemoteRestore:
             copy.abandon()
             raise
         log.info("[step=%d] streamed from %s (%d bytes)", step, tier.url, stats.remote_bytes)
-        thread = threading.Thread(target=copy.finish, name="persist-local-copy", daemon=True)
+        # not a daemon: a script that loads and ends still commits (or removes) the copy before the interpreter goes
+        thread = threading.Thread(target=copy.finish, name="persist-local-copy", daemon=False)
         thread.start()
         self._copies.append(thread)
         return state, manifest
@@ -77,17 +79,32 @@ class RemoteRestore:
             self._copies.pop().join()
 
     def download(self, step: int, progress: Callable[[int], None] | None = None) -> Manifest:
-        """Download ``step`` into ``root`` and rename it into place (or take another process's copy)."""
+        """Download ``step`` into ``root`` and rename it into place (or take another process's copy).
+
+        Raises:
+            WriteError: writing into ``root`` failed (a full disk: its ``errno`` is ``ENOSPC``); the message names
+                the path, and nothing is left there.
+            RemoteError, CorruptCheckpointError: as :meth:`RemoteTier.download`.
+        """
         ckpt = checkpoint_dir(self._root, step)
-        with claim_tmp(self._root, step) as tmp:
-            manifest = self._tier.download(step, tmp, progress)
-            try:
-                os.rename(tmp, ckpt)
-                fsync_dir(self._root)
-                log.info("[step=%d] downloaded from %s into %s", step, self._tier.url, ckpt)
-            except OSError as e:
-                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise
-                # another process (a rank on this node) put its download in place first: use that one
-                manifest = read_manifest(ckpt)
+        where = self._root
+        try:
+            with claim_tmp(self._root, step) as tmp:
+                where = tmp
+                manifest = self._tier.download(step, tmp, progress)
+                try:
+                    os.rename(tmp, ckpt)
+                    fsync_dir(self._root)
+                    log.info("[step=%d] downloaded from %s into %s", step, self._tier.url, ckpt)
+                except OSError as e:
+                    if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                        raise
+                    # another process (a rank on this node) put its download in place first: use that one
+                    manifest = read_manifest(ckpt)
+        except PersistError:
+            raise
+        except OSError as e:  # the remote's failures are RemoteErrors: this one is the local disk's
+            space = " (free space there, or pass another local_dir)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            raise WriteError(e.errno, f"downloading step {step} from {self._tier.url} into {e.filename or where} "
+                                      f"failed: {e.strerror or e}{space}; nothing was committed in {self._root}") from e
         return manifest

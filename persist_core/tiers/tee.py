@@ -8,6 +8,10 @@ own: if every block of every file arrived, the files are fsynced, the manifest w
 directory renamed into place, exactly as a writer commits; otherwise (a load that needed only part of
 the files) the temporary directory is removed. Owned by a mark while it exists (see
 :mod:`persist_core.ownership`), so a kill leaves only a dead temporary.
+
+The copy is a convenience for the next restore, never a condition of this one: on a disk the file system
+says is too small it is not started, and a write that fails (``ENOSPC``) drops it with one warning naming
+the path; the load goes on from memory and :meth:`LocalCopy.finish` removes what was written.
 """
 
 from __future__ import annotations
@@ -39,18 +43,25 @@ class LocalCopy:
         self._root = root
         self._manifest = manifest
         self._owned = contextlib.ExitStack()
-        self._tmp = self._owned.enter_context(claim_tmp(root, manifest.step))
+        self._tmp = root
         self._lock = threading.Lock()
         self._seen: dict[str, set[int]] = {f.name: set() for f in manifest.files}
         self._fds: dict[str, int] = {}
         self.failed = False  # a write failed (a full disk): the copy is dropped, the load goes on
+        short = _short_of_space(root, manifest.nbytes)
+        if short:
+            self._drop(short)
+            return
+        path = root
         try:
+            self._tmp = path = self._owned.enter_context(claim_tmp(root, manifest.step))
             for f in manifest.files:
-                fd = os.open(self._tmp / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                path = self._tmp / f.name
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 self._fds[f.name] = fd
                 os.ftruncate(fd, f.size)
         except OSError as e:
-            self._drop(f"could not start the local copy: {e}")
+            self._drop(f"could not start it in {e.filename or path}: {e.strerror or e}")
 
     def write(self, f: FileEntry, first: int, views: list[memoryview]) -> None:
         """Write verified blocks ``first, first + 1, ...`` of file ``f`` (any read thread)."""
@@ -65,7 +76,7 @@ class LocalCopy:
                     done += os.pwrite(self._fds[f.name], view[done:], offset + done)
                 offset += len(view)
         except OSError as e:
-            self._drop(f"writing the local copy failed: {e}")
+            self._drop(f"writing {self._tmp / f.name} failed: {e.strerror or e}")
             return
         with self._lock:
             self._seen[f.name].update(range(first, -(-offset // f.chunk_bytes)))
@@ -100,7 +111,8 @@ class LocalCopy:
             log.info("[step=%d] the streamed restore left a local copy in %s", self._manifest.step, final)
             return True
         except OSError as e:
-            log.warning("[step=%d] could not commit the local copy: %s", self._manifest.step, e)
+            log.warning("[step=%d] could not commit the local copy in %s (%s); it is removed, the load was not "
+                        "affected", self._manifest.step, e.filename or self._tmp, e.strerror or e)
             return False
         finally:
             self._close()
@@ -111,12 +123,31 @@ class LocalCopy:
         self._close()
 
     def _drop(self, why: str) -> None:
-        if not self.failed:
-            log.warning("[step=%d] %s; the restore goes on without one", self._manifest.step, why)
-        self.failed = True
+        with self._lock:  # once, however many read threads fail at once
+            first, self.failed = not self.failed, True
+        if first:
+            log.warning("[step=%d] no local copy of this restore in %s: %s; the load goes on from memory (what was "
+                        "written is removed; free space there for the next restore to find it on disk)",
+                        self._manifest.step, self._root, why)
 
     def _close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
         self._owned.close()  # removes whatever was not renamed into place, then the mark
+
+
+#: Room left beside a local copy: its manifest, and a little for whatever else writes there.
+_HEADROOM_BYTES = 1 << 20
+
+
+def _short_of_space(root: Path, nbytes: int) -> str | None:
+    """Why a copy of ``nbytes`` will not fit in ``root``'s file system, or ``None`` (also when it cannot tell)."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= nbytes + _HEADROOM_BYTES:
+        return None
+    return f"the checkpoint takes {nbytes} bytes and its file system has {free} free"
