@@ -28,6 +28,10 @@ MAX_STEP = 10**18 - 1
 #: The most threads one shard is written (or one reader reads) with: past the cores of any host, more only
 #: cost memory and start-up (10**6 of them exhausted the process before the first write).
 MAX_WRITE_THREADS = 256
+#: The largest ``chunk_bytes``: Linux moves at most 2 GiB - 4 KiB in one pwrite, and a chunk is checksummed whole.
+MAX_CHUNK_BYTES = 1 << 30
+#: The most saves staged or writing at once: each holds a staging buffer the size of this rank's state.
+MAX_PENDING = 64
 
 
 def _env_int(name: str, default: int, *, minimum: int, multiple: int = 1, what: str = "",
@@ -54,8 +58,9 @@ def write_threads() -> int:
 
 
 def chunk_bytes() -> int:
-    """Size of one pwrite and of one checksummed chunk: ``PERSIST_CHUNK_BYTES`` (multiple of 4 KiB)."""
-    return _env_int("PERSIST_CHUNK_BYTES", 32 << 20, minimum=PAGE_BYTES, multiple=PAGE_BYTES)
+    """Size of one pwrite and of one checksummed chunk: ``PERSIST_CHUNK_BYTES`` (multiple of 4 KiB, at most
+    :data:`MAX_CHUNK_BYTES`)."""
+    return _env_int("PERSIST_CHUNK_BYTES", 32 << 20, minimum=PAGE_BYTES, multiple=PAGE_BYTES, maximum=MAX_CHUNK_BYTES)
 
 
 def direct_io() -> str:
@@ -135,8 +140,10 @@ class WriteSettings:
         if not whole(self.write_threads) or not 1 <= self.write_threads <= MAX_WRITE_THREADS:
             raise ConfigError(f"write_threads={self.write_threads!r} must be an int from 1 to {MAX_WRITE_THREADS} "
                               "(threads writing one shard; the default, 4, suits most NVMe disks)")
-        if not whole(self.chunk_bytes) or self.chunk_bytes < PAGE_BYTES or self.chunk_bytes % PAGE_BYTES:
-            raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be a positive multiple of {PAGE_BYTES}")
+        if not whole(self.chunk_bytes) or not PAGE_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES \
+                or self.chunk_bytes % PAGE_BYTES:
+            raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be a multiple of {PAGE_BYTES} from {PAGE_BYTES} to "
+                              f"MAX_CHUNK_BYTES={MAX_CHUNK_BYTES} (the default, 32 MiB, suits most disks)")
         if self.direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"direct_io={self.direct_io!r} must be 'auto', 'on' or 'off'")
         if isinstance(self.remote_timeout_s, bool) or not isinstance(self.remote_timeout_s, (int, float)) \
@@ -145,9 +152,10 @@ class WriteSettings:
         if self.max_unsynced_bytes is not None and (not whole(self.max_unsynced_bytes) or self.max_unsynced_bytes < 1):
             raise ConfigError(f"max_unsynced_bytes={self.max_unsynced_bytes!r} must be a positive int (bytes) or None")
         check_bool("verify", self.verify)
-        if not whole(self.max_pending) or self.max_pending < 1:
+        if not whole(self.max_pending) or not 1 <= self.max_pending <= MAX_PENDING:
             raise ConfigError(
-                f"max_pending={self.max_pending!r} must be at least 1 (each pending save holds one staging buffer)"
+                f"max_pending={self.max_pending!r} must be an int from 1 to {MAX_PENDING} (each pending save holds one "
+                "staging buffer the size of the state)"
             )
 
 
@@ -159,10 +167,12 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def check_local_dir(value: object) -> os.PathLike[str] | str:
-    """``value`` if it names a local directory; a ConfigError for ``None``, a non-path or a URL."""
+    """``value`` if it names a local directory; a ConfigError for ``None``, a non-path, a NUL in it or a URL."""
     if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
         raise ConfigError(f"local_dir={value!r} must be a directory path (str or pathlib.Path), e.g. '/nvme/ckpt'")
     text = os.fspath(value)
+    if isinstance(text, str) and "\x00" in text:
+        raise ConfigError(f"local_dir={text!r} holds a NUL character, which no path can; pass e.g. '/nvme/ckpt'")
     if isinstance(text, str) and is_url(text):
         raise ConfigError(f"local_dir={text!r} is a URL; local_dir is a directory on this machine (ideally NVMe) and "
                           f"the URL goes in remote_url: local_dir='/nvme/ckpt', remote_url={text!r}")
@@ -235,9 +245,12 @@ def check_step(value: object, *, name: str = "step", what: str = "the training s
         step = None
     if step is None:
         raise ConfigError(f"{name}={value!r} must be an int from 0 to MAX_STEP={MAX_STEP} ({what})")
-    if not 0 <= step <= MAX_STEP:
-        raise ConfigError(f"{name}={step!r} is outside 0..MAX_STEP={MAX_STEP} ({what}); steps are named with at "
-                          "most 18 digits: count steps from 0, not from a timestamp in ns or a random number")
+    if step < 0:
+        raise ConfigError(f"{name}={step!r} must be >= 0 ({what})")
+    if step > MAX_STEP:
+        raise ConfigError(f"{name}={step!r} is past MAX_STEP={MAX_STEP} ({what}): steps are named with at most 18 "
+                          "digits, and one past them would be the newest for good; count steps from 0, not from a "
+                          "timestamp in ns or a random number")
     return step
 
 
@@ -258,6 +271,30 @@ def check_resume_step(value: object, reader: Any) -> int:
                           f"steps: {shown}{' ...' if len(steps) > 10 else ''}); pass one of them, or call load(), "
                           "which resumes from what it loads")
     return step
+
+
+def check_timeout(value: object) -> float | None:
+    """``value`` if it is ``None`` (no limit) or a number of seconds >= 0; else a ConfigError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ConfigError(f"timeout={value!r} must be a number of seconds >= 0, or None to wait as long as it takes")
+    return value
+
+
+def check_signals(value: object) -> tuple[int, ...]:
+    """``value`` as a tuple if it is a non-empty sequence of signals this process can catch (``signal.SIGTERM``,
+    ``signal.SIGUSR1``); else a ConfigError (found at construction, not when the handler is installed)."""
+    import signal
+
+    if isinstance(value, (int, str)) or not isinstance(value, (tuple, list)) or not value:
+        raise ConfigError(f"preemption_signals={value!r} must be a non-empty tuple of signals, e.g. (signal.SIGTERM,)")
+    catchable = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
+    for sig in value:
+        if isinstance(sig, bool) or not isinstance(sig, int) or sig not in catchable:
+            raise ConfigError(f"preemption_signals={tuple(value)!r}: {sig!r} is not a signal this process can catch; "
+                              "pass e.g. (signal.SIGTERM,) or (signal.SIGTERM, signal.SIGUSR1)")
+    return tuple(value)
 
 
 def check_callable(**values: object) -> None:
@@ -284,10 +321,13 @@ def check_map_location(value: object) -> Any:
     if value is None:
         return None
     try:
-        torch.device(value)  # type: ignore[call-overload]
+        device = torch.device(value)  # type: ignore[call-overload]
     except (RuntimeError, TypeError, ValueError) as e:
         raise ConfigError(f"map_location={value!r} is not a device ({e}); pass e.g. 'cpu', 'cuda:0' or a "
                           "torch.device") from e
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"map_location={value!r}: this process sees {torch.cuda.device_count()} CUDA device(s); "
+                          "pass 'cpu' or one of them")
     return value
 
 

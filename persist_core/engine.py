@@ -416,6 +416,7 @@ class CheckpointEngine:
             RemoteError: uploads still fail after ``remote_timeout_s`` (names the un-synced steps).
             PersistError: a background failure no other call has raised yet (raised once).
         """
+        _knobs.check_timeout(timeout)
         self._overlap.fence()
         try:
             self._pipeline.drain(timeout)

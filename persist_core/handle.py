@@ -17,6 +17,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+from persist_core._knobs import check_timeout
+
 
 @dataclass(frozen=True)
 class SaveStats:
@@ -128,7 +130,7 @@ class SaveHandle:
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the state is copied (a guarded save copies in the background): after this the
         caller may mutate anything. Failures are raised by :meth:`wait`."""
-        self._staged.result(timeout)
+        self._staged.result(check_timeout(timeout))
 
     def _set_staged(self) -> None:
         if not self._staged.done():
@@ -154,7 +156,7 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every phase has finished; same errors as :meth:`wait_local`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if check_timeout(timeout) is None else time.monotonic() + timeout
         self._wait_for(self._local, timeout)
         self._wait_for(self._remote, None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._raise_error()
@@ -168,7 +170,7 @@ class SaveHandle:
 
     def _wait_for(self, phase: Future[None], timeout: float | None) -> None:
         try:
-            phase.result(timeout)
+            phase.result(check_timeout(timeout))
         except FutureTimeout:
             raise TimeoutError(f"checkpoint step {self.step} not committed within {timeout} s") from None
 

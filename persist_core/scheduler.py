@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from persist_core import _knobs
 from persist_core.distributed import Collectives, decision_channel
 from persist_core.errors import ConfigError
 from persist_core.history import SaveHistory
@@ -53,6 +54,7 @@ class SaveScheduler:
 
     def should_save(self, step: int, *, policy: SavePolicy | None = None) -> bool:
         """This process's decision alone; see :meth:`CheckpointEngine.should_save`."""
+        step = _knobs.check_step(step)
         writing = self._in_flight()
         known = self._known(step)
         self._history.meter.observe(step, self._clock(), writing)

@@ -98,7 +98,7 @@ class PersistOptions:
             check_save_policy(self.save_policy)
         if not self.preemption_signals:
             raise ConfigError("preemption_signals=() is empty; pass at least one, e.g. (signal.SIGTERM,)")
-        object.__setattr__(self, "preemption_signals", tuple(self.preemption_signals))
+        object.__setattr__(self, "preemption_signals", _knobs.check_signals(self.preemption_signals))
         _knobs.check_remote_url(self.remote_url)
         if self.remote_url is not None:
             _check_backend(self.remote_url)
@@ -113,7 +113,7 @@ class PersistOptions:
             ConfigError: a bad value (named), or ``retention`` together with a keyword.
         """
         policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds, retention)
-        return cls(local_dir=Path(local_dir), retention=policy, **options)
+        return cls(local_dir=local_dir, retention=policy, **options)  # type: ignore[arg-type]  # made a Path, checked
 
 
 def _check_backend(url: str) -> None:

@@ -40,6 +40,7 @@ def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: 
     Example:
       persist pull s3://bucket/run-7 /nvme/ckpt --step 1200
     """
+    distinct(url, local_dir)
     loc = open_location(ctx, url)
     s = loc.step_or_latest(step)
     nbytes, t0 = loc.manifest(s).nbytes, time.perf_counter()
@@ -66,6 +67,7 @@ def push(ctx: click.Context, local_dir: str, url: str, quiet: bool, as_json: boo
     Example:
       persist push /nvme/ckpt s3://bucket/run-7
     """
+    distinct(local_dir, url)
     local = open_location(ctx, local_dir)
     if local.root is None or "://" not in url:
         raise click.UsageError(f"push takes a local directory, then a remote URL (s3://bucket/run, "

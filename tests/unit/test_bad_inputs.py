@@ -8,6 +8,7 @@ remote that is not there). The real engine, reader and ``persist`` command; ``me
 
 from __future__ import annotations
 
+import signal
 import uuid
 from pathlib import Path
 
@@ -59,6 +60,8 @@ ENGINE_ARGS = [
     pytest.param(dict(remote_url="memory:///run\x00x"), "\\\\x00", id="remote_url-nul"),
     pytest.param(dict(remote_url="s3://bucket/run\n"), "\\\\n", id="remote_url-newline"),
     pytest.param(dict(clock=5), "clock=5", id="clock-not-callable"),
+    pytest.param(dict(chunk_bytes=1 << 40), "chunk_bytes=1099511627776", id="chunk_bytes-huge"),
+    pytest.param(dict(max_pending=10**6), "max_pending=1000000", id="max_pending-huge"),
 ]
 
 
@@ -70,7 +73,13 @@ def test_the_engine_refuses_a_bad_argument_at_construction(tmp_path, kwargs, nam
         engine.save(state(1), step=1)
 
 
-@pytest.mark.parametrize("variable, value", [("PERSIST_WRITE_THREADS", "1000000"), ("PERSIST_RUN_ID", "a/b")])
+def test_a_local_dir_with_a_nul_is_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match="NUL"):
+        CheckpointEngine(f"{tmp_path}/a\x00b")
+
+
+@pytest.mark.parametrize("variable, value", [("PERSIST_WRITE_THREADS", "1000000"), ("PERSIST_RUN_ID", "a/b"),
+                                             ("PERSIST_CHUNK_BYTES", str(1 << 40))])
 def test_the_environment_is_checked_as_the_arguments_are(tmp_path, monkeypatch, variable, value):
     monkeypatch.setenv(variable, value)
     with pytest.raises(ConfigError, match=variable):
@@ -93,6 +102,9 @@ ADAPTER_ARGS = [
     pytest.param(dict(remote_url="memory:///run\x00x"), "\\\\x00", id="remote_url-nul"),
     pytest.param(dict(retention=KeepLastN), "KeepLastN\\(", id="retention-class"),
     pytest.param(dict(save_policy=Continuous), "Continuous\\(", id="save_policy-class"),
+    pytest.param(dict(preemption_signals=("SIGTERM",)), "'SIGTERM'", id="signal-by-name"),
+    pytest.param(dict(preemption_signals=(signal.SIGKILL,)), "SIGKILL", id="signal-uncatchable"),
+    pytest.param(dict(max_pending=10**6), "max_pending=1000000", id="max_pending-huge"),
 ]
 
 
@@ -100,6 +112,11 @@ ADAPTER_ARGS = [
 def test_every_adapters_options_refuse_them_in_one_place(tmp_path, kwargs, names):
     with pytest.raises(ConfigError, match=names):
         PersistOptions.from_keywords(tmp_path / "ckpt", **kwargs)
+
+
+def test_options_without_a_local_dir_are_refused_by_name():
+    with pytest.raises(ConfigError, match="local_dir=None"):
+        PersistOptions.from_keywords(None)
 
 
 def test_an_adapter_refuses_them_when_built(tmp_path):
@@ -157,6 +174,7 @@ LOADS = [
     pytest.param(dict(into="model"), "into='model'", id="into-str"),
     pytest.param(dict(verify="no"), "verify='no'", id="verify-str"),
     pytest.param(dict(map_location="nowhere"), "map_location='nowhere'", id="map_location-unknown"),
+    pytest.param(dict(map_location="cuda:99"), "map_location='cuda:99'", id="map_location-no-such-gpu"),
 ]
 
 
@@ -174,11 +192,29 @@ def test_load_refuses_a_bad_argument_on_the_reader_and_the_engine(saved, kwargs,
         engine.save(state(3), step=3)  # no resume was taken from the bad call
 
 
-def test_fetch_refuses_a_bool_step(saved):
+def test_waits_and_decisions_refuse_what_is_not_a_timeout_or_a_step(tmp_path):
+    with CheckpointEngine(tmp_path / "ckpt", save_policy=Continuous(), preemption=None) as engine:
+        handle = engine.save(state(1), step=1)
+        for timeout in (-1, "x", float("nan")):
+            with pytest.raises(ConfigError, match="timeout="):
+                engine.wait(timeout)
+            with pytest.raises(ConfigError, match="timeout="):
+                handle.wait(timeout)
+        with pytest.raises(ConfigError, match="step=True"):
+            engine.should_save(True)
+        with pytest.raises(ConfigError, match="step=-1"):
+            engine.maybe_save(lambda: state(2), step=-1)
+        engine.wait()
+        assert [c.step for c in engine.list()] == [1]
+
+
+def test_fetch_refuses_a_bool_step_and_load_a_negative_rank(saved):
     local, url = saved
     with CheckpointReader(local.parent / "other", remote_url=url) as reader:
         with pytest.raises(ConfigError, match="step=True"):
             reader.fetch(True)
+        with pytest.raises(ConfigError, match="rank=-1"):
+            reader.load(rank=-1)
 
 
 @pytest.mark.parametrize("step, names", [(99, "99.*1, 2"), (True, "step=True"), (-1, "step=-1")])
@@ -223,12 +259,21 @@ def _args(d: Path) -> dict[str, list[str]]:
         "ls-zero-milestones": ["ls", str(d), "--milestones", "0"],
         "ls-negative-milestones": ["ls", str(d), "--milestones", "-5"],
         "inspect-negative-step": ["inspect", str(d), "--step", "-1"],
+        "inspect-negative-depth": ["inspect", str(d), "--depth", "-1"],
+        "rm-negative-step": ["rm", str(d), "--step", "-1"],
+        "export-negative-step": ["export", str(d), "--step", "-1", "--to", f"{d.parent}/out.pt"],
+        "gc-keep-none": ["gc", str(d), "--keep-last", "0"],
+        "gc-nan-seconds": ["gc", str(d), "--keep-every-n-seconds", "nan"],
+        "push-onto-itself": ["push", str(d), f"file://{d}"],
+        "pull-onto-itself": ["pull", f"file://{d}", str(d)],
     }
 
 
 NAMES = {"cp-onto-itself": "itself", "cp-onto-itself-as-url": "itself", "sync-onto-itself": "itself",
          "sync-onto-itself-by-another-name": "itself", "gc-nan-age": "nan", "stats-negative-rows": "-1",
-         "ls-zero-milestones": "0", "ls-negative-milestones": "-5", "inspect-negative-step": "-1"}
+         "ls-zero-milestones": "0", "ls-negative-milestones": "-5", "inspect-negative-step": "-1",
+         "inspect-negative-depth": "-1", "rm-negative-step": "-1", "export-negative-step": "-1", "gc-keep-none": "0",
+         "gc-nan-seconds": "nan", "push-onto-itself": "itself", "pull-onto-itself": "itself"}
 
 
 @pytest.mark.parametrize("case", list(NAMES))
