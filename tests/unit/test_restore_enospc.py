@@ -161,6 +161,7 @@ def test_a_reader_without_with_commits_its_copy_at_close(remote, tmp_path):
     assert [c.step for c in CheckpointReader(tmp_path / "fresh").list()] == [2]
 
 
+@pytest.mark.slow  # a child interpreter
 def test_a_reader_without_with_commits_its_copy_before_the_interpreter_exits(tmp_path):
     url = f"file://{tmp_path}/remote"
     with CheckpointEngine(tmp_path / "writer", remote_url=url) as engine:
