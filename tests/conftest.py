@@ -76,8 +76,11 @@ def s3_endpoint():
 
 
 @pytest.fixture
-def bucket(s3_endpoint):
+def bucket(s3_endpoint, monkeypatch):
     import s3fs
+
+    for k, v in CREDENTIALS.items():  # again per test: a session started inside a test (getfixturevalue) set
+        monkeypatch.setenv(k, v)       # them after _environment_restored saved the environment, which then dropped them
 
     name = f"test-{uuid.uuid4().hex[:12]}"
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
