@@ -25,22 +25,36 @@ A remote holds ``.lease.json`` beside its checkpoints: the run writing there, un
 
 A temporary directory whose ``.owner`` file nobody holds locked (or that has none) is dead: any
 process may remove it. See :mod:`persist_core.ownership`.
+
+A name is ours only if it round-trips: its parser's result, formatted again, gives back exactly that
+name (ASCII digits, no trailing newline, no extra leading zero). Anything else under ``local_dir`` is not
+a checkpoint, a temporary, a lock or a shard, and never stops a load. Steps run from 0 to
+:data:`MAX_STEP`; a step is written with 12 digits at least, more past 10**12 - 1.
 """
 
 from __future__ import annotations
 
 import re
 
+from persist_core.errors import ConfigError
+
 MANIFEST_NAME = "manifest.json"
 
-_STEP_DIGITS = 12
-_CHECKPOINT_RE = re.compile(r"^step-(\d{%d,})$" % _STEP_DIGITS)
-_TMP_RE = re.compile(r"^\.tmp-step-(\d+)-pid(\d+)-[0-9a-f]+$")
-_ABANDONED_RE = re.compile(r"^abandoned-step-(\d{%d,})-at-(\d{%d,}|start)-[0-9a-f]+$" % (_STEP_DIGITS, _STEP_DIGITS))
+MAX_STEP = 2**63 - 1
+"""The largest step the layout supports: the largest a signed 64-bit step counter holds (19 digits), so
+that every name (``abandoned-step-N-at-M-...``, ``.tmp-step-N-pid...owner``) stays far below a file name's
+255 bytes. A larger step is a :class:`ConfigError` when its name is made (at ``save()``)."""
+
+_STEP_DIGITS = 12  # at least; a step past 10**12 - 1 is written with all its digits
+_STEP = rf"([0-9]{{{_STEP_DIGITS},{len(str(MAX_STEP))}}})"  # ASCII digits only; bounded before int()
+_INDEX = r"([0-9]{5,10})"  # a rank: 5 digits at least
+_CHECKPOINT_RE = re.compile(r"step-" + _STEP)
+_TMP_RE = re.compile(rf"\.tmp-step-{_STEP}-pid([0-9]{{1,10}})-([0-9a-f]{{1,32}})")
+_ABANDONED_RE = re.compile(rf"abandoned-step-{_STEP}-at-({_STEP[1:-1]}|start)-([0-9a-f]{{1,32}})")
 
 #: the branch point of a run that started over (``start_over=True``): every committed checkpoint is set aside
 START = -1
-_LOCK_RE = re.compile(r"^\.lock-rank-(\d{5,})$")
+_LOCK_RE = re.compile(r"\.lock-rank-" + _INDEX)
 
 OWNER_SUFFIX = ".owner"
 LEASE_NAME = ".lease.json"  # on the remote: which run writes there, until when
@@ -75,15 +89,46 @@ def trainer_checkpoint_dirname(step: int) -> str:
     return f"checkpoint-{step}"
 
 
+def check_step(step: int) -> int:
+    """``step`` when the layout can name it (0 to :data:`MAX_STEP`).
+
+    Raises:
+        ConfigError: ``step`` is negative or past :data:`MAX_STEP` (the message names it and the range).
+    """
+    if not 0 <= step <= MAX_STEP:
+        raise ConfigError(f"step={step} is outside the steps torch-persist's layout supports "
+                          f"(0 to MAX_STEP={MAX_STEP}, 2**63 - 1): pass the training step, a counter of optimizer steps")
+    return step
+
+
+def _digits(step: int) -> str:
+    return f"{check_step(step):0{_STEP_DIGITS}d}"
+
+
+def _fullmatch(pattern: re.Pattern[str], name: object) -> re.Match[str] | None:
+    return pattern.fullmatch(name) if isinstance(name, str) else None
+
+
+def _step(digits: str) -> int | None:
+    step = int(digits)
+    return step if step <= MAX_STEP else None
+
+
 def checkpoint_dirname(step: int) -> str:
-    """Name of the committed checkpoint directory for ``step``."""
-    return f"step-{step:0{_STEP_DIGITS}d}"
+    """Name of the committed checkpoint directory for ``step``.
+
+    Raises:
+        ConfigError: ``step`` is negative or past :data:`MAX_STEP`.
+    """
+    return f"step-{_digits(step)}"
 
 
 def parse_checkpoint_dirname(name: str) -> int | None:
-    """The step of a committed checkpoint directory name, or ``None`` for any other name."""
-    m = _CHECKPOINT_RE.match(name)
-    return int(m.group(1)) if m else None
+    """The step of a committed checkpoint directory name, or ``None`` for any other name (one that
+    :func:`checkpoint_dirname` does not give back exactly)."""
+    m = _fullmatch(_CHECKPOINT_RE, name)
+    step = None if m is None else _step(m.group(1))
+    return step if step is not None and checkpoint_dirname(step) == name else None
 
 
 def tmp_dirname(step: int, pid: int, token: str) -> str:
@@ -92,9 +137,13 @@ def tmp_dirname(step: int, pid: int, token: str) -> str:
 
 
 def parse_tmp_dirname(name: str) -> tuple[int, int] | None:
-    """``(step, pid)`` of a temporary directory name, or ``None`` for any other name."""
-    m = _TMP_RE.match(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    """``(step, pid)`` of a temporary directory name, or ``None`` for any other name (one that
+    :func:`tmp_dirname` does not give back exactly)."""
+    m = _fullmatch(_TMP_RE, name)
+    step = None if m is None else _step(m.group(1))
+    if step is None or tmp_dirname(step, int(m.group(2)), m.group(3)) != name:
+        return None
+    return step, int(m.group(2))
 
 
 def shard_filename(rank: int, *, torch_zip: bool = False) -> str:
@@ -104,13 +153,16 @@ def shard_filename(rank: int, *, torch_zip: bool = False) -> str:
     return f"rank-{rank:05d}.{'ckpt' if torch_zip else 'safetensors'}"
 
 
-_SHARD_RE = re.compile(r"^rank-(\d{5,})\.(safetensors|ckpt)$")
+_SHARD_RE = re.compile(rf"rank-{_INDEX}\.(safetensors|ckpt)")
 
 
 def parse_shard_filename(name: str) -> int | None:
-    """The rank of a shard file name, or ``None`` for any other name."""
-    m = _SHARD_RE.fullmatch(name) if isinstance(name, str) else None  # fullmatch: no trailing newline either
-    return int(m.group(1)) if m else None
+    """The rank of a shard file name, or ``None`` for any other name (one that :func:`shard_filename`
+    does not give back exactly)."""
+    m = _fullmatch(_SHARD_RE, name)
+    if m is None or shard_filename(int(m.group(1)), torch_zip=m.group(2) == "ckpt") != name:
+        return None
+    return int(m.group(1))
 
 
 def owner_filename(tmp_name: str) -> str:
@@ -124,25 +176,28 @@ def lock_filename(rank: int) -> str:
 
 
 def parse_lock_filename(name: str) -> int | None:
-    """The rank of a writer lock file name, or ``None`` for any other name."""
-    m = _LOCK_RE.match(name)
-    return int(m.group(1)) if m else None
+    """The rank of a writer lock file name, or ``None`` for any other name (one that
+    :func:`lock_filename` does not give back exactly)."""
+    m = _fullmatch(_LOCK_RE, name)
+    return int(m.group(1)) if m is not None and lock_filename(int(m.group(1))) == name else None
 
 
 def abandoned_dirname(step: int, at: int, token: str) -> str:
     """Name a checkpoint of an abandoned branch is set aside under: ``step``, set aside when a run
     resumed from ``at`` and saved past it (``at-start`` for :data:`START`: a run that started over)."""
-    point = "start" if at == START else f"{at:0{_STEP_DIGITS}d}"
+    point = "start" if at == START else _digits(at)
     return f"abandoned-{checkpoint_dirname(step)}-at-{point}-{token}"
 
 
 def parse_abandoned_dirname(name: str) -> tuple[int, int] | None:
-    """``(step, at)`` of a set-aside checkpoint's name (``at`` is :data:`START` for a run that started over),
-    or ``None`` for any other name."""
-    m = _ABANDONED_RE.match(name)
-    if not m:
+    """``(step, at)`` of a set-aside checkpoint's name, or ``None`` for any other name (one that
+    :func:`abandoned_dirname` does not give back exactly)."""
+    m = _fullmatch(_ABANDONED_RE, name)
+    step, at = (None, None) if m is None else (
+        _step(m.group(1)), START if m.group(2) == "start" else _step(m.group(2)))
+    if step is None or at is None or abandoned_dirname(step, at, m.group(3)) != name:
         return None
-    return int(m.group(1)), START if m.group(2) == "start" else int(m.group(2))
+    return step, at
 
 
 def node_probe_filename(token: str, rank: int) -> str:
