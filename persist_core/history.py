@@ -12,17 +12,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import statistics
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+from persist_core.errors import ConfigError
+from persist_core.handle import SaveHandle, SaveStats
 from persist_core.layout import HISTORY_NAME
 from persist_core.policies.save import Clock, DecisionContext
-from persist_core.handle import SaveHandle, SaveStats
+from persist_core.sidefiles import open_side_file, warn_once
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +227,14 @@ class HistoryLog:
         data = (json.dumps(line) + "\n").encode()
         with self._lock:
             try:
-                fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                fd = open_side_file(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            except ConfigError as e:  # a link: never appended through
+                warn_once(log, str(self._path), "not recording what saves cost: %s", e)
+                return
+            except OSError as e:
+                log.warning("could not append to %s: %s", self._path, e)
+                return
+            try:
                 try:
                     os.write(fd, data)  # one write of one line: appends never interleave
                     full = os.fstat(fd).st_size >= self.max_bytes
@@ -240,12 +250,33 @@ def _rotated(path: Path) -> Path:
     return path.with_name(path.name + ".1")
 
 
+def _open(path: Path) -> BinaryIO | None:
+    """The history file ``path`` open for reading, or ``None`` when there is none (or a link is there: never
+    followed, said once)."""
+    try:
+        fd = open_side_file(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except (ConfigError, OSError) as e:
+        warn_once(log, str(path), "not reading what saves cost from %s: %s", path, e)
+        return None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        warn_once(log, str(path), "not reading what saves cost from %s: not a regular file", path)
+        return None
+    return f
+
+
 def recent_costs(root: Path, n: int = _RECENT, tail_bytes: int = 64 << 10) -> Prior | None:
     """What the last ``n`` saves recorded in ``root``'s history cost (read from the file's last ``tail_bytes``,
     or the rotated file's when the new one has none yet), or ``None`` without such records."""
     for path in (root / HISTORY_NAME, _rotated(root / HISTORY_NAME)):
+        f = _open(path)
+        if f is None:
+            continue
         try:
-            with open(path, "rb") as f:
+            with f:
                 size = f.seek(0, os.SEEK_END)
                 f.seek(max(0, size - tail_bytes))
                 lines = f.read().split(b"\n")[1 if size > tail_bytes else 0:]  # the first may be cut
@@ -272,12 +303,12 @@ def read_history(root: Path) -> list[dict[str, Any]]:
     """Per step (ascending), what ``local_dir``'s history says of its save: the ``committed`` line's numbers
     and, once uploaded, the ``uploaded`` line's (``lag_s``, ``upload_gbps``). Unreadable lines are skipped."""
     by_step: dict[int, dict[str, Any]] = {}
-    lines: list[str] = []
+    lines: list[bytes] = []
     for path in (_rotated(root / HISTORY_NAME), root / HISTORY_NAME):  # the older records first
-        try:
-            lines += path.read_text().splitlines()
-        except FileNotFoundError:
-            pass
+        f = _open(path)
+        if f is not None:
+            with f:
+                lines += f.read().splitlines()
     for raw in lines:
         try:
             line = json.loads(raw)

@@ -15,6 +15,11 @@ process's locks when it dies, however it dies (SIGKILL included).
   directory whose mark nobody holds, or that has none, is dead: :func:`remove_dead` removes it.
 * **Un-synced record** (:func:`write_unsynced`): the steps committed here and not yet uploaded,
   rewritten by the upload queue when that set changes; ``persist gc`` never removes them.
+* **Links are not ours.** Anyone who can write into a shared directory can plant a symbolic link where
+  a file or directory of ours goes. Side files are opened without following links
+  (:mod:`persist_core.sidefiles`; temporaries are created with ``O_EXCL``), so a link there is a
+  :class:`ConfigError` naming it instead of a write to its target; a link where a checkpoint or a
+  temporary directory goes is never followed, renamed or removed: it is skipped, with one warning.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from persist_core.errors import DirectoryInUseError
+from persist_core.errors import ConfigError, DirectoryInUseError
 from persist_core.fileio import fsync_dir
 from persist_core.layout import (
     OWNER_SUFFIX,
@@ -45,11 +50,17 @@ from persist_core.layout import (
     parse_tmp_dirname,
     tmp_dirname,
 )
+from persist_core.sidefiles import (
+    is_link,
+    linked,
+    open_side_file,
+    read_side_file,
+    write_side_file,
+)
 
 log = logging.getLogger(__name__)
 
 _TAKE_TRIES = 20  # a probe by ``persist gc`` holds a lock for microseconds: try again a little
-
 
 def _identity() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(),
@@ -74,8 +85,8 @@ def _read_record(fd: int) -> dict[str, Any] | None:
 def _held_by_other(path: Path) -> tuple[bool, dict[str, Any] | None]:
     """``(locked by a live process, its record)`` for a lock file, taking the lock for an instant only."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = open_side_file(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, ConfigError):  # a link is nobody's lock
         return False, None
     try:
         record = _read_record(fd)
@@ -102,15 +113,19 @@ class DirLock:
             os.close(self.fd)
             self.fd = None
 
+    def __del__(self) -> None:  # one dropped unreleased (an engine whose construction failed after taking it)
+        self.release()
+
 
 def take(root: Path, rank: int) -> DirLock:
     """Take the writer lock of ``rank`` on ``root`` and write this process's name into it.
 
     Raises:
         DirectoryInUseError: a live process holds it (the message names host, pid and start time).
+        ConfigError: a symbolic link is where the lock file goes (named).
     """
     path = root / lock_filename(rank)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = open_side_file(path, os.O_RDWR | os.O_CREAT)
     try:
         for attempt in range(_TAKE_TRIES):
             try:
@@ -175,7 +190,7 @@ def _new_mark(mark: Path) -> int:
             return fd
         except OSError:
             os.close(fd)
-    fd = os.open(mark, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = open_side_file(mark, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     return fd
@@ -196,6 +211,8 @@ def claim_tmp(root: Path, step: int, name: str | None = None) -> Iterator[Path]:
     fd = _new_mark(mark)
     try:
         os.makedirs(root / name, exist_ok=shared)
+        if shared and os.path.islink(root / name):  # exist_ok takes a link to a directory: not ours
+            raise linked(root / name)
         try:
             yield root / name
         finally:
@@ -208,8 +225,8 @@ def claim_tmp(root: Path, step: int, name: str | None = None) -> Iterator[Path]:
 def _owner_alive(root: Path, name: str) -> tuple[bool, int | None]:
     """``(a live process owns tmp ``name``, the fd of its mark locked by us, or None)``."""
     try:
-        fd = os.open(root / owner_filename(name), os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = open_side_file(root / owner_filename(name), os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, ConfigError):  # a link is no mark: nobody owns the directory
         return False, None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -230,6 +247,8 @@ def dead_tmp(root: Path) -> list[Path]:
         base = name.removesuffix(OWNER_SUFFIX)
         if parse_tmp_dirname(base) is None or (name != base and base in names):
             continue
+        if name == base and is_link(root / name):  # not ours: never removed
+            continue
         if name != base and not _whole(root / name) and _age(root / name) < _STRAY_MARK_AGE_S:
             continue  # maybe created, not yet locked: its directory comes next
         alive, fd = _owner_alive(root, base)
@@ -243,8 +262,8 @@ def dead_tmp(root: Path) -> list[Path]:
 def _whole(mark: Path) -> bool:
     """The mark was locked before it had its name (so unlocked means dead)."""
     try:
-        return bool(json.loads(mark.read_bytes() or b"{}").get("whole"))
-    except (OSError, ValueError, AttributeError):
+        return bool(json.loads(read_side_file(mark) or b"{}").get("whole"))
+    except (OSError, ValueError, AttributeError):  # ConfigError (a link) is a ValueError
         return False
 
 
@@ -288,7 +307,10 @@ def discard(root: Path, ckpt: Path) -> None:
     """Remove ``ckpt`` (a directory under ``root``) so that a crash part-way leaves only dead temporaries.
 
     One rename takes it out of the checkpoints (made durable), then it is deleted under an owner mark.
+    A symbolic link is not ours: left alone (:func:`is_link`).
     """
+    if is_link(ckpt):
+        return
     with claim_tmp(root, parse_checkpoint_dirname(ckpt.name) or 0) as trash:
         os.rmdir(trash)
         try:
@@ -300,20 +322,24 @@ def discard(root: Path, ckpt: Path) -> None:
 
 
 def write_unsynced(root: Path, remote: str, steps: set[int]) -> None:
-    """Record (atomically) that ``steps`` are committed in ``root`` and not yet uploaded to ``remote``."""
-    tmp = root / f"{UNSYNCED_NAME}.tmp"  # one name: only the holder of rank 0's writer lock writes it
-    tmp.write_text(json.dumps({"remote": remote, "steps": sorted(steps), "updated": time.time()}))
-    os.replace(tmp, root / UNSYNCED_NAME)
+    """Record (atomically) that ``steps`` are committed in ``root`` and not yet uploaded to ``remote``.
+
+    Raises:
+        ConfigError: a link is where its temporary goes (named). OSError: the write failed.
+    """
+    body = json.dumps({"remote": remote, "steps": sorted(steps), "updated": time.time()})
+    write_side_file(root / UNSYNCED_NAME, body.encode())  # only the holder of rank 0's writer lock writes it
 
 
 def read_unsynced(root: Path) -> tuple[str | None, set[int] | None]:
     """``(remote, steps)`` of the un-synced record in ``root``: ``(None, set())`` when there is none,
     ``steps=None`` when it is unreadable (then nobody knows: keep every checkpoint)."""
+    path = root / UNSYNCED_NAME
     try:
-        data = json.loads((root / UNSYNCED_NAME).read_text())
+        data = json.loads(read_side_file(path))
         return str(data["remote"]), {int(s) for s in data["steps"]}
     except FileNotFoundError:
         return None, set()
-    except (ValueError, KeyError, TypeError) as e:
-        log.warning("%s is unreadable (%s); every checkpoint there counts as not uploaded", root / UNSYNCED_NAME, e)
+    except (ValueError, KeyError, TypeError) as e:  # ConfigError (a link) is a ValueError
+        log.warning("%s is unreadable (%s); every checkpoint there counts as not uploaded", path, e)
         return None, None

@@ -21,14 +21,16 @@ from persist_core._knobs import WriteSettings, remote_lease_s, run_id_from_env
 from persist_core.assembly import Coordinator, Follower, uploads_channel
 from persist_core.commit import Nodes
 from persist_core.distributed import Collectives, decision_channel
-from persist_core.errors import RemoteError, WriteError
+from persist_core.errors import ConfigError, RemoteError, WriteError
 from persist_core.fileio import FileOps, no_wait
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import HistoryLog
+from persist_core.layout import UNSYNCED_NAME
 from persist_core.ownership import write_unsynced
 from persist_core.policies.retention import RetentionPolicy
 from persist_core.retainer import Retainer
+from persist_core.sidefiles import warn_once
 from persist_core.staging import StagingPool
 from persist_core.sync import RemoteSync, SyncJob
 from persist_core.tiers.local import LocalTier, checkpoint_dir, discover
@@ -185,6 +187,8 @@ class Pipeline:
         with self._record_lock:
             try:
                 write_unsynced(self._root, self._url, self.protected())
+            except ConfigError as e:  # a link where the record goes: never written through (said once)
+                warn_once(log, str(self._root / UNSYNCED_NAME), "could not record the un-synced steps in %s: %s", self._root, e)
             except OSError as e:
                 log.warning("could not record the un-synced steps in %s: %s", self._root, e)
 

@@ -63,6 +63,8 @@ class Location:
         if self.remote is None:
             assert self.root is not None
             for entry in os.scandir(self.root):
+                if entry.is_symlink():  # not ours: never followed nor removed
+                    continue
                 step = parse_checkpoint_dirname(entry.name)
                 tmp = parse_tmp_dirname(entry.name) is not None
                 partial = (step is not None and not os.path.exists(os.path.join(entry.path, MANIFEST_NAME))) or tmp

@@ -12,8 +12,16 @@ import click
 from persist_core.errors import PersistError
 from persist_core.format.shard_file import dtype_from_name
 from persist_core.layout import FULL, KINDS, kind_subdir, parse_checkpoint_dirname
+from persist_core.sidefiles import is_link
 from persist_core.tiers import RemoteTier
 from persist_core.cli.app import human_size, is_url, main, open_location
+
+
+def _local_sub_tier(location: str, sub: str) -> bool:
+    """Whether the local ``location`` has the sub-tier ``sub`` (``weights-only``): a directory, not a link
+    (never followed: not one torch-persist made)."""
+    path = os.path.join(location.removeprefix("file://"), sub)
+    return os.path.isdir(path) and not is_link(path)
 
 
 @main.command("ls")
@@ -33,7 +41,7 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None)
         sub = kind_subdir(kind)
         if not sub:
             loc = open_location(ctx, location)
-        elif is_url(location) or os.path.isdir(os.path.join(location.removeprefix("file://"), sub)):
+        elif is_url(location) or _local_sub_tier(location, sub):
             loc = open_location(ctx, f"{location.rstrip('/')}/{sub}")
         else:
             continue
@@ -194,7 +202,7 @@ def du(ctx: click.Context, location: str, as_json: bool) -> None:
     total = 0
     for kind in KINDS:
         sub = kind_subdir(kind)
-        if sub and not (is_url(location) or os.path.isdir(os.path.join(location.removeprefix("file://"), sub))):
+        if sub and not (is_url(location) or _local_sub_tier(location, sub)):
             report[kind] = {"checkpoints": 0, "bytes": 0}  # every kind's key, here as on a remote
             continue
         loc = open_location(ctx, f"{location.rstrip('/')}/{sub}" if sub else location)

@@ -28,16 +28,21 @@ from typing import Any
 
 from persist_core.errors import DirectoryInUseError
 from persist_core.layout import LEASE_NAME, RUN_ID_NAME
+from persist_core.sidefiles import read_side_file, write_side_file
 from persist_core.tiers._retry import causes
 
 log = logging.getLogger(__name__)
 
 
 def local_run_id(root: Path) -> str:
-    """The run id kept in ``root`` (created on first use), so a restart there is the same run."""
+    """The run id kept in ``root`` (created on first use), so a restart there is the same run.
+
+    Raises:
+        ConfigError: a symbolic link is where ``root/.run-id`` (or its temporary) goes.
+    """
     path = root / RUN_ID_NAME
     try:
-        value = path.read_text().strip()
+        value = read_side_file(path).decode().strip()
         if value:
             return value
     except FileNotFoundError:
@@ -48,10 +53,8 @@ def local_run_id(root: Path) -> str:
 
 
 def keep_run_id(root: Path, value: str) -> None:
-    """Write ``value`` as the run id kept in ``root``."""
-    tmp = root / f"{RUN_ID_NAME}.tmp"
-    tmp.write_text(value)
-    os.replace(tmp, root / RUN_ID_NAME)
+    """Write ``value`` as the run id kept in ``root`` (never through a link: :mod:`persist_core.sidefiles`)."""
+    write_side_file(root / RUN_ID_NAME, value.encode())
 
 
 class RemoteLease:

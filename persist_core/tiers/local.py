@@ -26,6 +26,7 @@ from persist_core.layout import (
     parse_checkpoint_dirname,
 )
 from persist_core.ownership import DirLock, discard, remove_dead, take
+from persist_core.sidefiles import is_link, open_side_file
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -37,11 +38,12 @@ def checkpoint_dir(root: Path, step: int) -> Path:
 
 
 def committed_steps(root: Path) -> list[int]:
-    """Steps of the directories under ``root`` that hold a manifest, ascending (nothing verified)."""
+    """Steps of the directories under ``root`` that hold a manifest, ascending (nothing verified). A
+    symbolic link named like a checkpoint is not ours: skipped, with one warning."""
     steps = []
     for entry in os.scandir(root):
         step = parse_checkpoint_dirname(entry.name)
-        if step is not None and os.path.exists(os.path.join(entry.path, MANIFEST_NAME)):
+        if step is not None and not is_link(entry.path) and os.path.exists(os.path.join(entry.path, MANIFEST_NAME)):
             steps.append(step)
     return sorted(steps)
 
@@ -50,9 +52,12 @@ def read_manifest(ckpt: Path) -> Manifest:
     """The manifest of the checkpoint directory ``ckpt``, with its files checked.
 
     Raises:
-        CheckpointNotFoundError: no manifest.
+        CheckpointNotFoundError: no manifest, or ``ckpt`` is a symbolic link (never followed).
         CorruptCheckpointError: unreadable manifest, or a file missing or of the wrong size.
     """
+    if is_link(ckpt):
+        raise CheckpointNotFoundError(f"{ckpt} is a symbolic link, not a checkpoint directory torch-persist wrote "
+                                      "(links there are never followed)")
     where = str(ckpt / MANIFEST_NAME)
     try:
         raw = (ckpt / MANIFEST_NAME).read_bytes()
@@ -78,7 +83,7 @@ def check_files(ckpt: Path, manifest: Manifest) -> None:
 def discover(root: Path) -> list[tuple[CheckpointInfo, Manifest]]:
     """Committed checkpoints under ``root`` whose manifest and file sizes check, ascending by step.
 
-    Ones that do not check are logged at WARNING and left out.
+    Ones that do not check are logged at WARNING and left out; one removed since it was listed, at DEBUG.
     """
     found = []
     for step in committed_steps(root):
@@ -87,6 +92,9 @@ def discover(root: Path) -> list[tuple[CheckpointInfo, Manifest]]:
             manifest = read_manifest(ckpt)
         except CorruptCheckpointError as e:
             log.warning("skipping %s: %s", ckpt, e)
+            continue
+        except CheckpointNotFoundError as e:  # removed (persist rm, retention) since it was listed
+            log.debug("skipping %s: %s", ckpt, e)
             continue
         found.append((CheckpointInfo(step=step, time=manifest.time, nbytes=manifest.nbytes, path=str(ckpt)), manifest))
     return found
@@ -162,6 +170,8 @@ class LocalTier:
 
     def set_aside(self, step: int, at: int) -> None:
         """Move checkpoint ``step`` out of the live branch (one durable rename): a run resumed from ``at``."""
+        if is_link(checkpoint_dir(self.root, step)):  # not ours: never renamed
+            return
         os.rename(checkpoint_dir(self.root, step), self.root / abandoned_dirname(step, at, secrets.token_hex(3)))
         fsync_dir(self.root)
         log.info("[step=%d] set aside in %s: the run resumed from step %d and saved past it", step, self.root, at)
@@ -176,7 +186,7 @@ class LocalTier:
         found = []
         for entry in os.scandir(self.root):
             parsed = parse_abandoned_dirname(entry.name)
-            if parsed is None:
+            if parsed is None or is_link(entry.path):
                 continue
             try:
                 m = Manifest.from_bytes((Path(entry.path) / MANIFEST_NAME).read_bytes(), where=entry.path, step=parsed[0])
@@ -206,7 +216,7 @@ def _check_writable(root: Path) -> None:
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".probe-pid{os.getpid()}-{secrets.token_hex(3)}"
-        probe.write_bytes(b"")
+        os.close(open_side_file(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
         probe.unlink()
     except OSError as e:
         raise ConfigError(

@@ -59,6 +59,115 @@ def warnings_naming(caplog, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and text in r.getMessage()]
 
 
+# ---------------------------------------------------------------- 1. links planted in local_dir
+
+
+def test_a_link_at_the_writer_lock_is_an_error_naming_it_and_its_target_is_untouched(tmp_path, victim):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    os.symlink(victim, root / ".lock-rank-00000")
+    with pytest.raises(ConfigError, match=r"\.lock-rank-00000.*symbolic link"):
+        CheckpointEngine(root)
+    assert victim.read_bytes() == PRECIOUS
+
+
+def test_a_link_at_the_unsynced_records_temporary_is_never_written_through(tmp_path, victim, caplog):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    os.symlink(victim, root / ".unsynced.json.tmp")
+    with CheckpointEngine(root, remote_url=memory_url(), run_id="job") as engine:
+        engine.save(state_for(1), step=1).wait()  # the save and its upload are fine: the record is best effort
+    assert victim.read_bytes() == PRECIOUS
+    assert warnings_naming(caplog, ".unsynced.json.tmp")
+
+
+def test_a_link_at_the_run_ids_temporary_is_an_error_naming_it(tmp_path, victim, no_launcher_run_id):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    os.symlink(victim, root / ".run-id.tmp")
+    with pytest.raises(ConfigError, match=r"\.run-id\.tmp.*symbolic link"):
+        CheckpointEngine(root, remote_url=memory_url())
+    assert victim.read_bytes() == PRECIOUS
+
+
+def test_a_link_at_the_history_is_never_appended_to_and_said_once(tmp_path, victim, caplog):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    os.symlink(victim, root / HISTORY_NAME)
+    saved(root, 1, 2, 3)
+    assert victim.read_bytes() == PRECIOUS
+    assert len(warnings_naming(caplog, HISTORY_NAME)) == 1
+    assert CliRunner().invoke(main, ["stats", str(root)]).exit_code == 0  # the checkpoints' own numbers
+
+
+def test_a_leftover_temporary_from_a_crash_is_replaced(tmp_path, no_launcher_run_id):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / ".run-id.tmp").write_text("half written")
+    (root / ".unsynced.json.tmp").write_text("{")
+    with CheckpointEngine(root, remote_url=memory_url()) as engine:
+        engine.save(state_for(1), step=1).wait()
+    assert (root / RUN_ID_NAME).read_text().startswith("run-")
+    assert json.loads((root / UNSYNCED_NAME).read_text())["steps"] == []
+    assert not (root / ".run-id.tmp").exists() and not (root / ".unsynced.json.tmp").exists()
+
+
+@pytest.fixture
+def linked_step(tmp_path):
+    """``ckpt/step-000000000009``: a link to a real checkpoint in another directory."""
+    elsewhere = tmp_path / "elsewhere"
+    saved(elsewhere, 9)
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    os.symlink(elsewhere / "step-000000000009", root / "step-000000000009")
+    return root, elsewhere / "step-000000000009"
+
+
+def _untouched(root, target) -> None:
+    link = root / "step-000000000009"
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert (target / "manifest.json").exists()
+    assert not [p for p in os.listdir(root) if p.startswith(".tmp-")]
+
+
+def test_a_linked_checkpoint_directory_is_skipped_by_saves_retention_and_loads_with_one_warning(linked_step, caplog):
+    root, target = linked_step
+    with CheckpointEngine(root, keep_local=KeepLastN(1)) as engine:
+        for step in (1, 2, 3):
+            engine.save(state_for(step), step=step).wait()  # retention after each commit: never the link
+        assert engine.load()["step"] == 3
+    with CheckpointReader(root) as reader:
+        assert [c.step for c in reader.list()] == [3]
+        assert reader.load()["step"] == 3
+    _untouched(root, target)
+    assert len(warnings_naming(caplog, str(root / "step-000000000009"))) == 1
+
+
+def test_persist_gc_and_rm_leave_a_linked_checkpoint_directory_alone(linked_step):
+    root, target = linked_step
+    saved(root, 1, 2)
+    gc = CliRunner().invoke(main, ["gc", str(root), "--keep-last", "1", "--incomplete-older-than", "0"])
+    assert gc.exit_code == 0, gc.output
+    rm = CliRunner().invoke(main, ["rm", str(root), "--step", "9", "--force"])
+    assert rm.exit_code == 2 and "no committed checkpoint for step(s) [9]" in rm.output
+    _untouched(root, target)
+    ls = CliRunner().invoke(main, ["ls", str(root), "--json"])
+    assert [r["step"] for r in json.loads(ls.output)] == [2]
+
+
+def test_linked_temporaries_are_not_ours_to_remove(tmp_path):
+    root = tmp_path / "ckpt"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("x")
+    root.mkdir()
+    os.symlink(elsewhere, root / ".tmp-step-000000000001-pid1-abcdef")
+    saved(root, 1)
+    gc = CliRunner().invoke(main, ["gc", str(root), "--keep-last", "1", "--incomplete-older-than", "0"])
+    assert gc.exit_code == 0, gc.output
+    assert (root / ".tmp-step-000000000001-pid1-abcdef").is_symlink() and (elsewhere / "keep").exists()
+
+
 # ---------------------------------------------------------------- 2. names: only what round-trips is a checkpoint
 
 
