@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import stat
 import statistics
@@ -23,7 +24,7 @@ from typing import Any, BinaryIO
 
 from persist_core.errors import ConfigError
 from persist_core.handle import SaveHandle, SaveStats
-from persist_core.layout import HISTORY_NAME
+from persist_core.layout import HISTORY_NAME, MAX_STEP
 from persist_core.policies.save import Clock, DecisionContext
 from persist_core.sidefiles import open_side_file, warn_once
 
@@ -250,6 +251,40 @@ def _rotated(path: Path) -> Path:
     return path.with_name(path.name + ".1")
 
 
+_REALS = ("stall_s", "staging_s", "durable_s", "lag_s", "write_gbps", "upload_gbps", "write_slowdown")
+_COUNTS = ("bytes", "lag_steps")
+_LATEST_TIME = 253402300799.0  # the last second of year 9999: what time.gmtime shows
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _time(value: Any) -> bool:
+    return _real(value) and 0 <= value <= _LATEST_TIME
+
+
+def _record(raw: bytes) -> dict[str, Any] | None:
+    """One history line as :meth:`HistoryLog.record` writes it, or ``None`` for anything else: not JSON,
+    not an object, no step or wall time, a value of the wrong type or out of range."""
+    try:
+        line = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError too
+        return None
+    if not isinstance(line, dict) or not isinstance(line.get("event"), str):
+        return None
+    step = line.get("step")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        return None
+    if not _time(line.get("wall")) or ("time" in line and not _time(line["time"])):
+        return None
+    if any(line.get(k) is not None and not _real(line[k]) for k in _REALS):
+        return None
+    if any(line.get(k) is not None and not (type(line[k]) is int and abs(line[k]) <= MAX_STEP) for k in _COUNTS):
+        return None
+    return line
+
+
 def _open(path: Path) -> BinaryIO | None:
     """The history file ``path`` open for reading, or ``None`` when there is none (or a link is there: never
     followed, said once)."""
@@ -284,24 +319,22 @@ def recent_costs(root: Path, n: int = _RECENT, tail_bytes: int = 64 << 10) -> Pr
             continue
         rows = []
         for raw in lines:
-            try:
-                line = json.loads(raw)
-                if line.get("event") == "committed" and line["durable_s"] >= line["stall_s"] >= 0:
-                    rows.append(line)
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
+            line = _record(raw)
+            if line is not None and line["event"] == "committed" and _real(line.get("durable_s")) and \
+                    _real(line.get("stall_s")) and line["durable_s"] >= line["stall_s"] >= 0:
+                rows.append(line)
         if rows:
             rows = rows[-n:]
-            slowdown = next((r["write_slowdown"] for r in reversed(rows)
-                             if isinstance(r.get("write_slowdown"), (int, float))), None)
+            slowdown = next((r["write_slowdown"] for r in reversed(rows) if r.get("write_slowdown") is not None), None)
             cost = statistics.fmean(_cost(r["stall_s"], r["durable_s"] - r["stall_s"], slowdown) for r in rows)
             return Prior(cost_s=cost, commit_s=statistics.fmean(r["durable_s"] for r in rows), slowdown=slowdown)
     return None
 
 
-def read_history(root: Path) -> list[dict[str, Any]]:
+def read_history(root: Path) -> tuple[list[dict[str, Any]], int]:
     """Per step (ascending), what ``local_dir``'s history says of its save: the ``committed`` line's numbers
-    and, once uploaded, the ``uploaded`` line's (``lag_s``, ``upload_gbps``). Unreadable lines are skipped."""
+    and, once uploaded, the ``uploaded`` line's (``lag_s``, ``upload_gbps``); and how many lines were skipped
+    as unreadable (not JSON, not an object, a missing or wrong-typed or out-of-range value)."""
     by_step: dict[int, dict[str, Any]] = {}
     lines: list[bytes] = []
     for path in (_rotated(root / HISTORY_NAME), root / HISTORY_NAME):  # the older records first
@@ -309,16 +342,16 @@ def read_history(root: Path) -> list[dict[str, Any]]:
         if f is not None:
             with f:
                 lines += f.read().splitlines()
+    skipped = 0
     for raw in lines:
-        try:
-            line = json.loads(raw)
-            step = int(line["step"])
-        except (ValueError, KeyError, TypeError):
+        line = _record(raw)
+        if line is None:
+            skipped += bool(raw.strip())
             continue
-        row = by_step.setdefault(step, {"step": step})
-        if line.get("event") == "committed":
+        row = by_step.setdefault(line["step"], {"step": line["step"]})
+        if line["event"] == "committed":
             row.update({k: v for k, v in line.items() if k != "event"})
-        elif line.get("event") == "uploaded":
+        elif line["event"] == "uploaded":
             row.update({k: line[k] for k in ("lag_s", "upload_gbps", "lag_steps") if k in line})
-            row["uploaded_wall"] = line.get("wall")
-    return [by_step[s] for s in sorted(by_step) if "wall" in by_step[s]]
+            row["uploaded_wall"] = line["wall"]
+    return [by_step[s] for s in sorted(by_step) if "wall" in by_step[s]], skipped

@@ -41,6 +41,7 @@ from typing import Any
 from persist_core.errors import ConfigError, DirectoryInUseError
 from persist_core.fileio import fsync_dir
 from persist_core.layout import (
+    MAX_STEP,
     OWNER_SUFFIX,
     UNSYNCED_NAME,
     lock_filename,
@@ -337,9 +338,13 @@ def read_unsynced(root: Path) -> tuple[str | None, set[int] | None]:
     path = root / UNSYNCED_NAME
     try:
         data = json.loads(read_side_file(path))
-        return str(data["remote"]), {int(s) for s in data["steps"]}
+        remote, steps = data["remote"], data["steps"]
+        if not isinstance(remote, str) or not isinstance(steps, list) or not all(
+                type(s) is int and 0 <= s <= MAX_STEP for s in steps):
+            raise ValueError("not a remote URL and a list of steps")
+        return remote, set(steps)
     except FileNotFoundError:
         return None, set()
-    except (ValueError, KeyError, TypeError) as e:  # ConfigError (a link) is a ValueError
+    except (ValueError, KeyError, TypeError) as e:  # ConfigError (a link) and UnicodeDecodeError are ValueErrors
         log.warning("%s is unreadable (%s); every checkpoint there counts as not uploaded", path, e)
         return None, None

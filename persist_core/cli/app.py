@@ -157,21 +157,33 @@ def progress(total: int, label: str, quiet: bool) -> Iterator[Bar]:
 
 
 class Group(click.Group):
-    """Errors as one line (exit 2), the traceback only with --debug."""
+    """Every error as one line (exit 2), the traceback only with --debug; click's own (usage errors, exits)
+    as click shows them."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (PersistError, OSError, ValueError) as e:
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as e:
             if ctx.params.get("debug"):
                 raise
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {one_line(e)}", err=True)
             ctx.exit(2)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         """Global options are taken after the subcommand too (``persist ls s3://b/run --endpoint-url URL``),
         as the AWS tools take theirs."""
         return super().parse_args(ctx, globals_first(args))
+
+
+def one_line(error: Exception) -> str:
+    """``error`` as the one line the CLI prints: our errors and the OS's as they say themselves, anything
+    else with its type (a ``KeyError('x')`` alone says only ``'x'``), and --debug for the traceback."""
+    text = " ".join(str(error).split())
+    if isinstance(error, (PersistError, OSError, ValueError)) and text:
+        return text
+    return f"{type(error).__name__}{': ' + text if text else ''} (--debug shows the traceback)"
 
 
 _GLOBAL_VALUED = ("--storage-options", "--endpoint-url", "--profile", "--region")

@@ -86,7 +86,9 @@ def stats(ctx: click.Context, location: str, as_json: bool, plot_to: str | None,
     Example:
       persist stats /nvme/ckpt --plot ckpt.png
     """
-    rows = _stats_rows(ctx, location)
+    rows, skipped = _stats_rows(ctx, location)
+    if skipped:  # once, on stderr: --json stays one JSON object
+        click.echo(f"skipped {skipped} unreadable lines of {location}'s save history (.history.jsonl)", err=True)
     if not rows:
         raise CommandError(f"no checkpoints (nor a save history) under {location}")
     verdict = report.verdict(rows)
@@ -124,20 +126,20 @@ def stats(ctx: click.Context, location: str, as_json: bool, plot_to: str | None,
         click.echo(f"plot: {plot_to}")
 
 
-def _stats_rows(ctx: click.Context, location: str) -> list[dict[str, Any]]:
-    """Per committed checkpoint (and per save the history remembers), oldest first: its numbers."""
+def _stats_rows(ctx: click.Context, location: str) -> tuple[list[dict[str, Any]], int]:
+    """Per committed checkpoint (and per save the history remembers), oldest first: its numbers; and how
+    many lines of the history were unreadable."""
     from persist_core.history import read_history
 
     loc = open_location(ctx, location)
     by_step: dict[int, dict[str, Any]] = {}
     for info in loc.tier.list():
         by_step[info.step] = {"step": info.step, "time": info.time, "bytes": info.nbytes}
-    if loc.root is not None:
-        for h in read_history(loc.root):
-            row = by_step.setdefault(h["step"], {"step": h["step"], "time": h.get("time", h["wall"]), "bytes": None})
-            row.update({k: h[k] for k in ("stall_s", "durable_s", "lag_s", "write_gbps", "upload_gbps", "bytes")
-                        if k in h})
+    history, skipped = read_history(loc.root) if loc.root is not None else ([], 0)
+    for h in history:
+        row = by_step.setdefault(h["step"], {"step": h["step"], "time": h.get("time", h["wall"]), "bytes": None})
+        row.update({k: h[k] for k in ("stall_s", "durable_s", "lag_s", "write_gbps", "upload_gbps", "bytes") if k in h})
     rows = [by_step[s] for s in sorted(by_step)]
     for prev, row in zip([None, *rows], rows):
         row["interval_s"] = None if prev is None else row["time"] - prev["time"]
-    return rows
+    return rows, skipped

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from persist_core.errors import DirectoryInUseError
+from persist_core.errors import ConfigError, DirectoryInUseError
 from persist_core.layout import LEASE_NAME, RUN_ID_NAME
 from persist_core.sidefiles import read_side_file, write_side_file
 from persist_core.tiers._retry import causes
@@ -34,11 +35,14 @@ from persist_core.tiers._retry import causes
 log = logging.getLogger(__name__)
 
 
+_LATEST_EXPIRY = 253402300799.0  # the last second of year 9999: a lease that ends later is not one we wrote
+
+
 def local_run_id(root: Path) -> str:
     """The run id kept in ``root`` (created on first use), so a restart there is the same run.
 
     Raises:
-        ConfigError: a symbolic link is where ``root/.run-id`` (or its temporary) goes.
+        ConfigError: ``root/.run-id`` is not UTF-8 text, or a symbolic link is where it (or its temporary) goes.
     """
     path = root / RUN_ID_NAME
     try:
@@ -47,6 +51,9 @@ def local_run_id(root: Path) -> str:
             return value
     except FileNotFoundError:
         pass
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}), so it names no run: delete it "
+                          "(a new run id is made), or pass run_id= (or set PERSIST_RUN_ID) to continue a run") from None
     value = f"run-{secrets.token_hex(6)}"
     keep_run_id(root, value)
     return value
@@ -55,6 +62,22 @@ def local_run_id(root: Path) -> str:
 def keep_run_id(root: Path, value: str) -> None:
     """Write ``value`` as the run id kept in ``root`` (never through a link: :mod:`persist_core.sidefiles`)."""
     write_side_file(root / RUN_ID_NAME, value.encode())
+
+
+def _lease_record(raw: bytes) -> dict[str, Any] | None:
+    """A lease as :meth:`RemoteLease.ensure` writes it, or ``None``: not JSON, not an object, or an
+    ``expires`` that is not a finite number of seconds since the epoch before year 10000."""
+    try:
+        record = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError too
+        return None
+    if not isinstance(record, dict):
+        return None
+    expires = record.get("expires", 0)
+    if not isinstance(expires, (int, float)) or isinstance(expires, bool) or not math.isfinite(expires) or \
+            not 0 <= expires <= _LATEST_EXPIRY:
+        return None
+    return record
 
 
 class RemoteLease:
@@ -85,12 +108,10 @@ class RemoteLease:
             if any(isinstance(c, FileNotFoundError) for c in causes(e)):
                 return None
             raise
-        try:
-            record = json.loads(raw)
-        except ValueError:
-            log.warning("%s is unreadable; taking it over", self._path)
-            return None
-        return record if isinstance(record, dict) else None
+        record = _lease_record(raw)
+        if record is None:
+            log.warning("%s is unreadable (not a JSON lease with a finite 'expires'); taking it over", self._path)
+        return record
 
     def _refuse(self, holder: dict[str, Any]) -> DirectoryInUseError:
         until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(holder.get("expires", 0))))

@@ -242,3 +242,95 @@ def test_after_a_step_past_the_largest_the_engine_saves_normal_steps(tmp_path):
         with pytest.raises(ConfigError):
             engine.save(state_for(1), step=2**70)
         engine.save(state_for(1), step=1).wait()
+
+
+# ---------------------------------------------------------------- 3. corrupt side files and remote objects
+
+
+@pytest.mark.parametrize("expires", ['"soon"', "1e300", "Infinity", "NaN", "[1, 2]", "true", "-1e300"])
+def test_a_lease_with_an_unreadable_expiry_is_taken_over_and_logged(tmp_path, expires, caplog):
+    url = memory_url()
+    tier = RemoteTier(url)
+    tier.fs.pipe_file(tier.path_of(LEASE_NAME),
+                      f'{{"run_id": "other", "host": "h", "pid": 1, "expires": {expires}}}'.encode())
+    with CheckpointEngine(tmp_path / "ckpt", remote_url=url, run_id="mine", remote_timeout_s=5) as engine:
+        engine.save(state_for(1), step=1).wait()
+        assert [c.step for c in engine.list("remote")] == [1]
+    assert warnings_naming(caplog, LEASE_NAME)
+
+
+HISTORY_LINES = {
+    "not JSON": "not json",
+    "JSON not an object": "[1, 2, 3]",
+    "missing keys": '{"event": "committed"}',
+    "step of the wrong type": '{"event": "committed", "step": "three", "wall": 3.0, "time": 3.0}',
+    "value of the wrong type": '{"event": "committed", "step": 3, "wall": 3.0, "time": 3.0, "stall_s": "slow"}',
+    "huge step": '{"event": "committed", "step": 1e999, "wall": 3.0, "time": 3.0}',
+    "huge time": '{"event": "committed", "step": 3, "wall": 1e300, "time": 1e300}',
+    "huge bytes": '{"event": "committed", "step": 3, "wall": 3.0, "time": 3.0, "bytes": 1e999}',
+    "bool step": '{"event": "committed", "step": true, "wall": 3.0, "time": 3.0}',
+    "upload of the wrong type": '{"event": "uploaded", "step": 2, "wall": 4.0, "lag_s": "late"}',
+}
+
+
+@pytest.mark.parametrize("bad", HISTORY_LINES.values(), ids=HISTORY_LINES.keys())
+def test_persist_stats_skips_bad_history_lines_and_says_so_once(tmp_path, bad):
+    good = [{"event": "committed", "step": s, "wall": float(s), "time": float(s), "stall_s": 0.01, "durable_s": 0.2,
+             "bytes": 100} for s in (1, 2)]
+    (tmp_path / HISTORY_NAME).write_text("".join(json.dumps(g) + "\n" for g in good) + bad + "\n" + bad + "\n")
+    for args in ([], ["--json"]):
+        result = CliRunner().invoke(main, ["stats", str(tmp_path), *args])
+        assert result.exit_code == 0, result.output
+        assert result.output.count("skipped 2 unreadable lines") == 1, result.output
+    rows = json.loads(result.stdout)["checkpoints"]
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+UNSYNCED = {
+    "huge step": '{"remote": "s3://b/run", "steps": [1e999]}',
+    "fraction": '{"remote": "s3://b/run", "steps": [1.5]}',
+    "bool": '{"remote": "s3://b/run", "steps": [true]}',
+    "negative": '{"remote": "s3://b/run", "steps": [-1]}',
+    "not a list": '{"remote": "s3://b/run", "steps": 7}',
+    "remote not a string": '{"remote": 5, "steps": [1]}',
+    "not an object": "[1]",
+    "not UTF-8": b"\xff\xfe{",
+}
+
+
+@pytest.mark.parametrize("record", UNSYNCED.values(), ids=UNSYNCED.keys())
+def test_persist_gc_and_rm_keep_everything_when_the_unsynced_record_is_unreadable(tmp_path, record):
+    root = tmp_path / "ckpt"
+    saved(root, 1, 2, 3)
+    (root / UNSYNCED_NAME).write_bytes(record if isinstance(record, bytes) else record.encode())
+    gc = CliRunner().invoke(main, ["gc", str(root), "--keep-last", "1"])
+    assert gc.exit_code == 0, gc.output
+    assert "the record of what is uploaded is unreadable" in gc.output
+    rm = CliRunner().invoke(main, ["rm", str(root), "--step", "1"])
+    assert rm.exit_code == 2 and "--force" in rm.output, rm.output
+    assert sorted(p.name for p in root.glob("step-*")) == [layout.checkpoint_dirname(s) for s in (1, 2, 3)]
+
+
+def test_a_run_id_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path, no_launcher_run_id):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / RUN_ID_NAME).write_bytes(b"run-\xff\xfe")
+    with pytest.raises(ConfigError, match=rf"{RUN_ID_NAME}.*UTF-8"):
+        CheckpointEngine(root, remote_url=memory_url())
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyError("boom"), TypeError("boom"), LookupError()])
+def test_the_cli_turns_every_exception_into_one_line_and_debug_shows_the_traceback(tmp_path, monkeypatch, error):
+    from persist_core.tiers.local import LocalTier
+
+    def fail(self):
+        raise error
+
+    monkeypatch.setattr(LocalTier, "listing", fail)
+    result = CliRunner().invoke(main, ["ls", str(tmp_path)])
+    assert result.exit_code == 2 and result.exception is not error, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {type(error).__name__}")
+    assert "Traceback" not in result.output
+    debug = CliRunner().invoke(main, ["--debug", "ls", str(tmp_path)])
+    assert debug.exception is error

@@ -21,7 +21,8 @@ def test_the_history_rotates_at_its_limit_and_reads_back_the_newest_records(tmp_
     files = [tmp_path / HISTORY_NAME, tmp_path / (HISTORY_NAME + ".1")]
     assert all(f.exists() for f in files)
     assert sum(f.stat().st_size for f in files) < 2 * 4000 + 400  # two files at most, each about the limit
-    rows = read_history(tmp_path)
+    rows, skipped = read_history(tmp_path)
+    assert skipped == 0
     steps = [r["step"] for r in rows]
     assert steps[-1] == 200 and steps == list(range(steps[0], 201))  # the newest, contiguous, in order
     assert 1 not in steps  # the oldest were dropped
