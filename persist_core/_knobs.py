@@ -15,16 +15,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from persist_core.errors import ConfigError
+from persist_core.layout import MAX_STEP as _layout_max_step
 from persist_core.layout import is_url
 
 #: Alignment of the data section and of every O_DIRECT write (bytes).
 PAGE_BYTES = 4096
 #: Alignment of each tensor entry inside the data section (bytes); 64 divides every dtype size.
 ENTRY_ALIGN_BYTES = 64
-#: The largest step a checkpoint may have: 18 digits. ``layout`` names steps with 12 digits and more past
-#: 10**12 (so 10**18 - 1 is a name of 18); a larger one would sort as the newest for good (every normal
-#: step after it is refused as older), and only an int64 holds every step a framework counts.
-MAX_STEP = 10**18 - 1
+#: The largest step a checkpoint may have: the layout's (``layout.MAX_STEP``, what an int64 step counter holds,
+#: 19 digits); a larger one would sort as the newest for good (every normal step after it refused as older).
+MAX_STEP = _layout_max_step
 #: The most threads one shard is written (or one reader reads) with: past the cores of any host, more only
 #: cost memory and start-up (10**6 of them exhausted the process before the first write).
 MAX_WRITE_THREADS = 256
@@ -248,8 +248,8 @@ def check_step(value: object, *, name: str = "step", what: str = "the training s
     if step < 0:
         raise ConfigError(f"{name}={step!r} must be >= 0 ({what})")
     if step > MAX_STEP:
-        raise ConfigError(f"{name}={step!r} is past MAX_STEP={MAX_STEP} ({what}): steps are named with at most 18 "
-                          "digits, and one past them would be the newest for good; count steps from 0, not from a "
+        raise ConfigError(f"{name}={step!r} is past MAX_STEP={MAX_STEP} ({what}): steps are named with at most "
+                          f"{len(str(MAX_STEP))} digits, and one past them would be the newest for good; count steps from 0, not from a "
                           "timestamp in ns or a random number")
     return step
 

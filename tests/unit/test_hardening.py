@@ -235,8 +235,6 @@ def test_a_step_past_the_largest_is_a_config_error_at_save_and_steps_past_10_to_
     assert not list((tmp_path / "huge").glob("*step-*"))
 
 
-@pytest.mark.xfail(strict=True, reason="CheckpointEngine.save must check the step (layout.check_step) before "
-                                       "Timeline.check records it as the newest: engine.py, edited elsewhere")
 def test_after_a_step_past_the_largest_the_engine_saves_normal_steps(tmp_path):
     with CheckpointEngine(tmp_path / "ckpt") as engine:
         with pytest.raises(ConfigError):
