@@ -192,8 +192,14 @@ def _new_mark(mark: Path) -> int:
         except OSError:
             os.close(fd)
     fd = open_side_file(mark, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+    except BaseException:  # a full disk: no mark left behind, nor its locked descriptor
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            mark.unlink()
+        raise
     return fd
 
 

@@ -215,6 +215,9 @@ class PersistSession:
         user = o.retention
         local = keep_extra if user is None else user if keep_extra is None else AnyOf(user, keep_extra)
         sub = kind_subdir(kind)
+        if sub and os.path.islink(o.local_dir / sub):  # planted: never written through
+            raise ConfigError(f"{o.local_dir / sub} is a symbolic link where torch-persist keeps its {kind} "
+                              "checkpoints; remove it (it is not one torch-persist made) or use another local_dir")
         url = o.remote_url if o.remote_url is None or not sub else f"{o.remote_url.rstrip('/')}/{sub}"
         try:
             return CheckpointEngine(

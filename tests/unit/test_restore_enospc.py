@@ -104,8 +104,6 @@ def test_an_older_step_loads_from_the_remote_on_a_disk_too_small_for_its_local_c
         assert [c.step for c in engine.list()] == [2]
 
 
-@pytest.mark.xfail(reason="ownership._new_mark leaves its mark (and a locked fd) behind when writing the mark "
-                          "fails; ownership.py is the other issue-40 helper's (items 1-3)", strict=False)
 def test_a_copy_whose_very_first_write_fails_leaves_no_mark(remote, tmp_path, monkeypatch):
     fresh = tmp_path / "fresh"
     with CheckpointReader(fresh, remote_url=remote) as reader:
