@@ -48,7 +48,12 @@ class StepExistsError(ConfigError):
 
 
 class DirectoryInUseError(ConfigError):
-    """Another live process holds the writer lock of this ``local_dir`` and rank (the message names it)."""
+    """Another live process holds the writer lock of this ``local_dir`` and rank (the message names it).
+
+    ``this_process``: the holder is this very process (an engine it opened earlier and has not closed).
+    """
+
+    this_process: bool = False
 
 
 class UnsupportedStateError(PersistError, TypeError):

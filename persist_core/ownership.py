@@ -141,10 +141,11 @@ def take(root: Path, rank: int) -> DirLock:
                            "CheckpointReader, which takes no lock") if ours else (
                         "give this job its own local_dir, or stop the other job first (a crashed one holds "
                         "nothing: its lock went with it)")
-                    raise DirectoryInUseError(
+                    error = DirectoryInUseError(
                         f"local_dir={str(root)!r} is in use by another writer for rank {rank}: {describe(holder)}. "
-                        f"Two writers on one directory would delete each other's checkpoints; {fix}"
-                    ) from None
+                        f"Two writers on one directory would delete each other's checkpoints; {fix}")
+                    error.this_process = ours
+                    raise error from None
                 time.sleep(0.005)
         body = json.dumps({**_identity(), "rank": rank}).encode()
         os.ftruncate(fd, 0)

@@ -227,7 +227,7 @@ class PersistSession:
                 preemption_grace_s=o.preemption_grace_s, remote_timeout_s=o.remote_timeout_s,
                 torch_loadable=o.torch_loadable, start_over=o.start_over, **extra)
         except DirectoryInUseError as e:
-            if self._release_hint is None or "this process" not in str(e):
+            if self._release_hint is None or not e.this_process:
                 raise
             raise DirectoryInUseError(f"{e}. {self._release_hint}") from e
 

@@ -77,7 +77,6 @@ class RemoteSync:
         #: rank 0's side of the upload rounds with the other ranks (several nodes), set once they are found
         self.peers: Coordinator | None = None
         self._waiting: dict[int, SyncJob] = {}  # node copies an earlier run left, until peers are set
-        self._make_refusal: Callable[[set[int]], Exception] | None = None
         self._lease = lease
         self._keep = keep_remote
         self._ledger = ledger
@@ -100,7 +99,8 @@ class RemoteSync:
         self._listed = False
         self._attempted = threading.Event()  # the start-up listing was tried (listed, or it failed)
         self._first_listing: set[int] | None = None  # the remote's steps as first listed (before any upload)
-        self._fresh = False  # this run loaded nothing: another run's checkpoints there mean no upload
+        #: set when this run loaded nothing (:meth:`fresh_run`): another run's checkpoints there mean no upload
+        self._make_refusal: Callable[[set[int]], Exception] | None = None
         self._refusal: Exception | None = None  # why nothing of this run may be uploaded
         self._refused: dict[int, SyncJob] = {}  # not uploaded because of it: kept (protected), never retried
         self._stopping = False
@@ -153,7 +153,7 @@ class RemoteSync:
         (another run's) mean nothing of this run is uploaded; ``refusal(steps)`` says why, once, through the
         ledger, and the checkpoints stay committed locally (any thread)."""
         with self._cond:
-            self._fresh, self._make_refusal = True, refusal
+            self._make_refusal = refusal
             if self._first_listing:
                 self._refusal = refusal(self._first_listing)
 
@@ -284,7 +284,7 @@ class RemoteSync:
             self._known.reset(listing)
             if self._first_listing is None:
                 self._first_listing = {i.step for i in listing}
-                if self._fresh and self._first_listing:
+                if self._make_refusal is not None and self._first_listing:
                     self._refusal = self._make_refusal(self._first_listing)
         self._listed = True
         self._aside.listed()
@@ -391,7 +391,7 @@ class RemoteSync:
         """A run that loaded nothing found another run's checkpoints on the remote: ``job`` is not uploaded, it
         stays committed locally (protected) and its handle fails once with the refusal. Lists the remote first
         if the start-up listing failed (an outage: nothing is uploaded before it is listed)."""
-        if self._fresh and not self._listed:
+        if self._make_refusal is not None and not self._listed:
             try:
                 self._start()
             except Exception:  # still down: the upload's own attempt reports it and is retried

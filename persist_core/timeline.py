@@ -109,7 +109,6 @@ class Timeline:
             "load_state(...)): the next save starts a new branch and sets the newer ones aside; otherwise save a "
             f"step after {self._newest}")
 
-
     def _settle(self, resumed_at: int | None) -> bool:
         """The first save: a run that loaded nothing is refused beside another run's remote checkpoints, or
         starts over (every committed checkpoint of both tiers set aside). Every rank takes rank 0's verdict.
