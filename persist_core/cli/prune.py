@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from persist_core.errors import PersistError
+from persist_core.errors import CheckpointNotFoundError, PersistError
 from persist_core.ownership import describe, read_unsynced
 from persist_core.policies.anyof import policy_from_keywords
 from persist_core.policies.retention import RetentionContext, to_delete
@@ -29,6 +29,22 @@ def _newest_verified(loc: Location, steps: list[int], say: Callable[[str], Any] 
     return None
 
 
+def _not_counted(loc: Location, counted: set[int]) -> dict[int, str]:
+    """Committed checkpoints (a manifest) that :meth:`Location.list` left out, with why: an unreadable manifest,
+    or a file missing or of the wrong size (the cheap check: one listing, on S3 too)."""
+    why: dict[int, str] = {}
+    for step in loc.tier.committed_steps():
+        if step in counted:
+            continue
+        try:
+            loc.tier.read_manifest(step)
+        except CheckpointNotFoundError:  # removed since it was listed
+            continue
+        except PersistError as e:
+            why[step] = str(e)
+    return why
+
+
 @main.command()
 @click.argument("location")
 @click.option("--keep-last", type=int, default=None)
@@ -38,20 +54,28 @@ def _newest_verified(loc: Location, steps: list[int], say: Callable[[str], Any] 
               help="remove directories/prefixes without a manifest only when older than this (seconds): "
                    "a running job may be writing them")
 @click.option("--dry-run", is_flag=True, help="only say what would be removed")
+@click.option("--verify", "verify_all", is_flag=True,
+              help="read every checkpoint, every byte against its checksums, and count only those that verify")
 @click.option("--no-verify", is_flag=True,
               help="do not read checkpoints to find the newest that verifies (then only the newest committed one "
                    "is kept whatever the policy)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON report: removed, kept (and why), incomplete")
 @click.pass_context
 def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_steps: int | None,
-       keep_every_n_seconds: float | None, incomplete_older_than: float, dry_run: bool, no_verify: bool,
-       as_json: bool) -> None:
+       keep_every_n_seconds: float | None, incomplete_older_than: float, dry_run: bool, verify_all: bool,
+       no_verify: bool, as_json: bool) -> None:
     """Prune with the engine's retention policies (e.g. `persist gc /nvme/ckpt --keep-last 3`).
+
+    The policy counts only checkpoints whose manifest reads and whose files have their sizes (with
+    --verify: only those whose every byte checks); the others are neither counted nor removed (said,
+    with why: `persist rm --step N` removes one).
 
     Never removed: the newest committed checkpoint; the newest checkpoint that verifies (gc reads the
     newest ones, every byte against its checksums, until one verifies, so corrupt newer ones never
     cost the last good one); a live job's un-synced checkpoints and temporaries.
     """
+    if verify_all and no_verify:
+        raise click.UsageError("--verify (read every checkpoint) and --no-verify (read none) contradict: pass one")
     if not incomplete_older_than >= 0:  # nan too: it compares as nothing, so it would remove nothing, silently
         raise click.UsageError(f"--incomplete-older-than={incomplete_older_than:g} must be >= 0 (seconds; inf: "
                                "never): a running job may be writing a directory without a manifest right now")
@@ -62,7 +86,17 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
     say = (lambda text: None) if as_json else click.echo
     report: dict[str, Any] = {"location": location, "dry_run": dry_run, "removed": [], "kept": [], "incomplete": []}
     context = RetentionContext(tier=loc.tier.kind, now=time.time())
-    listed = loc.list()  # reads every manifest: once
+    listed = loc.list()  # reads every manifest: once; leaves out what does not check
+    not_counted = _not_counted(loc, {c.step for c in listed})
+    if verify_all:
+        for info in listed:
+            try:
+                problems = loc.tier.verify(info.step)
+            except PersistError as e:
+                problems = [str(e)]
+            if problems:
+                not_counted[info.step] = problems[0]
+        listed = [c for c in listed if c.step not in not_counted]
     keep: dict[int, str] = {}
     if loc.root is not None:  # a live job's un-synced checkpoints and temporaries are not gc's to take
         remote, unsynced = read_unsynced(loc.root)
@@ -70,7 +104,9 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
         for step in committed if unsynced is None else sorted(unsynced & set(committed)):
             keep[step] = f"not yet uploaded to {remote}" if unsynced is not None else \
                 "the record of what is uploaded is unreadable"
-    if not no_verify:
+    if verify_all and listed:
+        keep.setdefault(listed[-1].step, "the newest checkpoint that verifies")
+    elif not no_verify:
         good = _newest_verified(loc, [c.step for c in listed], say)
         if good is not None:
             keep.setdefault(good, "the newest checkpoint that verifies")
@@ -91,6 +127,9 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
             continue
         say(f"kept step {step}: {why} (the job uploads it when the remote is back; `persist push` does too)")
         report["kept"].append({"step": step, "why": why})
+    for step, why in sorted(not_counted.items()):
+        say(f"not counted step {step}: {why} (left in place; `persist rm {location} --step {step}` removes it)")
+    report["not_counted"] = [{"step": step, "why": why} for step, why in sorted(not_counted.items())]
     stale = []
     for path, age, owner in loc.incomplete():
         if owner is not None:

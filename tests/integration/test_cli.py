@@ -209,6 +209,54 @@ def test_gc_never_removes_the_newest_checkpoint_that_verifies(where, local, remo
     assert "--keep-last" in run("gc", "--help").output and "verifies" in run("gc", "--help").output
 
 
+def _damage(location: str, step: int, options: dict | None, *, truncate: bool) -> None:
+    """Flip a byte near the end of ``step``'s shard (its size still checks) or cut its last 100 bytes."""
+    from persist_core.tiers.remote import RemoteTier
+
+    name = f"step-{step:012d}/rank-00000.safetensors"
+    if options is None:
+        shard = Path(location) / name
+        raw = bytearray(shard.read_bytes())
+    else:
+        tier = RemoteTier(location, options)
+        raw = bytearray(tier.fs.cat_file(tier.path_of(name)))
+    if truncate:
+        del raw[-100:]
+    else:
+        raw[-100] ^= 0xFF
+    if options is None:
+        shard.write_bytes(bytes(raw))
+    else:
+        tier.fs.pipe_file(tier.path_of(name), bytes(raw))
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_gc_keep_last_counts_only_checkpoints_that_check(where, local, remote, s3_options):
+    """``--keep-last 2`` keeps two good checkpoints: one whose file lost bytes is not counted (a cheap check, on S3
+    too), one with a flipped byte is not counted under ``--verify``; neither is removed; --dry-run says why (issue 44)."""
+    location, options = (str(local), None) if where == "local" else (remote, s3_options)
+    _damage(location, 40, options, truncate=True)
+    dry = run("gc", location, "--keep-last", "2", "--dry-run", "--json", options=options)
+    assert dry.exit_code == 0, dry.output
+    report = json.loads(dry.output)
+    assert report["removed"] == [10]  # 20 and 30 are the two that count
+    assert [n["step"] for n in report["not_counted"]] == [40] and "the manifest says" in report["not_counted"][0]["why"]
+    text = run("gc", location, "--keep-last", "2", "--dry-run", options=options).output
+    assert "would remove step 10" in text and "not counted step 40" in text and "persist rm" in text
+    _damage(location, 30, options, truncate=False)
+    cheap = json.loads(run("gc", location, "--keep-last", "2", "--dry-run", "--json", "--no-verify",
+                           options=options).output)
+    assert cheap["removed"] == [10]  # sizes check: 30 counts without --verify
+    full = run("gc", location, "--keep-last", "2", "--verify", options=options)
+    assert full.exit_code == 0, full.output
+    assert "not counted step 30" in full.output and "not counted step 40" in full.output
+    assert "removed step" not in full.output  # 10 and 20 are the two good ones: kept
+    listing = json.loads(run("ls", location, "--json", options=options).output)
+    assert [r["step"] for r in listing] == [10, 20, 30]  # 40 is not listed (it does not check); nothing removed
+    both = run("gc", location, "--keep-last", "2", "--verify", "--no-verify", options=options)
+    assert both.exit_code == 2 and "--verify" in both.output
+
+
 @pytest.mark.parametrize("where", ["local", "remote"])
 def test_ls_where_there_is_no_checkpoint_says_so_and_names_the_runs_below(where, local, remote, s3_options, tmp_path):
     """A bucket root or a parent directory holds runs, not checkpoints (issue 19 item 1)."""
