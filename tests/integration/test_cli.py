@@ -16,11 +16,11 @@ from persist_core import CheckpointEngine, CheckpointReader
 from persist_core.cli import main
 from persist_core.tiers.local import read_manifest
 from tests.support.states import assert_state_equal
+from functools import partial
+from tests.support import states
 
 
-def state_for(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"model": {"w": torch.randn(300, 300, generator=g), "b": torch.randn(300, generator=g)}, "step": step}
+state_for = partial(states.state_for, shape=(300, 300), random=True, bias=torch.float32)
 
 
 def run(*args: str, options: dict | None = None):

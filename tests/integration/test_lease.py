@@ -8,13 +8,13 @@ import time
 
 import pytest
 import s3fs
-import torch
 
 from persist_core import CheckpointEngine, CheckpointReader, ConfigError, DirectoryInUseError, KeepLastN
+from functools import partial
+from tests.support import states
 
 
-def state_for(step: int) -> dict:
-    return {"w": torch.full((1024,), float(step)), "step": step}
+state_for = partial(states.state_for, shape=(1024,))
 
 
 def test_a_second_run_on_one_remote_url_is_refused_and_prunes_nothing_until_the_first_is_done(

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from persist_core import AnyOf, CheckpointEngine, CheckpointReader, KeepEveryNSteps, KeepLastN, RemoteError, WriteError
 from persist_core.tiers.remote import RemoteTier
+from functools import partial
+from tests.support import states
 
 
-def state_for(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(128, 128, generator=g), "step": step}
+state_for = partial(states.state_for, shape=(128, 128), random=True)
 
 
 @pytest.fixture

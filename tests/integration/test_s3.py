@@ -16,14 +16,14 @@ import torch
 from persist_core import AnyOf, CheckpointEngine, CheckpointReader, KeepEveryNSteps, KeepLastN, RemoteError
 from tests.support.fakes import record_upload_turns
 from tests.support.states import assert_state_equal
+from tests.support import states
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def state_for(step: int, n: int = 256) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"model": {"w": torch.randn(n, n, generator=g), "b": torch.randn(n, generator=g).bfloat16()},
-            "step": step, "rng": torch.Generator().manual_seed(step).get_state()}
+    return states.state_for(step, (n, n), random=True, bias=torch.bfloat16,
+                            rng=torch.Generator().manual_seed(step).get_state())
 
 
 @pytest.fixture

@@ -10,15 +10,13 @@ import sys
 import torch
 
 from persist_core import CheckpointEngine
+from tests.support import states
 
 
 def state_for(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {
-        "model": {"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(1024, generator=g).half()},
-        "optim": {"state": {0: {"exp_avg": torch.randn(512, 512, generator=g)}}, "lr": 0.1 / step},
-        "step": step,
-    }
+    optim = {"state": {0: {"exp_avg": torch.randn(512, 512, generator=torch.Generator().manual_seed(-step))}},
+             "lr": 0.1 / step}
+    return states.state_for(step, (1024, 1024), random=True, bias=torch.half, optim=optim)
 
 
 def main() -> None:

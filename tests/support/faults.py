@@ -22,15 +22,15 @@ import torch
 
 from persist_core import CheckpointEngine, CheckpointReader, CorruptCheckpointError, KeepLastN, RemoteError
 from tests.support.states import assert_state_equal
+from tests.support import states
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"
 
 
 def state_for(step: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(step)
-    return {"model": {"w": torch.randn(512, 512, generator=g), "b": torch.randn(512, generator=g).half()},
-            "optim": {"lr": 0.1 / (step + 1), "betas": (0.9, 0.999)}, "step": step}
+    return states.state_for(step, (512, 512), random=True, bias=torch.half,
+                            optim={"lr": 0.1 / (step + 1), "betas": (0.9, 0.999)})
 
 
 @dataclass

@@ -10,6 +10,25 @@ import numpy as np
 import torch
 
 
+def state_for(step: int, shape: tuple[int, ...] = (64, 64), *, random: bool = False, seed: float = 0.0,
+              bias: torch.dtype | None = None, **extra: Any) -> dict[str, Any]:
+    """A small training state whose bytes say its step: ``{"w": ..., "step": step, **extra}``.
+
+    Args:
+        step: the step; also the generator's seed.
+        shape: the shape of ``w``.
+        random: ``w`` drawn from a generator seeded by ``step`` (else full of ``step + seed``).
+        seed: added to every element of a non-random ``w`` (two runs' states at one step differ).
+        bias: a model state instead: ``{"model": {"w": ..., "b": ...}, "step": step, **extra}`` with ``b`` (one
+            row of ``w``'s last size, drawn after ``w``) in this dtype.
+    """
+    g = torch.Generator().manual_seed(step)
+    w = torch.randn(shape, generator=g) if random else torch.full(shape, float(step) + seed)
+    if bias is None:
+        return {"w": w, "step": step, **extra}
+    return {"model": {"w": w, "b": torch.randn(shape[-1], generator=g).to(bias)}, "step": step, **extra}
+
+
 def assert_state_equal(a: Any, b: Any, path: str = "") -> None:
     """Deep equality: same container types, tensors equal in dtype, shape and bytes."""
     assert type(a) is type(b) or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)), (path, type(a), type(b))

@@ -5,17 +5,17 @@ the newest committed without such a resume is refused."""
 from __future__ import annotations
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from persist_core import CheckpointEngine, CheckpointReader, ConfigError, KeepLastN
 from persist_core.cli import main as cli
 from persist_core.tiers.local import LocalTier
 from tests.support.states import assert_state_equal
+from functools import partial
+from tests.support import states
 
 
-def state_for(step: int) -> dict:
-    return {"w": torch.full((256,), float(step)), "step": step}
+state_for = partial(states.state_for, shape=(256,))
 
 
 @pytest.fixture

@@ -33,11 +33,11 @@ from persist_core.ownership import claim_tmp
 from persist_core.staging import StagingBuffer
 from tests.support.states import assert_state_equal
 from tests.support.fakes import FailingOps, GatedOps, NoDirectOps
+from functools import partial
+from tests.support import states
 
 
-def state_for(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(256, 256, generator=g), "step": step}
+state_for = partial(states.state_for, shape=(256, 256), random=True)
 
 
 def test_mutation_after_save_does_not_leak(ckpt_dir):

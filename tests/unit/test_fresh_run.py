@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import fsspec
 import pytest
-import torch
 
 from persist_core import CheckpointEngine, CheckpointReader, ConfigError, KeepLastN
 from tests.support.states import assert_state_equal
+from functools import partial
+from tests.support import states
 
 
-def state_for(step: int, seed: float = 0.0) -> dict:
-    return {"w": torch.full((256,), float(step) + seed), "step": step}
+state_for = partial(states.state_for, shape=(256,))
 
 
 def remote_bytes(url: str) -> dict[str, bytes]:

@@ -24,12 +24,13 @@ from persist_core import (
 from persist_core.cli import main
 from persist_core.layout import HISTORY_NAME, LEASE_NAME, RUN_ID_NAME, UNSYNCED_NAME
 from persist_core.tiers.remote import RemoteTier
+from functools import partial
+from tests.support import states
 
 PRECIOUS = b"someone else's file\n"
 
 
-def state_for(step: int) -> dict:
-    return {"w": torch.full((4,), float(step)), "step": step}
+state_for = partial(states.state_for, shape=(4,))
 
 
 def saved(root, *steps: int, **kw) -> None:

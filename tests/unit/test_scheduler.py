@@ -26,6 +26,7 @@ from persist_core import (
 from persist_core.layout import HISTORY_NAME
 from tests.support.states import assert_state_equal
 from tests.support.fakes import FakeClock, GatedOps, TwoRanksWithoutDecisions
+from tests.support import states
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,8 +93,7 @@ def test_policy_kinds_do_not_mix(tmp_path):
         CheckpointEngine(tmp_path / "x").maybe_save(dict, step=1)
 
 
-def state_for(step: int) -> dict:
-    return {"w": torch.full((64, 64), float(step)), "step": step}
+state_for = states.state_for
 
 
 def test_continuous_never_has_two_saves_in_flight_and_keeps_its_interval(tmp_path):

@@ -26,6 +26,8 @@ from persist_core import (
 from tests.support.states import assert_state_equal
 from persist_core.sync import RemoteSync
 from tests.support.fakes import GatedUploads
+from functools import partial
+from tests.support import states
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -46,9 +48,7 @@ def fast_retries(monkeypatch):
     monkeypatch.setenv("PERSIST_REMOTE_BACKOFF_MS", "1")
 
 
-def state_for(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(64, 64, generator=g), "step": step, "opt": {"lr": 0.1}}
+state_for = partial(states.state_for, random=True, opt={"lr": 0.1})
 
 
 def test_saves_reach_the_remote_and_a_fresh_machine_resumes(tmp_path, url):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import uuid
 
 import pytest
-import torch
 
 from persist_core import CheckpointEngine, PersistError
 from tests.support.fakes import GatedUploads
+from tests.support import states
 
 
-def state_for(step: int) -> dict:
-    return {"w": torch.full((64, 64), float(step)), "step": step}
+state_for = states.state_for
 
 
 class OneAnswer:
