@@ -15,7 +15,7 @@ synchronously). The user's calls stay as they are:
 
 Every process calls both (as Accelerate requires). With several processes each writes about
 ``1/num_processes`` of the replicated state and the main process commits (see
-:mod:`persist_core.commit`); per-process values (RNG states) are gathered so that every
+:mod:`persist_core.save.commit`); per-process values (RNG states) are gathered so that every
 checkpoint holds all of them.
 
 The checkpoint's step is the number of optimizer steps taken (steps the GradScaler skipped, and

@@ -51,7 +51,7 @@ def child(work: str, width: int, step_ms: float, steps: int, variant: str) -> No
     import torch
 
     from persist_core import CheckpointEngine, KeepLastN
-    from persist_core.staging import StagingPool
+    from persist_core.save.staging import StagingPool
 
     model, opt = build(width)
     if variant == "setup":

@@ -4,7 +4,7 @@ Lightning calls a ``CheckpointIO`` on global rank 0 only, so with plain ``strate
 writes the whole (replicated) state. This subclass changes exactly two things: it gives the
 plugin a gloo group of its own for the commit, and it calls the plugin's ``save_checkpoint`` on
 every rank. Each rank then writes about ``1/world_size`` of the bytes; rank 0 commits the
-manifest once all succeeded (see :mod:`persist_core.commit`).
+manifest once all succeeded (see :mod:`persist_core.save.commit`).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ save decisions and the reader for one ``local_dir`` (and its remote).
 Call order (one process):
 
 * ``save(state, step)`` — caller's thread: plan (:mod:`persist_core.planning`), copy into a
-  staging buffer (:mod:`persist_core.staging`), hand to the :class:`~persist_core.writer.Writer`,
+  staging buffer (:mod:`persist_core.save.staging`), hand to the :class:`~persist_core.save.writer.Writer`,
   return a :class:`SaveHandle`.
-* writer thread — write, commit (:mod:`persist_core.commit`), local retention
+* writer thread — write, commit (:mod:`persist_core.save.commit`), local retention
   (:class:`~persist_core.retainer.Retainer`), then the upload queue (:mod:`persist_core.sync`).
 * ``maybe_save`` / ``decide`` / ``should_save`` — the :class:`~persist_core.scheduler.SaveScheduler`.
 * ``wait()`` / ``close()`` — drain; a background failure is raised once (:class:`ErrorLedger`).
@@ -35,7 +35,7 @@ from persist_core.fileio import FileOps, OsFileOps
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import SaveHistory, recent_costs
-from persist_core.overlap import Guard, Overlap
+from persist_core.save.overlap import Guard, Overlap
 from persist_core.pipeline import Pipeline
 from persist_core.planning.save import PlanCache, plan_rank
 from persist_core.planning.sharding import check_replica_mode
@@ -44,11 +44,11 @@ from persist_core.policies.save import Clock, DecisionContext, SavePolicy, check
 from persist_core.preemption import PreemptionNotice, check_grace, default_notice
 from persist_core.reader import CheckpointReader, agreed_load
 from persist_core.scheduler import SaveScheduler
-from persist_core.staging import StagingPool, stage_into
+from persist_core.save.staging import StagingPool, stage_into
 from persist_core.tiers.local import open_local_dir
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.tier import CheckpointInfo
-from persist_core.writer import WriteJob
+from persist_core.save.writer import WriteJob
 
 log = logging.getLogger(__name__)
 

@@ -119,7 +119,7 @@ def _write_all(path: str, data: memoryview, flags: int, *, pool: Executor, chunk
         ops.close(fd)
 
 
-#: The pwrite size of writes that yield to guarded updates (:class:`persist_core.overlap.Turn`): a hold
+#: The pwrite size of writes that yield to guarded updates (:class:`persist_core.save.overlap.Turn`): a hold
 #: stops the next piece, and the ones in flight (the disk's DMA) end within milliseconds. One 32 MiB
 #: ``O_DIRECT`` pwrite per chunk ran on through the update and slowed it by 10–19% on this host (4 MiB
 #: pieces: 2–8%, at 0.88–0.92x the write speed); ``benchmarks/bench_pieces.py`` measures it by size,
@@ -148,7 +148,7 @@ def write_file(path: Path, data: memoryview, *, pool: Executor, chunk_bytes: int
             after which the caller may reuse those bytes of ``data``. Only with ``direct_io``
             ``"on"`` or ``"off"``: the ``"auto"`` fallback rewrites the file from ``data``.
         turn: called before each checksum block and each pwrite; it blocks while the training's update has
-            the host (:class:`persist_core.overlap.Turn`).
+            the host (:class:`persist_core.save.overlap.Turn`).
         piece_bytes: write each chunk in pwrites of this many bytes (a multiple of 4 KiB), ``turn`` before
             each; ``None``: one pwrite a chunk. Writes that yield to guarded updates pass
             :data:`YIELD_PIECE_BYTES`.

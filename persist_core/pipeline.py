@@ -1,7 +1,7 @@
 """What follows ``save()``, wired once (:class:`Pipeline`): the writer, the upload queue, retention on
 both tiers, the record of what is not uploaded, and the history of what each save cost.
 
-After each commit (writer thread, :class:`~persist_core.writer.Writer`) the checkpoint goes to the
+After each commit (writer thread, :class:`~persist_core.save.writer.Writer`) the checkpoint goes to the
 upload queue (:mod:`persist_core.sync`) first, then local retention (:mod:`persist_core.retainer`) runs;
 after each upload (sync thread) both tiers' retention runs. On several nodes each node's leader
 follows rank 0's upload rounds (:mod:`persist_core.assembly`).
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from persist_core._knobs import WriteSettings, remote_lease_s, run_id_from_env
 from persist_core.assembly import Coordinator, Follower, uploads_channel
-from persist_core.commit import Nodes
+from persist_core.save.commit import Nodes
 from persist_core.distributed import Collectives, decision_channel
 from persist_core.errors import ConfigError, RemoteError, WriteError
 from persist_core.fileio import FileOps, no_wait
@@ -31,13 +31,13 @@ from persist_core.ownership import write_unsynced
 from persist_core.policies.retention import RetentionPolicy
 from persist_core.retainer import Retainer
 from persist_core.sidefiles import warn_once
-from persist_core.staging import StagingPool
+from persist_core.save.staging import StagingPool
 from persist_core.sync import RemoteSync, SyncJob
 from persist_core.tiers.local import LocalTier, checkpoint_dir, discover
 from persist_core.tiers.lease import RemoteLease, local_run_id
 from persist_core.timeline import Timeline
 from persist_core.tiers.remote import RemoteTier
-from persist_core.writer import Writer
+from persist_core.save.writer import Writer
 
 log = logging.getLogger(__name__)
 

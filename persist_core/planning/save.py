@@ -2,7 +2,7 @@
 
 :func:`plan_shard` turns a flattened state (and, with several ranks, the owner of each storage
 group) into a :class:`ShardPlan`: the header bytes, the copies that fill the data section, and
-the manifest records. The staging copy (:mod:`persist_core.staging`) executes it.
+the manifest records. The staging copy (:mod:`persist_core.save.staging`) executes it.
 """
 
 from __future__ import annotations

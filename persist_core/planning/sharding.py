@@ -6,7 +6,7 @@ replica that writes it). :func:`replica_digests` digests the plain tensors of a 
 ranks save as replicated, so the commit can find one that is not (the ranks compare digests).
 
 Who calls what: :func:`persist_core.planning.save.plan_rank` calls both, on the training thread,
-before staging; the commit compares the digests (:mod:`persist_core.commit`).
+before staging; the commit compares the digests (:mod:`persist_core.save.commit`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import types
 
 import torch
 
-from persist_core.commit import Report, _replica_mismatches
+from persist_core.save.commit import Report, _replica_mismatches
 from persist_core.format.tree import flatten
 
 

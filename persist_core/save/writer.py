@@ -2,7 +2,7 @@
 
 Who calls what, per checkpoint: ``save()`` (training thread) calls :meth:`Writer.reserve` for
 its step, stages the state, then :meth:`Writer.submit`; the writer thread writes the shard in
-parallel chunks (:mod:`persist_core.fileio`), commits it (:mod:`persist_core.commit`), calls
+parallel chunks (:mod:`persist_core.fileio`), commits it (:mod:`persist_core.save.commit`), calls
 ``after_commit`` (the :class:`Pipeline`: the hand-off to the upload queue, then local retention), and only
 then ends the handle's local phase — in a ``finally``, so every escape ends it, reaches the
 :class:`~persist_core.handle.ErrorLedger` and is raised once. The step stays *pending* (protected
@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from persist_core.commit import Nodes, commit_checkpoint, discover_nodes
+from persist_core.save.commit import Nodes, commit_checkpoint, discover_nodes
 from persist_core.distributed import Collectives
 from persist_core.errors import PersistError, StepExistsError, WriteError
 from persist_core.fileio import CHECKSUM_ALGORITHM, YIELD_PIECE_BYTES, FileOps, no_wait, write_file
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.layout import shard_filename
-from persist_core.staging import StagingBuffer, StagingPool
+from persist_core.save.staging import StagingBuffer, StagingPool
 from persist_core.tiers.local import checkpoint_dir
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class Writer:
         job.handle._set_staged()
 
     def submit_after(self, job: WriteJob, copy: Callable[[], float]) -> None:
-        """Copy thread (:class:`~persist_core.overlap.Overlap`): make a guarded save's deferred copies (``copy``
+        """Copy thread (:class:`~persist_core.save.overlap.Overlap`): make a guarded save's deferred copies (``copy``
         returns its seconds spent waiting for the previous write to pass), then :meth:`submit` it. If they fail,
         the buffer and the step are given back and the failure goes to the ledger (raised once)."""
         handle = job.handle

@@ -16,7 +16,7 @@ CPU-bound loop, during the forward and backward — instead of slowing the updat
 already in flight are the disk's DMA and go on.
 
 Who calls what: the engine calls :meth:`Overlap.deferral` and :meth:`Overlap.run` from ``save()``
-(the copy thread then runs :meth:`~persist_core.writer.Writer.submit_after`: the deferred copies, then the
+(the copy thread then runs :meth:`~persist_core.save.writer.Writer.submit_after`: the deferred copies, then the
 write), and :meth:`Overlap.fence` before the next save, ``wait()`` and ``close()``; the guarded optimizers'
 step pre-hooks call :meth:`Overlap.before_update` (whose wait goes to the last guarded save's
 ``stats.fence_s``) and their post-hooks ``turn.release`` (Lightning runs
