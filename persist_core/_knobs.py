@@ -11,7 +11,6 @@ import operator
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from persist_core.errors import ConfigError
@@ -109,54 +108,47 @@ def remote_backoff_s() -> float:
     return _env_int("PERSIST_REMOTE_BACKOFF_MS", 200, minimum=0) / 1000
 
 
-_env_write_threads, _env_chunk_bytes, _env_direct_io = write_threads, chunk_bytes, direct_io
+def check_writes(config: Any) -> None:
+    """How a :class:`~persist_core.config.Config` writes: ``write_threads``, ``chunk_bytes``, ``direct_io``,
+    ``max_pending``, ``verify``, ``remote_timeout_s`` and ``max_unsynced_bytes`` (a ConfigError naming the value)."""
+    def whole(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    c = config
+    if not whole(c.write_threads) or not 1 <= c.write_threads <= MAX_WRITE_THREADS:
+        raise ConfigError(f"write_threads={c.write_threads!r} must be an int from 1 to {MAX_WRITE_THREADS} "
+                          "(threads writing one shard; the default, 4, suits most NVMe disks)")
+    if not whole(c.chunk_bytes) or not PAGE_BYTES <= c.chunk_bytes <= MAX_CHUNK_BYTES or c.chunk_bytes % PAGE_BYTES:
+        raise ConfigError(f"chunk_bytes={c.chunk_bytes!r} must be a multiple of {PAGE_BYTES} from {PAGE_BYTES} to "
+                          f"MAX_CHUNK_BYTES={MAX_CHUNK_BYTES} (the default, 32 MiB, suits most disks)")
+    if c.direct_io not in ("auto", "on", "off"):
+        raise ConfigError(f"direct_io={c.direct_io!r} must be 'auto', 'on' or 'off'")
+    if isinstance(c.remote_timeout_s, bool) or not isinstance(c.remote_timeout_s, (int, float)) \
+            or not c.remote_timeout_s > 0:
+        raise ConfigError(f"remote_timeout_s={c.remote_timeout_s!r} must be a positive number of seconds")
+    if c.max_unsynced_bytes is not None and (not whole(c.max_unsynced_bytes) or c.max_unsynced_bytes < 1):
+        raise ConfigError(f"max_unsynced_bytes={c.max_unsynced_bytes!r} must be a positive int (bytes) or None")
+    check_bool("verify", c.verify)
+    if not whole(c.max_pending) or not 1 <= c.max_pending <= MAX_PENDING:
+        raise ConfigError(
+            f"max_pending={c.max_pending!r} must be an int from 1 to {MAX_PENDING} (each pending save holds one "
+            "staging buffer the size of the state)"
+        )
 
 
-@dataclass(frozen=True, kw_only=True)
-class WriteSettings:
-    """How an engine writes: the constructor's arguments, else the environment's, validated."""
+def check_backend(url: str) -> None:
+    """An fsspec backend exists for ``url``'s scheme (``nosuch://x`` fails here, not at the first upload)."""
+    import fsspec
 
-    write_threads: int
-    chunk_bytes: int
-    direct_io: str
-    max_pending: int
-    verify: bool
-    remote_timeout_s: float = 300.0
-    max_unsynced_bytes: int | None = None
-
-    @classmethod
-    def resolve(cls, *, write_threads: int | None, chunk_bytes: int | None, direct_io: str | None, max_pending: int,
-                verify: bool, remote_timeout_s: float = 300.0, max_unsynced_bytes: int | None = None) -> WriteSettings:
-        return cls(write_threads=_env_write_threads() if write_threads is None else write_threads,
-                   chunk_bytes=_env_chunk_bytes() if chunk_bytes is None else chunk_bytes,
-                   direct_io=_env_direct_io() if direct_io is None else direct_io,
-                   max_pending=max_pending, verify=verify, remote_timeout_s=remote_timeout_s,
-                   max_unsynced_bytes=max_unsynced_bytes)
-
-    def __post_init__(self) -> None:
-        def whole(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if not whole(self.write_threads) or not 1 <= self.write_threads <= MAX_WRITE_THREADS:
-            raise ConfigError(f"write_threads={self.write_threads!r} must be an int from 1 to {MAX_WRITE_THREADS} "
-                              "(threads writing one shard; the default, 4, suits most NVMe disks)")
-        if not whole(self.chunk_bytes) or not PAGE_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES \
-                or self.chunk_bytes % PAGE_BYTES:
-            raise ConfigError(f"chunk_bytes={self.chunk_bytes!r} must be a multiple of {PAGE_BYTES} from {PAGE_BYTES} to "
-                              f"MAX_CHUNK_BYTES={MAX_CHUNK_BYTES} (the default, 32 MiB, suits most disks)")
-        if self.direct_io not in ("auto", "on", "off"):
-            raise ConfigError(f"direct_io={self.direct_io!r} must be 'auto', 'on' or 'off'")
-        if isinstance(self.remote_timeout_s, bool) or not isinstance(self.remote_timeout_s, (int, float)) \
-                or not self.remote_timeout_s > 0:
-            raise ConfigError(f"remote_timeout_s={self.remote_timeout_s!r} must be a positive number of seconds")
-        if self.max_unsynced_bytes is not None and (not whole(self.max_unsynced_bytes) or self.max_unsynced_bytes < 1):
-            raise ConfigError(f"max_unsynced_bytes={self.max_unsynced_bytes!r} must be a positive int (bytes) or None")
-        check_bool("verify", self.verify)
-        if not whole(self.max_pending) or not 1 <= self.max_pending <= MAX_PENDING:
-            raise ConfigError(
-                f"max_pending={self.max_pending!r} must be an int from 1 to {MAX_PENDING} (each pending save holds one "
-                "staging buffer the size of the state)"
-            )
+    scheme = url.partition("://")[0]
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ValueError as e:
+        raise ConfigError(f"remote_url={url!r} is not an fsspec URL this machine can open: fsspec knows no protocol "
+                          f"{scheme!r} ({e}); use s3://, gs://, az://, file:// or memory://") from e
+    except ImportError as e:
+        raise ConfigError(f"remote_url={url!r} needs an fsspec backend that is not installed ({e}); e.g. "
+                          "pip install 'torch-persist[s3]' for s3://") from e
 
 
 def check_bool(name: str, value: object) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from persist_core import _knobs
-from persist_core._knobs import WriteSettings
+from persist_core.config import Config
 from persist_core.distributed import Collectives, check_collectives, decision_channel
 from persist_core.errors import ConfigError, PersistError, RemoteError
 from persist_core.fileio import FileOps, OsFileOps
@@ -38,10 +38,8 @@ from persist_core.history import SaveHistory, recent_costs
 from persist_core.save.overlap import Guard, Overlap
 from persist_core.pipeline import Pipeline
 from persist_core.planning.save import PlanCache, plan_rank
-from persist_core.planning.sharding import check_replica_mode
-from persist_core.policies.retention import RetentionPolicy, check_policy
-from persist_core.policies.save import Clock, DecisionContext, SavePolicy, check_save_policy
-from persist_core.preemption import PreemptionNotice, check_grace, default_notice
+from persist_core.policies.save import Clock, DecisionContext, SavePolicy
+from persist_core.preemption import default_notice
 from persist_core.reader import CheckpointReader, agreed_load
 from persist_core.scheduler import SaveScheduler
 from persist_core.save.staging import StagingPool, stage_into
@@ -66,62 +64,18 @@ class CheckpointEngine:
         state = CheckpointReader("/nvme/ckpt").load()   # the newest committed checkpoint (no writer lock)
 
     Args:
-        local_dir: directory of the local tier (created if missing); ideally on NVMe.
-        write_threads: threads writing chunks of a shard in parallel (default 4, ``PERSIST_WRITE_THREADS``).
-        chunk_bytes: bytes per write and per checksum, a multiple of 4 KiB (default 32 MiB).
-        direct_io: ``"auto"`` (``O_DIRECT`` where the file system takes it), ``"on"`` or ``"off"``.
-        max_pending: checkpoints that may be staged or writing at once; each holds one staging
-            buffer about the size of the state. With the default 1, a ``save`` while the previous
-            write runs waits for it (``stats.wait_s``) instead of allocating a second copy.
-        verify: check crc32c checksums on ``load`` (default True).
-        remote_url: an fsspec URL (``s3://bucket/run-7``, ``gs://``, ``az://``, ``file://``,
-            ``memory://``) every committed checkpoint is uploaded to in the background; ``load``
-            falls back to it. ``None``: local only. Reachability is found out by the first upload.
-        storage_options: passed to fsspec as-is (``{"client_kwargs": {"endpoint_url": ...}}``).
-        keep_local: retention policy for ``local_dir``, applied after each commit, e.g.
-            ``KeepLastN(2)`` or ``AnyOf(KeepLastN(2), KeepEveryNSteps(1000))``; ``None`` keeps all.
-            The newest committed checkpoint, and any not yet uploaded, are never deleted.
-        keep_remote: retention policy for the remote tier, applied after each upload; queued
-            uploads it would not keep may be superseded by newer ones when the remote is slow.
-        collectives: for a job of several processes, their collectives
-            (:class:`TorchCollectives`): every rank then calls ``save`` for the same steps in the
-            same order and writes about ``1/world_size`` of a state they all hold alike; rank 0
-            commits, applies retention and uploads. ``local_dir`` must be shared by the ranks.
-            ``DTensor`` leaves (FSDP2, tensor parallel) are saved sharded: each rank writes the part
-            it holds (one replica of each ``Replicate`` dimension), and :meth:`load` with ``into=``
-            reshards them to any mesh. Plain tensors are taken to be replicated and checked
-            (``replica_check``); values that differ per rank on purpose go in :class:`PerRank`.
-        save_policy: when :meth:`maybe_save` saves (``Continuous(min_interval_s=30)``, ...).
-        preemption: a :class:`PreemptionNotice`; once set, the next ``maybe_save`` saves, waits
-            up to ``preemption_grace_s`` for the commit and upload, and :attr:`preempted` is True
-            (the loop stops on it). By default, with a ``save_policy``, the engine installs its own
-            SIGTERM notice (on the main thread; elsewhere a log line says why not): once the step the
-            signal arrived at is committed and flushed, the signal's previous disposition runs — by
-            default the process ends as SIGTERM ends it, so a loop that never looks at
-            :attr:`preempted` still stops. ``None``: no notice.
-        remote_timeout_s: how long ``wait()``/``close()`` wait for uploads that keep failing before
-            they raise one ``RemoteError`` naming the un-synced steps (default 300 s).
-        max_unsynced_bytes: the most bytes of checkpoints not yet uploaded that may pile up locally
-            during an outage; then ``save`` raises ``WriteError`` (nothing is deleted). Default:
-            whatever leaves 10% of ``local_dir``'s file system free.
-        start_over: this run starts afresh where another run's checkpoints are: at the first save of a run that
-            loaded nothing, every committed checkpoint of both tiers is set aside as an abandoned branch (kept,
-            listed by :meth:`abandoned` and ``persist ls``, never pruned, never the latest). Without it, such a
-            run's first save is refused while ``remote_url`` holds committed checkpoints (another run's: its
-            saves would replace or mix with them) — resume with :meth:`load` instead. A run that loads is not
-            affected.
-        run_id: this run's id for its lease on ``remote_url`` (one writing run per remote). Default: the
-            launcher's (``PERSIST_RUN_ID``, ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``), else one kept in
-            ``local_dir``. Pass the same id to resume the run on a fresh machine before its old lease expires.
-        torch_loadable: with one process, write each shard so that it is also the zip archive
-            ``torch.save`` writes: ``torch.load(step_dir/"rank-00000.ckpt")`` (also ``mmap=True``,
-            ``weights_only=True``) reads the state without torch-persist, the bytes written once as
-            always (see :mod:`persist_core.format.torch_zip`). With several processes rank 0's shard
-            is such an archive whose loading raises an error naming how to load the whole checkpoint.
-        replica_check: how ranks check that the plain tensors they save as replicated are alike
-            before committing: ``"sampled"`` (default: the first, last and 16 elements at offsets
-            drawn anew each save, a few microseconds per tensor), ``"full"`` (every byte; costly),
-            ``"off"``. A mismatch fails the save, naming the tensor and the ranks.
+        local_dir: directory of the local tier (created if missing; ideally on NVMe), or a whole :class:`Config`.
+        keywords: the other options of :class:`Config`: ``remote_url``/``storage_options`` (an fsspec URL every
+            committed checkpoint is uploaded to in the background; ``load`` falls back to it), ``keep_local``/
+            ``keep_remote`` (retention), ``save_policy`` (when :meth:`maybe_save` saves), ``preemption``,
+            ``start_over``, ``torch_loadable``, ``replica_check``, ``write_threads``, ``chunk_bytes``,
+            ``direct_io``, ``max_pending``, ``verify``, ``remote_timeout_s``, ``max_unsynced_bytes``, ``run_id``...
+        collectives: for a job of several processes, their collectives (:class:`TorchCollectives`): every rank
+            then calls ``save`` for the same steps in the same order and writes about ``1/world_size`` of a state
+            they all hold alike; rank 0 commits, applies retention and uploads. ``DTensor`` leaves (FSDP2, tensor
+            parallel) are saved sharded, and :meth:`load` with ``into=`` reshards them to any mesh. Plain tensors
+            are taken to be replicated and checked (``replica_check``); values that differ per rank on purpose go
+            in :class:`PerRank`.
         clock: the monotonic clock decisions use (a fake one in tests).
         wall_clock: the wall clock manifests record (``time.time``).
         file_ops: the file system calls the writer makes (for fault injection in tests).
@@ -134,46 +88,26 @@ class CheckpointEngine:
 
     def __init__(
         self,
-        local_dir: str | os.PathLike[str],
+        local_dir: str | os.PathLike[str] | Config,
         *,
-        write_threads: int | None = None,
-        chunk_bytes: int | None = None,
-        direct_io: str | None = None,
-        max_pending: int = 1,
-        verify: bool = True,
-        remote_url: str | None = None,
-        storage_options: dict[str, Any] | None = None,
-        keep_local: RetentionPolicy | None = None,
-        keep_remote: RetentionPolicy | None = None,
         collectives: Collectives | None = None,
-        save_policy: SavePolicy | None = None,
-        preemption: PreemptionNotice | None | str = "default",
-        preemption_grace_s: float = 120.0,
-        remote_timeout_s: float = 300.0,
-        max_unsynced_bytes: int | None = None,
-        run_id: str | None = None,
-        torch_loadable: bool = False,
-        replica_check: str = "sampled",
-        start_over: bool = False,
         clock: Clock = time.monotonic,
         wall_clock: Clock = time.time,
         file_ops: FileOps | None = None,
+        **keywords: Any,
     ) -> None:
-        settings = WriteSettings.resolve(write_threads=write_threads, chunk_bytes=chunk_bytes, direct_io=direct_io,
-                                         max_pending=max_pending, verify=verify, remote_timeout_s=remote_timeout_s,
-                                         max_unsynced_bytes=max_unsynced_bytes)
-        keep_local = None if keep_local is None else check_policy(keep_local, name="keep_local")
-        keep_remote = None if keep_remote is None else check_policy(keep_remote, name="keep_remote")
-        if keep_remote is not None and remote_url is None:
-            raise ConfigError("keep_remote was given without remote_url; pass remote_url='s3://...' or drop keep_remote")
-        save_policy = None if save_policy is None else check_save_policy(save_policy)
-        _knobs.check_bool("start_over", start_over)
-        _knobs.check_run_id(run_id)
-        _knobs.check_remote(remote_url, storage_options)
+        if isinstance(local_dir, Config):
+            if keywords:
+                raise ConfigError(f"CheckpointEngine(config, {', '.join(keywords)}=...): the config holds every option; "
+                                  "pass config.replace(...) instead")
+            config = local_dir
+        else:
+            config = Config.of(local_dir, **keywords)
         _knobs.check_callable(clock=clock, wall_clock=wall_clock)
-        self._root = Path(os.fspath(_knobs.check_local_dir(local_dir)).removeprefix("file://")).expanduser().absolute()
-        self._torch_loadable = _knobs.check_bool("torch_loadable", torch_loadable)
-        self._replica_check = check_replica_mode(replica_check)
+        self.config = config
+        self._root = config.local_dir
+        self._torch_loadable = config.torch_loadable
+        self._replica_check = config.replica_check
         self._plans = PlanCache()  # the same structure every save: laid out once
         self._coll = check_collectives(collectives)
         self._wall_clock = wall_clock
@@ -182,7 +116,7 @@ class CheckpointEngine:
         self._resumed: int | None = None
         self._dir_lock = open_local_dir(self._root, rank=self._coll.rank)  # one writer per directory and rank
         try:
-            tier = None if remote_url is None else RemoteTier(remote_url, storage_options)
+            tier = None if config.remote_url is None else RemoteTier(config.remote_url, config.storage_options)
         except BaseException:
             self._dir_lock.release()
             raise
@@ -192,26 +126,23 @@ class CheckpointEngine:
         self._overlap = Overlap(rank=self._coll.rank)
         if tier is not None:
             tier.turn = self._overlap.turn.wait  # uploads, too, hold off while a guarded update runs
-        self._pool = StagingPool(settings.max_pending, pin=torch.cuda.is_available(), turn=self._overlap.turn.wait)
+        self._pool = StagingPool(config.max_pending, pin=torch.cuda.is_available(), turn=self._overlap.turn.wait)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pipeline = Pipeline(self._root, pool=self._pool, coll=self._coll, ops=file_ops or OsFileOps(),
-                                  ledger=self._ledger, settings=settings, tier=tier, keep_local=keep_local,
-                                  keep_remote=keep_remote, latest_step=lambda: self._latest_step,
-                                  remote_timeout_s=settings.remote_timeout_s,
-                                  max_unsynced_bytes=settings.max_unsynced_bytes, run_id=run_id,
+                                  ledger=self._ledger, settings=config, tier=tier, keep_local=config.keep_local,
+                                  keep_remote=config.keep_remote, latest_step=lambda: self._latest_step,
+                                  remote_timeout_s=config.remote_timeout_s,
+                                  max_unsynced_bytes=config.max_unsynced_bytes, run_id=config.run_id,
                                   turn=self._overlap.turn.wait, yielding=lambda: self._overlap.active,
-                                  slowdown=self._history.meter.slowdown, start_over=start_over)
+                                  slowdown=self._history.meter.slowdown, start_over=config.start_over)
         self._writer = self._pipeline.writer
-        if isinstance(preemption, str):
-            if preemption != "default":
-                raise ConfigError(f"preemption={preemption!r} must be a PreemptionNotice, None, or 'default'")
-            preemption = default_notice(save_policy)
+        preemption = default_notice(config.save_policy) if config.preemption == "default" else config.preemption
         self._own_notice = preemption if preemption is not None and preemption.exit_after else None
-        self._scheduler = SaveScheduler(policy=save_policy, preemption=preemption,
-                                        grace_s=check_grace(preemption_grace_s), coll=self._coll,
+        self._scheduler = SaveScheduler(policy=config.save_policy, preemption=preemption,
+                                        grace_s=config.preemption_grace_s, coll=self._coll,
                                         history=self._history, clock=clock, in_flight=self._writer.in_flight,
                                         known=self._known, wait=self.wait)
-        self._reader = CheckpointReader(self._root, verify=verify, tier=tier, on_loaded=self._loaded)
+        self._reader = CheckpointReader(self._root, verify=config.verify, tier=tier, on_loaded=self._loaded)
         _close_at_exit(self)
 
     # ------------------------------------------------------------------ save

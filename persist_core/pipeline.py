@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from persist_core._knobs import WriteSettings, remote_lease_s, run_id_from_env
+from persist_core._knobs import remote_lease_s, run_id_from_env
+from persist_core.config import Config
 from persist_core.assembly import Coordinator, Follower, uploads_channel
 from persist_core.save.commit import Nodes
 from persist_core.distributed import Collectives, decision_channel
@@ -61,7 +62,7 @@ class Pipeline:
     """
 
     def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
-                 settings: WriteSettings, tier: RemoteTier | None, keep_local: RetentionPolicy | None,
+                 settings: Config, tier: RemoteTier | None, keep_local: RetentionPolicy | None,
                  keep_remote: RetentionPolicy | None, latest_step: Callable[[], int], remote_timeout_s: float = 300.0,
                  max_unsynced_bytes: int | None = None, run_id: str | None = None,
                  turn: Callable[[], None] = no_wait, yielding: Callable[[], bool] = lambda: False,

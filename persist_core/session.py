@@ -30,6 +30,7 @@ from typing import Any
 from persist_core.distributed import Collectives, SingleProcess
 from persist_core.engine import CheckpointEngine
 from persist_core import _knobs
+from persist_core.config import Config
 from persist_core.errors import ConfigError, DirectoryInUseError, StepExistsError
 from persist_core.handle import SaveHandle, SaveStats
 from persist_core.history import describe_summary
@@ -88,9 +89,8 @@ class PersistOptions:
         _knobs.check_bool("start_over", self.start_over)
         _knobs.check_bool("torch_loadable", self.torch_loadable)
         _knobs.check_remote(self.remote_url, self.storage_options)
-        _knobs.WriteSettings.resolve(write_threads=self.write_threads, chunk_bytes=None, direct_io=None,
-                                     max_pending=self.max_pending, verify=self.verify,
-                                     remote_timeout_s=self.remote_timeout_s)  # its checks, now, not at the first save
+        _knobs.check_writes(Config(local_dir=self.local_dir, write_threads=self.write_threads, max_pending=self.max_pending,
+                                   verify=self.verify, remote_timeout_s=self.remote_timeout_s))  # now, not at the first save
         if isinstance(self.preemption_signals, int):
             raise ConfigError(f"preemption_signals={self.preemption_signals!r} must be a tuple of signals, e.g. "
                               f"({self.preemption_signals!r},)")
@@ -101,7 +101,7 @@ class PersistOptions:
         object.__setattr__(self, "preemption_signals", _knobs.check_signals(self.preemption_signals))
         _knobs.check_remote_url(self.remote_url)
         if self.remote_url is not None:
-            _check_backend(self.remote_url)
+            _knobs.check_backend(self.remote_url)
 
     @classmethod
     def from_keywords(cls, local_dir: str | os.PathLike[str], *, keep_last: int | None = None,
@@ -114,21 +114,6 @@ class PersistOptions:
         """
         policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds, retention)
         return cls(local_dir=local_dir, retention=policy, **options)  # type: ignore[arg-type]  # made a Path, checked
-
-
-def _check_backend(url: str) -> None:
-    """An fsspec backend exists for ``url``'s scheme (``nosuch://x`` fails here, not at the first upload)."""
-    import fsspec
-
-    scheme = url.partition("://")[0]
-    try:
-        fsspec.get_filesystem_class(scheme)
-    except ValueError as e:
-        raise ConfigError(f"remote_url={url!r}: fsspec knows no protocol {scheme!r} ({e}); use s3://, gs://, az://, "
-                          "file:// or memory://") from e
-    except ImportError as e:
-        raise ConfigError(f"remote_url={url!r} needs an fsspec backend that is not installed ({e}); e.g. "
-                          "pip install 'torch-persist[s3]' for s3://") from e
 
 
 class PersistSession:
