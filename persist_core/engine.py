@@ -17,36 +17,25 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import torch
 
 from persist_core import _knobs
+from persist_core._build import build, close_at_exit
 from persist_core.config import Config
-from persist_core.distributed import Collectives, check_collectives, decision_channel
+from persist_core.distributed import Collectives, decision_channel
 from persist_core.errors import ConfigError, PersistError, RemoteError
-from persist_core.fileio import FileOps, OsFileOps
+from persist_core.fileio import FileOps
 from persist_core.format.manifest import Manifest
-from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
-from persist_core.history import SaveHistory, recent_costs
-from persist_core.save.overlap import Guard, Overlap
-from persist_core.pipeline import Pipeline
-from persist_core.planning.save import PlanCache, plan_rank
+from persist_core.handle import SaveHandle
+from persist_core.save.overlap import Guard
 from persist_core.policies.save import Clock, DecisionContext, SavePolicy
-from persist_core.preemption import default_notice
 from persist_core.reader import CheckpointReader, agreed_load
-from persist_core.scheduler import SaveScheduler
-from persist_core.save.staging import StagingPool, stage_into
-from persist_core.tiers.local import open_local_dir
-from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.tier import CheckpointInfo
-from persist_core.save.writer import WriteJob
 
 log = logging.getLogger(__name__)
 
@@ -105,45 +94,14 @@ class CheckpointEngine:
             config = Config.of(local_dir, **keywords)
         _knobs.check_callable(clock=clock, wall_clock=wall_clock)
         self.config = config
-        self._root = config.local_dir
-        self._torch_loadable = config.torch_loadable
-        self._replica_check = config.replica_check
-        self._plans = PlanCache()  # the same structure every save: laid out once
-        self._coll = check_collectives(collectives)
-        self._wall_clock = wall_clock
         self._closed = False
-        self._latest_step = -1
         self._resumed: int | None = None
-        self._dir_lock = open_local_dir(self._root, rank=self._coll.rank)  # one writer per directory and rank
-        try:
-            tier = None if config.remote_url is None else RemoteTier(config.remote_url, config.storage_options)
-        except BaseException:
-            self._dir_lock.release()
-            raise
-        self._tier = tier
-        self._ledger = ErrorLedger()
-        self._history = SaveHistory(clock, prior=recent_costs(self._root))  # a restarted job: what saves cost
-        self._overlap = Overlap(rank=self._coll.rank)
-        if tier is not None:
-            tier.turn = self._overlap.turn.wait  # uploads, too, hold off while a guarded update runs
-        self._pool = StagingPool(config.max_pending, pin=torch.cuda.is_available(), turn=self._overlap.turn.wait)
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._pipeline = Pipeline(self._root, pool=self._pool, coll=self._coll, ops=file_ops or OsFileOps(),
-                                  ledger=self._ledger, settings=config, tier=tier, keep_local=config.keep_local,
-                                  keep_remote=config.keep_remote, latest_step=lambda: self._latest_step,
-                                  remote_timeout_s=config.remote_timeout_s,
-                                  max_unsynced_bytes=config.max_unsynced_bytes, run_id=config.run_id,
-                                  turn=self._overlap.turn.wait, yielding=lambda: self._overlap.active,
-                                  slowdown=self._history.meter.slowdown, start_over=config.start_over)
-        self._writer = self._pipeline.writer
-        preemption = default_notice(config.save_policy) if config.preemption == "default" else config.preemption
-        self._own_notice = preemption if preemption is not None and preemption.exit_after else None
-        self._scheduler = SaveScheduler(policy=config.save_policy, preemption=preemption,
-                                        grace_s=config.preemption_grace_s, coll=self._coll,
-                                        history=self._history, clock=clock, in_flight=self._writer.in_flight,
-                                        known=self._known, wait=self.wait)
-        self._reader = CheckpointReader(self._root, verify=config.verify, tier=tier, on_loaded=self._loaded)
-        _close_at_exit(self)
+        p = self._parts = build(config, collectives=collectives, clock=clock, wall_clock=wall_clock, file_ops=file_ops,
+                                wait=self.wait, on_loaded=self._loaded)
+        self._root, self._coll, self._tier, self._ledger, self._history = p.root, p.coll, p.tier, p.ledger, p.history
+        self._overlap, self._pool, self._pipeline, self._writer = p.overlap, p.pool, p.pipeline, p.pipeline.writer
+        self._scheduler, self._reader, self._own_notice = p.scheduler, p.reader, p.own_notice
+        close_at_exit(self)
 
     # ------------------------------------------------------------------ save
 
@@ -170,43 +128,8 @@ class CheckpointEngine:
             UnsupportedStateError: a leaf of ``state`` cannot be saved (its key path is named).
             PersistError: an earlier save failed in the background (raised once).
         """
-        t0, decided_at = time.perf_counter(), self._history.now()
         self._check_open()
-        self._overlap.fence()  # the previous guarded save's copy goes to the writer first: saves stay in order
-        self._ledger.raise_first()
-        step = _knobs.check_step(step)
-        _knobs.check_metadata(metadata)
-        resumed_at = self.resumed_step
-        self._pipeline.timeline.check(step, resumed_at)
-        replace = step == resumed_at  # the step resumed from, saved again (Lightning does, with accumulation)
-        self._writer.reserve(step, replace=replace)
-        try:
-            plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size,
-                             torch_loadable=self._torch_loadable, replica_check=self._replica_check, seed=step,
-                             cache=self._plans)
-            self._pipeline.check_backlog(step, plan.shard.file_bytes)
-            staged = stage_into(self._pool, plan.shard, self._streams, defer=self._overlap.deferral())
-        except BaseException:
-            self._writer.unreserve(step)
-            raise
-        base = plan.manifest(step=step, time=self._wall_clock(), metadata=metadata)
-        handle = SaveHandle(SaveStats(step=step, nbytes=plan.shard.file_bytes, wait_s=staged.wait_s,
-                                      staging_s=staged.staging_s))
-        self._latest_step = max(self._latest_step, step)
-        self._history.add(decided_at, step, handle)
-        job = WriteJob(handle=handle, buf=staged.buf, base=base, staged_at=staged.done_at, signature=plan.signature,
-                       replace=replace, filename=plan.filename, digests=tuple(plan.digests))
-        del plan  # the writer needs only the staged bytes (and the deferred copy its sources), not the tensors
-        handle._update(stall_s=time.perf_counter() - t0)
-        # training goes on from here: a guarded save's background copy is part of what slows it (and of D)
-        self._history.meter.staged(step, self._history.now())
-        if staged.later is None:
-            self._writer.submit(job)
-        else:
-            self._overlap.run(handle, lambda: self._writer.submit_after(job, staged.later))
-        log.debug("[rank=%d][step=%d] staged %d bytes in %.3f s", self._coll.rank, step, handle.stats.nbytes,
-                  handle.stats.staging_s)
-        return handle
+        return self._parts.saver.save(state, step, metadata=metadata, resumed_at=self.resumed_step)
 
     def guard(self, *optimizers: Any, step_hook: bool = True) -> Guard:
         """Overlap the next saves with training: ``save()`` returns after copying only what the forward pass
@@ -321,9 +244,6 @@ class CheckpointEngine:
             summary.update(self._pipeline.sync.backlog())
         return summary
 
-    def _known(self, step: int) -> bool:
-        return step in self._writer.pending_steps() or self._history.last_step() == step
-
     def prune(self) -> None:
         """Apply the retention policies to both tiers now (they also run after every commit and upload).
 
@@ -373,7 +293,7 @@ class CheckpointEngine:
             if self._tier is not None:
                 self._tier.close()
             self._reader.close()
-            self._dir_lock.release()
+            self._parts.dir_lock.release()
 
     def __enter__(self) -> CheckpointEngine:
         return self
@@ -467,35 +387,18 @@ class CheckpointEngine:
             self._pipeline.adopt_remote_run()
         return state
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def rank(self) -> int:
+        return self._coll.rank
+
     def _loaded(self, manifest: Manifest) -> None:
         """A load (this engine's, or its reader's under an adapter) returned ``manifest``'s checkpoint: this
-        process continues from it (the save decisions' interval counts from now), and the next saves will be
-        about as large, so the staging buffers are allocated and their pages faulted in now, in the
-        background, instead of by the first save's copy (which the next update would wait for)."""
-        sizes = [f.size for f in manifest.files if f.rank == self._coll.rank]
-        if manifest.world_size != self._coll.world_size or not sizes:  # another world size: an even share
-            sizes = [-(-sum(f.size for f in manifest.files) // self._coll.world_size)]
+        process continues from it (the save decisions' interval counts from now), and the staging buffers for
+        saves about as large are made ready in the background (:meth:`Saver.warm`)."""
         self._history.resumed()  # an interval policy counts from this checkpoint
         if not self._closed:
-            self._pool.warm(max(sizes))
-
-
-def _close_at_exit(engine: CheckpointEngine) -> None:
-    """Drain ``engine`` when the interpreter exits with it still open: pending writes commit and
-    queued uploads finish, instead of dying with the thread pools (a weak reference, so an
-    engine that is dropped is not kept alive). Runs before concurrent.futures stops its workers.
-    """
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:
-        return
-    ref = weakref.ref(engine)
-
-    def close() -> None:
-        live = ref()
-        if live is not None and not live._closed:
-            try:
-                live.close()
-            except PersistError as e:
-                log.error("[rank=%d] at exit: %s", live._coll.rank, e)
-
-    register(close)
+            self._parts.saver.warm(manifest)

@@ -24,11 +24,11 @@ def test_same_structure_reuses_the_layout_and_every_checkpoint_is_exact(tmp_path
     with CheckpointEngine(tmp_path) as engine:
         for step in range(1, 6):
             engine.save(_state(step), step=step)
-        assert (engine._plans.hits, engine._plans.misses) == (4, 1)
+        assert (engine._parts.saver._plans.hits, engine._parts.saver._plans.misses) == (4, 1)
         engine.save(_state(6, rows=9), step=6)  # a resized tensor
         engine.save(_state(7, rows=9, note={7, 8, 9}), step=7)  # a pickled leaf of another length
         engine.save({**_state(8, rows=9, note={7, 8, 9}), "extra": torch.ones(2)}, step=8)  # a new key
-        assert (engine._plans.hits, engine._plans.misses) == (4, 4)
+        assert (engine._parts.saver._plans.hits, engine._parts.saver._plans.misses) == (4, 4)
         engine.wait()
         for step in range(1, 9):
             loaded = engine.load(step)
@@ -52,6 +52,6 @@ def test_a_guarded_save_through_the_cache_copies_the_new_state_not_the_old(tmp_p
             expected[step] = type(model.state_dict())((k, v.clone()) for k, v in model.state_dict().items())
             engine.save({"model": model.state_dict(), "optim": opt.state_dict()}, step=step)
         engine.wait()
-        assert engine._plans.hits >= 2  # the momentum buffers appear after the first step's save
+        assert engine._parts.saver._plans.hits >= 2  # the momentum buffers appear after the first step's save
         for step, weights in expected.items():
             assert_state_equal(engine.load(step)["model"], weights)

@@ -101,7 +101,7 @@ def test_a_pickled_key_is_not_matched():
 def test_saves_of_one_structure_are_taken_apart_by_the_shape_and_load_back(tmp_path):
     cache = PlanCache()
     with CheckpointEngine(tmp_path) as engine:
-        engine._plans = cache
+        engine._parts.saver._plans = cache
         for step in (1, 2, 3):
             state = make(step=step, lr=0.1 * step)
             engine.save(state, step=step).wait()

@@ -1,0 +1,124 @@
+"""``build``: the parts of one :class:`~persist_core.engine.CheckpointEngine`, wired once from its
+:class:`~persist_core.config.Config` and its collaborators (collectives, clocks, file operations).
+
+The engine is a facade over what this returns: it holds no wiring of its own."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from persist_core.config import Config
+from persist_core.distributed import Collectives, check_collectives
+from persist_core.errors import PersistError
+from persist_core.fileio import FileOps, OsFileOps
+from persist_core.format.manifest import Manifest
+from persist_core.handle import ErrorLedger
+from persist_core.history import SaveHistory, recent_costs
+from persist_core.ownership import DirLock
+from persist_core.pipeline import Pipeline
+from persist_core.policies.save import Clock
+from persist_core.preemption import PreemptionNotice, default_notice
+from persist_core.reader import CheckpointReader
+from persist_core.save.overlap import Overlap
+from persist_core.save.saver import Saver
+from persist_core.save.staging import StagingPool
+from persist_core.scheduler import SaveScheduler
+from persist_core.tiers.local import open_local_dir
+from persist_core.tiers.remote import RemoteTier
+
+if TYPE_CHECKING:
+    from persist_core.engine import CheckpointEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Parts:
+    """What an engine is made of (see :func:`build`)."""
+
+    root: Path
+    coll: Collectives
+    dir_lock: DirLock
+    tier: RemoteTier | None
+    ledger: ErrorLedger
+    history: SaveHistory
+    overlap: Overlap
+    pool: StagingPool
+    pipeline: Pipeline
+    saver: Saver
+    scheduler: SaveScheduler
+    reader: CheckpointReader
+    own_notice: PreemptionNotice | None  # the engine's own SIGTERM notice, put back at close
+
+
+def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall_clock: Clock,
+          file_ops: FileOps | None, wait: Callable[[], None], on_loaded: Callable[[Manifest], None]) -> Parts:
+    """The parts of an engine on ``config``; ``wait`` drains it (a preemption's save waits with it), ``on_loaded``
+    is called with the manifest of each checkpoint a load returns.
+
+    Raises:
+        ConfigError / DirectoryInUseError: as :class:`~persist_core.engine.CheckpointEngine`.
+    """
+    root = config.local_dir
+    coll = check_collectives(collectives)
+    dir_lock = open_local_dir(root, rank=coll.rank)  # one writer per directory and rank
+    try:
+        tier = None if config.remote_url is None else RemoteTier(config.remote_url, config.storage_options)
+    except BaseException:
+        dir_lock.release()
+        raise
+    ledger = ErrorLedger()
+    history = SaveHistory(clock, prior=recent_costs(root))  # a restarted job: what saves cost
+    overlap = Overlap(rank=coll.rank)
+    if tier is not None:
+        tier.turn = overlap.turn.wait  # uploads, too, hold off while a guarded update runs
+    pool = StagingPool(config.max_pending, pin=torch.cuda.is_available(), turn=overlap.turn.wait)
+    pipeline = Pipeline(root, pool=pool, coll=coll, ops=file_ops or OsFileOps(), ledger=ledger, settings=config,
+                        tier=tier, keep_local=config.keep_local, keep_remote=config.keep_remote,
+                        latest_step=lambda: saver.latest_step, remote_timeout_s=config.remote_timeout_s,
+                        max_unsynced_bytes=config.max_unsynced_bytes, run_id=config.run_id,
+                        turn=overlap.turn.wait, yielding=lambda: overlap.active,
+                        slowdown=history.meter.slowdown, start_over=config.start_over)
+    writer = pipeline.writer
+    saver = Saver(coll=coll, pool=pool, writer=writer, overlap=overlap, history=history, ledger=ledger,
+                  wall_clock=wall_clock, torch_loadable=config.torch_loadable, replica_check=config.replica_check,
+                  check_step=pipeline.timeline.check, check_backlog=pipeline.check_backlog)
+    preemption = default_notice(config.save_policy) if config.preemption == "default" else config.preemption
+    assert not isinstance(preemption, str)  # Config checked it
+    scheduler = SaveScheduler(policy=config.save_policy, preemption=preemption, grace_s=config.preemption_grace_s,
+                              coll=coll, history=history, clock=clock, in_flight=writer.in_flight,
+                              known=lambda step: step in writer.pending_steps() or history.last_step() == step,
+                              wait=wait)
+    reader = CheckpointReader(root, verify=config.verify, tier=tier, on_loaded=on_loaded)
+    own_notice = preemption if preemption is not None and preemption.exit_after else None
+    return Parts(root=root, coll=coll, dir_lock=dir_lock, tier=tier, ledger=ledger, history=history, overlap=overlap,
+                 pool=pool, pipeline=pipeline, saver=saver, scheduler=scheduler, reader=reader, own_notice=own_notice)
+
+
+def close_at_exit(engine: CheckpointEngine) -> None:
+    """Drain ``engine`` when the interpreter exits with it still open: pending writes commit and
+    queued uploads finish, instead of dying with the thread pools (a weak reference, so an
+    engine that is dropped is not kept alive). Runs before concurrent.futures stops its workers.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return
+    ref = weakref.ref(engine)
+
+    def close() -> None:
+        live = ref()
+        if live is not None and not live.closed:
+            try:
+                live.close()
+            except PersistError as e:
+                log.error("[rank=%d] at exit: %s", live.rank, e)
+
+    register(close)

@@ -1,0 +1,100 @@
+"""The caller's thread of a save: check, plan (:mod:`persist_core.planning`), copy into a staging buffer
+(:mod:`persist_core.save.staging`), hand to the writer thread (:mod:`persist_core.save.writer`) — or, behind a
+guard, to the overlap's copy thread (:mod:`persist_core.save.overlap`) — and return a handle."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from persist_core import _knobs
+from persist_core.distributed import Collectives
+from persist_core.format.manifest import Manifest
+from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
+from persist_core.history import SaveHistory
+from persist_core.planning.save import PlanCache, plan_rank
+from persist_core.save.overlap import Overlap
+from persist_core.save.staging import StagingPool, stage_into
+from persist_core.save.writer import WriteJob, Writer
+
+log = logging.getLogger(__name__)
+
+
+class Saver:
+    """``CheckpointEngine.save`` on the caller's thread.
+
+    Args:
+        coll: this process's collectives.
+        pool: the staging buffers.
+        writer: the writer thread.
+        overlap: the guarded saves' background copy.
+        history: what each save cost (the decisions read it).
+        ledger: background failures, raised once.
+        wall_clock: the time manifests record.
+        torch_loadable / replica_check: see :class:`~persist_core.config.Config`.
+        check_step: ``(step, resumed_at)``: raises for a step this run may not save (the timeline's refusals).
+        check_backlog: ``(step, nbytes)``: raises when the bytes not yet uploaded would pass their limit.
+    """
+
+    def __init__(self, *, coll: Collectives, pool: StagingPool, writer: Writer, overlap: Overlap,
+                 history: SaveHistory, ledger: ErrorLedger, wall_clock: Callable[[], float], torch_loadable: bool,
+                 replica_check: str, check_step: Callable[[int, int | None], None],
+                 check_backlog: Callable[[int, int], None]) -> None:
+        self._coll, self._pool, self._writer, self._overlap = coll, pool, writer, overlap
+        self._history, self._ledger, self._wall_clock = history, ledger, wall_clock
+        self._torch_loadable, self._replica_check = torch_loadable, replica_check
+        self._check_step, self._check_backlog = check_step, check_backlog
+        self._plans = PlanCache()  # the same structure every save: laid out once
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.latest_step = -1  # the newest step saved (the upload lag counts from it)
+
+    def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None, resumed_at: int | None) -> SaveHandle:
+        """Stage ``state`` as ``step`` and hand it on; see :meth:`CheckpointEngine.save`."""
+        t0, decided_at = time.perf_counter(), self._history.now()
+        self._overlap.fence()  # the previous guarded save's copy goes to the writer first: saves stay in order
+        self._ledger.raise_first()
+        step = _knobs.check_step(step)
+        _knobs.check_metadata(metadata)
+        self._check_step(step, resumed_at)
+        replace = step == resumed_at  # the step resumed from, saved again (Lightning does, with accumulation)
+        self._writer.reserve(step, replace=replace)
+        try:
+            plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size,
+                             torch_loadable=self._torch_loadable, replica_check=self._replica_check, seed=step,
+                             cache=self._plans)
+            self._check_backlog(step, plan.shard.file_bytes)
+            staged = stage_into(self._pool, plan.shard, self._streams, defer=self._overlap.deferral())
+        except BaseException:
+            self._writer.unreserve(step)
+            raise
+        base = plan.manifest(step=step, time=self._wall_clock(), metadata=metadata)
+        handle = SaveHandle(SaveStats(step=step, nbytes=plan.shard.file_bytes, wait_s=staged.wait_s,
+                                      staging_s=staged.staging_s))
+        self.latest_step = max(self.latest_step, step)
+        self._history.add(decided_at, step, handle)
+        job = WriteJob(handle=handle, buf=staged.buf, base=base, staged_at=staged.done_at, signature=plan.signature,
+                       replace=replace, filename=plan.filename, digests=tuple(plan.digests))
+        del plan  # the writer needs only the staged bytes (and the deferred copy its sources), not the tensors
+        handle._update(stall_s=time.perf_counter() - t0)
+        # training goes on from here: a guarded save's background copy is part of what slows it (and of D)
+        self._history.meter.staged(step, self._history.now())
+        if staged.later is None:
+            self._writer.submit(job)
+        else:
+            self._overlap.run(handle, lambda: self._writer.submit_after(job, staged.later))
+        log.debug("[rank=%d][step=%d] staged %d bytes in %.3f s", self._coll.rank, step, handle.stats.nbytes,
+                  handle.stats.staging_s)
+        return handle
+
+    def warm(self, manifest: Manifest) -> None:
+        """A load returned ``manifest``'s checkpoint: the next saves will be about as large, so the staging buffers
+        are allocated and their pages faulted in now, in the background, instead of by the first save's copy
+        (which the next update would wait for)."""
+        sizes = [f.size for f in manifest.files if f.rank == self._coll.rank]
+        if manifest.world_size != self._coll.world_size or not sizes:  # another world size: an even share
+            sizes = [-(-sum(f.size for f in manifest.files) // self._coll.world_size)]
+        self._pool.warm(max(sizes))
