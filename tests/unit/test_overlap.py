@@ -268,9 +268,9 @@ def test_the_wait_at_the_fence_is_reported_apart_from_the_stall(tmp_path):
         engine.guard(opt)
         _gate_the_copy(engine, gate)
         handle = engine.save({"model": model.state_dict(), "optim": opt.state_dict()["state"]}, step=1)
+        model(torch.randn(4, 8)).sum().backward()
         opener = threading.Timer(0.3, gate.set)  # the copy ends 0.3 s from now, after the update asked for it
         opener.start()
-        model(torch.randn(4, 8)).sum().backward()
         opt.step()  # waits at the fence until the copy is done
         handle.wait()
         opener.join()
