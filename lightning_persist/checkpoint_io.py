@@ -29,7 +29,6 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import _load as torch_load
 from lightning.pytorch.callbacks import Callback
 
-from lightning_persist._links import Links, keep_linked
 from lightning_persist._paths import device, kind_of, path_key, remote_path, restricted, shard_checkpoint
 from lightning_persist._strategies import check_strategy
 from lightning_persist._trainer import exit_as_sigterm, find_trainer, loggers_sink, rank_zero_info
@@ -37,6 +36,7 @@ from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointRe
 from persist_core import PersistError, RetentionPolicy
 from persist_core.distributed import decision_channel
 from persist_core.layout import FULL, shard_filename
+from persist_core.links import Links, keep_linked
 from persist_core.reader import checkpoint_of
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistOptions, PersistSession
