@@ -1,82 +1,46 @@
-"""The directories Accelerate users name: ``save_state(dir)`` links to the hook's checkpoints, and plain
+"""The directories Accelerate users name: where ``save_state(dir)`` links to the hook's checkpoints, and plain
 Accelerate checkpoints (no manifest) from a run before the hook.
 
 The hook writes every checkpoint to ``local_dir/step-N``; a directory the user names (``output_dir``, or
-``ProjectConfiguration``'s automatic ``checkpoints/checkpoint_<iteration>``) becomes a link to it once it
-is committed (:class:`NamedDirs`), and retention keeps the steps such a link still names.
+``ProjectConfiguration``'s automatic ``checkpoints/checkpoint_<iteration>``, :func:`named_dir`) becomes a link
+to it once it is committed (:mod:`persist_core.links`, through the session), and retention keeps the steps
+such a link still names.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
 from persist_core import ConfigError
-from persist_core.fileio import link_atomically
-from persist_core.layout import MANIFEST_NAME, checkpoint_dirname, is_url
+from persist_core.layout import MANIFEST_NAME, is_url
 
 log = logging.getLogger(__name__)
 
 
-class NamedDirs:
-    """Directory the user named -> the step it links to (or will, once committed)."""
+def named_dir(accelerator: Any, output_dir: str | None, local_dir: Path) -> tuple[str | None, bool]:
+    """``(the directory the user will look in, whether Accelerate's automatic naming chose it)``.
 
-    def __init__(self, local_dir: Path) -> None:
-        self._local_dir = local_dir
-        self._lock = threading.Lock()  # the writer thread links, the training thread names
-        self._named: dict[str, int] = {}  # the user's directories (not automatic ones) -> their step: kept
-
-    def steps(self) -> set[int]:
-        """The steps a directory the user named in ``save_state(dir)`` still links to (retention keeps them)."""
-        with self._lock:
-            named = list(self._named.items())
-        return {step for path, step in named if os.path.lexists(path)}
-
-    def resolve(self, accelerator: Any, output_dir: str | None) -> tuple[str | None, bool]:
-        """``(the directory the user will look in, whether Accelerate's automatic naming chose it)``.
-
-        Raises:
-            ConfigError: that directory exists and is not a link the hook made.
-        """
-        config = accelerator.project_configuration
-        if config.automatic_checkpoint_naming:
-            target = os.path.join(accelerator.project_dir, "checkpoints", f"checkpoint_{config.iteration}")
-            automatic = True
-        elif output_dir is not None:
-            target, automatic = os.path.abspath(os.path.expanduser(os.fspath(output_dir))), False
-        else:
-            return None, False
-        if os.path.lexists(target) and not os.path.islink(target):
-            raise ConfigError(
-                f"save_state: {target} exists and is not a checkpoint PersistHook linked there; the hook writes to "
-                f"{self._local_dir} and makes the directory you name a link to it, so name a new directory "
-                "or remove that one"
-            )
-        return target, automatic
-
-    def intend(self, named: str, step: int) -> None:
-        """``named`` (the user's own) will link to ``step``: retention keeps it from now on."""
-        with self._lock:
-            self._named[named] = step
-
-    def link(self, named: str, step: int, *, committed: bool, automatic: bool) -> None:
-        """Writer thread (or now): link ``named`` to the committed step; drop automatic links whose checkpoint
-        retention removed (``total_limit``), as Accelerate deletes its oldest ``checkpoint_<i>``."""
-        if not committed:
-            with self._lock:
-                self._named.pop(named, None)
-            return
-        try:
-            link_atomically(named, self._local_dir / checkpoint_dirname(step))
-            if automatic:
-                for entry in os.scandir(os.path.dirname(named)):
-                    if entry.is_symlink() and not os.path.exists(entry.path):
-                        os.unlink(entry.path)
-        except OSError as e:
-            log.error("checkpoint step=%d is committed, but linking %s to it failed: %s", step, named, e)
+    Raises:
+        ConfigError: that directory exists and is not a link the hook made.
+    """
+    config = accelerator.project_configuration
+    if config.automatic_checkpoint_naming:
+        target = os.path.join(accelerator.project_dir, "checkpoints", f"checkpoint_{config.iteration}")
+        automatic = True
+    elif output_dir is not None:
+        target, automatic = os.path.abspath(os.path.expanduser(os.fspath(output_dir))), False
+    else:
+        return None, False
+    if os.path.lexists(target) and not os.path.islink(target):
+        raise ConfigError(
+            f"save_state: {target} exists and is not a checkpoint PersistHook linked there; the hook writes to "
+            f"{local_dir} and makes the directory you name a link to it, so name a new directory "
+            "or remove that one"
+        )
+    return target, automatic
 
 
 def plain_accelerate_dir(path: str) -> str | None:

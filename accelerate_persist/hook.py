@@ -32,13 +32,14 @@ from types import TracebackType
 from typing import Any
 
 from accelerate_persist import _state
-from accelerate_persist._dirs import NamedDirs, newest_plain, optimizer_steps_of, plain_accelerate_dir
+from accelerate_persist._dirs import named_dir, newest_plain, optimizer_steps_of, plain_accelerate_dir
 from persist_core import CheckpointNotFoundError, CheckpointReader, ConfigError, KeepLastN, RetentionPolicy, SingleProcess
 from persist_core import TorchCollectives
+from persist_core.config import Config
 from persist_core.layout import checkpoint_dirname
-from persist_core.policies.retention import KeepStepsOf
+from persist_core.links import Links
 from persist_core.policies import SavePolicy
-from persist_core.session import PersistOptions, PersistSession
+from persist_core.session import PersistSession
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class PersistHook:
         overlap: bool = False,
         start_over: bool = False,
     ) -> None:
-        self._options = PersistOptions.from_keywords(
+        self._options = Config.from_keywords(
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending,
@@ -138,7 +139,7 @@ class PersistHook:
         self._originals: dict[str, Any] = {}
         self._wrapped: list[tuple[Any, Any]] = []  # (optimizer, its own step) to put back on close
         self._optimizer_steps = 0
-        self._named = NamedDirs(self._options.local_dir)  # directories the user named in save_state(dir)
+        self._links = Links(self._options.local_dir)  # directories named in save_state(dir); no policy: all kept
 
     # ------------------------------------------------------------------ registration
 
@@ -185,10 +186,10 @@ class PersistHook:
                 )
         session = PersistSession(options, resume_hint="resume it with hook.resume() before training",
                                  release_hint="Here that is an earlier PersistHook on this local_dir: call "
-                                              "hook.close() on it (or use `with hook.register(accelerator):`)")
+                                              "hook.close() on it (or use `with hook.register(accelerator):`)",
+                                 links=self._links)
         session.use_collectives(TorchCollectives.new_group() if accelerator.num_processes > 1 else SingleProcess())
-        named = None if options.retention is None else KeepStepsOf(self._named.steps, "KeepNamed")  # no policy: all kept
-        session.open(preemption=options.save_policy is not None, keep_extra=named)
+        session.open(preemption=options.save_policy is not None)
         self._session, self._accelerator = session, accelerator
         self._originals = {name: getattr(accelerator, name) for name in ("save_state", "load_state", "end_training")}
         accelerator.save_state = self._save_state
@@ -240,7 +241,7 @@ class PersistHook:
         acc = self._accelerator
         step = self._optimizer_steps
         path = str(self._options.local_dir / checkpoint_dirname(step))
-        named, automatic = self._named.resolve(acc, output_dir)
+        named, automatic = named_dir(acc, output_dir, self._options.local_dir)
         if session.saved(step):
             log.info("save_state(): step %d is saved already (no optimizer step since); nothing more to write", step)
             handle = session.handle(step)
@@ -248,13 +249,8 @@ class PersistHook:
             state = _state.capture(acc, optimizer_steps=step)
             handle = session.save(state, step, metadata={"saved_by": "accelerate_persist"})
             acc.project_configuration.iteration += 1
-        if named is not None and session.leader:
-            if not automatic:
-                self._named.intend(named, step)  # kept by retention while the link is there
-            if handle is None:  # restored from this step, committed: link now
-                self._named.link(named, step, committed=True, automatic=automatic)
-            else:
-                handle.add_local_callback(lambda ok: self._named.link(named, step, committed=ok, automatic=automatic))
+        if named is not None and session.leader:  # kept by retention while the link is there (unless automatic)
+            session.link(named, step, handle, automatic=automatic)  # restored from this step (no handle): now
         return named or path
 
     def _load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:

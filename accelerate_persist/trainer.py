@@ -38,8 +38,9 @@ import torch
 from transformers import TrainerCallback
 
 from persist_core import ConfigError, RetentionPolicy
+from persist_core.config import Config
 from persist_core.layout import TRAINER_DIRNAME, trainer_checkpoint_dirname
-from persist_core.session import PersistOptions, PersistSession
+from persist_core.session import PersistSession
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class PersistTrainerCallback(TrainerCallback):
                  keep_every_n_steps: int | None = None, keep_every_n_seconds: float | None = None,
                  retention: RetentionPolicy | None = None, verify: bool = True, max_pending: int = 1,
                  preemption_grace_s: float = 120.0, remote_timeout_s: float = 300.0, start_over: bool = False) -> None:
-        options = PersistOptions.from_keywords(
+        options = Config.from_keywords(
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending,

@@ -34,12 +34,13 @@ from lightning_persist._strategies import check_strategy
 from lightning_persist._trainer import exit_as_sigterm, find_trainer, loggers_sink, rank_zero_info
 from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
 from persist_core import PersistError, RetentionPolicy
+from persist_core.config import Config
 from persist_core.distributed import decision_channel
 from persist_core.layout import FULL, shard_filename
-from persist_core.links import Links, keep_linked
+from persist_core.links import Links
 from persist_core.reader import checkpoint_of
 from persist_core.policies import SavePolicy
-from persist_core.session import PersistOptions, PersistSession
+from persist_core.session import PersistSession
 
 log = logging.getLogger(__name__)
 
@@ -135,17 +136,19 @@ class PersistCheckpointIO(CheckpointIO):
         super().__init__()
         self._exit_after_sigterm = exit_after_sigterm
         self._strategy_seen = False  # the Trainer's strategy was checked (a CheckpointIO has no set-up hook)
-        options = PersistOptions.from_keywords(
+        options = Config.from_keywords(
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending, write_threads=write_threads,
             preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, torch_loadable=True,
             start_over=start_over)
+        # ModelCheckpoint decides which paths exist: with no retention policy, what they link to is what stays
+        self._links = Links(options.local_dir, file_name=shard_filename(0, torch_zip=True), retain_only_linked=True)
         self._session = PersistSession(
             options, resume_hint="resume that run with trainer.fit(..., ckpt_path=io.latest_path())",
             release_hint="Here that is an earlier PersistCheckpointIO on this local_dir: call io.teardown() on it (a "
-                         "Trainer's fit does; after trainer.save_checkpoint() outside fit, io.wait() only flushes)")
-        self._links = Links(options.local_dir, file_name=shard_filename(0, torch_zip=True))
+                         "Trainer's fit does; after trainer.save_checkpoint() outside fit, io.wait() only flushes)",
+            links=self._links)
 
     # ------------------------------------------------------------------ set-up
 
@@ -154,11 +157,8 @@ class PersistCheckpointIO(CheckpointIO):
         return self._session.options.local_dir
 
     def _get_engine(self, kind: str = FULL) -> CheckpointEngine:
-        """The engine of ``kind``; the full one is opened first (with what its paths keep), as every kind needs it."""
-        full = self._session.open(keep_extra=keep_linked(self._links, FULL))
-        if kind == FULL:
-            return full
-        return self._session.open_kind(kind, keep_extra=keep_linked(self._links, kind))
+        """The engine of ``kind``; the full one is opened first, as every kind needs it."""
+        return self._session.open_kind(kind)
 
     def _use_collectives(self, collectives: Collectives) -> None:
         """Called by :class:`PersistDDPStrategy` on every rank: all ranks write from now on."""
@@ -190,8 +190,8 @@ class PersistCheckpointIO(CheckpointIO):
         target = path_key(path)
         if os.path.isdir(target) and not os.path.islink(target):
             raise ConfigError(f"checkpoint path {target!r} is an existing directory; remove it or choose another dirpath")
-        trainer = self._report()
-        self._strategy_seen = check_strategy(trainer, self._strategy_seen)
+        trainer = self._trainer()
+        self._session.report(loggers_sink(trainer))
         if trainer is None:
             self._session.install_flush()
         self._links.adopt(str(self.local_dir))
@@ -204,8 +204,7 @@ class PersistCheckpointIO(CheckpointIO):
         if not self._leader or handle is None:
             return  # rank 0 names the checkpoint
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)  # save_last="link" links in it right away
-        self._links.intend(target, step, kind)
-        handle.add_local_callback(lambda committed: self._links.on_committed(target, step, committed, kind))
+        self._session.link(target, step, handle, kind)
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None, *, into: Any = None) -> dict[str, Any]:
@@ -226,7 +225,7 @@ class PersistCheckpointIO(CheckpointIO):
             CheckpointNotFoundError: nothing there (a ``FileNotFoundError``).
             CorruptCheckpointError: the checkpoint does not verify.
         """
-        self._strategy_seen = check_strategy(find_trainer(), self._strategy_seen)
+        self._trainer()
 
         def read(reader: CheckpointReader, step: int) -> dict[str, Any]:
             return reader.load(step, map_location=device(map_location), into=into, rank=self._rank,
@@ -302,7 +301,7 @@ class PersistCheckpointIO(CheckpointIO):
         directory at ``path`` that is not one of this plugin's checkpoints (another IO's, a strategy's
         own) is deleted, as the default IO deletes it.
         """
-        self._strategy_seen = check_strategy(find_trainer(), self._strategy_seen)
+        self._trainer()
         target = path_key(path)
         if os.path.isdir(target) and not os.path.islink(target) and self._links.checkpoint_named(target) is None:
             shutil.rmtree(target)
@@ -334,8 +333,7 @@ class PersistCheckpointIO(CheckpointIO):
         ``exit_after_sigterm`` (the default), the process exits with status 143 (128 + SIGTERM), as
         SIGTERM would have ended it, instead of Lightning's 0 — so a scheduler sees a preemption.
         """
-        trainer = find_trainer()
-        self._strategy_seen = check_strategy(trainer, self._strategy_seen, refuse=False)
+        trainer = self._trainer(refuse=False)
         preempted = bool(getattr(trainer, "received_sigterm", False))
         try:
             self._session.close(preempted=preempted, sink=loggers_sink(trainer), announce=rank_zero_info)
@@ -393,11 +391,9 @@ class PersistCheckpointIO(CheckpointIO):
         committed = max((c.step for c in self._get_reader().list()), default=-1)
         return max(self._session.newest_saved(), committed) + 1
 
-    def _report(self) -> Any | None:
-        """Send the stats of saves that finished to the Trainer's loggers (on the training thread).
-
-        Returns the Trainer on the call stack, if any.
-        """
+    def _trainer(self, *, refuse: bool = True) -> Any | None:
+        """The Trainer on the call stack (``None`` under Fabric or a direct call): the one place this plugin looks
+        for it (a ``CheckpointIO`` holds no reference to it), checking its strategy until one was seen."""
         trainer = find_trainer()
-        self._session.report(loggers_sink(trainer))
+        self._strategy_seen = check_strategy(trainer, self._strategy_seen, refuse=refuse)
         return trainer

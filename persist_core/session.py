@@ -1,119 +1,44 @@
-"""``PersistOptions`` + ``PersistSession``: what every framework adapter does with an engine.
+"""``PersistSession``: what every framework adapter does with an engine.
 
 The Lightning plugin and strategies, the Accelerate hook and the Hugging Face Trainer callback
 stand on this one seam instead of each reaching into the engine's modules:
 
-* the user's keywords become one frozen :class:`PersistOptions` (the retention sugar turned into
-  one policy, every value checked, in one place);
-* :class:`PersistSession` opens the engine once (with the adapter's collectives and any policy
-  of its own added to the user's), saves each step once (a second save of a step this session
+* the user's keywords are one frozen :class:`~persist_core.config.Config` (checked there);
+* :class:`PersistSession` opens the engine once (with the adapter's collectives, and what its
+  links name kept besides the user's retention), saves each step once (a second save of a step this session
   saved returns the first handle), turns "that step is already committed" into an error naming
   the adapter's resume call, reports each finished save once (log + the adapter's loggers),
   installs the SIGTERM flush or the preemption notice, and on close drains (bounded after a
-  preemption), prunes, logs the summary and puts every signal handler back.
+  preemption), prunes, logs the summary and puts every signal handler back;
+* the names users give checkpoints (:mod:`persist_core.links`) link to them once committed
+  (:meth:`PersistSession.link`), and every engine's retention keeps what they link to.
 
 Who calls what: the adapter, on the training thread, calls :meth:`PersistSession.open` (or
-:meth:`save`, which opens), :meth:`save`, :meth:`report`, and :meth:`close`; the engine's own
-threads never call the session.
+:meth:`save`, which opens), :meth:`save`, :meth:`link`, :meth:`report`, and :meth:`close`; the
+engine's own threads never call the session (the writer thread calls the links it made).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from persist_core.config import Config
 from persist_core.distributed import Collectives, SingleProcess
 from persist_core.engine import CheckpointEngine
-from persist_core import _knobs
-from persist_core.config import Config
 from persist_core.errors import ConfigError, DirectoryInUseError, StepExistsError
 from persist_core.handle import SaveHandle, SaveStats
 from persist_core.history import describe_summary
 from persist_core.layout import FULL, kind_subdir
-from persist_core.policies.anyof import AnyOf, policy_from_keywords
-from persist_core.policies.retention import RetentionPolicy
-from persist_core.policies.save import SavePolicy, check_save_policy
-from persist_core.preemption import PreemptionNotice, SignalFlush, check_grace, drain_within
+from persist_core.links import Links
+from persist_core.policies.anyof import AnyOf
+from persist_core.policies.save import SavePolicy
+from persist_core.preemption import PreemptionNotice, SignalFlush, drain_within
 from persist_core.reader import CheckpointReader
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PersistOptions:
-    """What a user configures in any adapter; validated in ``__post_init__``.
-
-    Build it from the adapters' keywords with :meth:`from_keywords`.
-
-    Attributes:
-        local_dir: the local tier (made absolute).
-        remote_url: an fsspec URL, or ``None``.
-        storage_options: passed to fsspec as-is.
-        retention: one policy for both tiers (``None`` keeps everything).
-        verify: check checksums on load.
-        max_pending: checkpoints staged or writing at once.
-        write_threads: threads writing one shard (``None``: ``PERSIST_WRITE_THREADS`` or 4).
-        preemption_grace_s: how long a preemption waits for the commit and upload.
-        remote_timeout_s: how long closing waits for uploads that keep failing (then one RemoteError).
-        save_policy: when ``maybe_save`` saves; with one, a preemption signal only sets a notice.
-        preemption_signals: the signals that mean "preempted".
-        torch_loadable: single-writer shards are also archives ``torch.load`` reads (see the engine).
-        start_over: a run that resumes nothing sets every committed checkpoint of both tiers aside at its first
-            save, instead of being refused beside another run's remote checkpoints (see the engine).
-    """
-
-    local_dir: Path
-    remote_url: str | None = None
-    storage_options: dict[str, Any] | None = None
-    retention: RetentionPolicy | None = None
-    verify: bool = True
-    max_pending: int = 1
-    write_threads: int | None = None
-    preemption_grace_s: float = 120.0
-    remote_timeout_s: float = 300.0
-    save_policy: SavePolicy | None = None
-    preemption_signals: tuple[int, ...] = field(default=(signal.SIGTERM,))
-    torch_loadable: bool = False
-    start_over: bool = False
-
-    def __post_init__(self) -> None:
-        local = os.fspath(_knobs.check_local_dir(self.local_dir)).removeprefix("file://")
-        object.__setattr__(self, "local_dir", Path(local).expanduser().absolute())
-        check_grace(self.preemption_grace_s)
-        _knobs.check_bool("verify", self.verify)
-        _knobs.check_bool("start_over", self.start_over)
-        _knobs.check_bool("torch_loadable", self.torch_loadable)
-        _knobs.check_remote(self.remote_url, self.storage_options)
-        _knobs.check_writes(Config(local_dir=self.local_dir, write_threads=self.write_threads, max_pending=self.max_pending,
-                                   verify=self.verify, remote_timeout_s=self.remote_timeout_s))  # now, not at the first save
-        if isinstance(self.preemption_signals, int):
-            raise ConfigError(f"preemption_signals={self.preemption_signals!r} must be a tuple of signals, e.g. "
-                              f"({self.preemption_signals!r},)")
-        if self.save_policy is not None:
-            check_save_policy(self.save_policy)
-        if not self.preemption_signals:
-            raise ConfigError("preemption_signals=() is empty; pass at least one, e.g. (signal.SIGTERM,)")
-        object.__setattr__(self, "preemption_signals", _knobs.check_signals(self.preemption_signals))
-        _knobs.check_remote_url(self.remote_url)
-        if self.remote_url is not None:
-            _knobs.check_backend(self.remote_url)
-
-    @classmethod
-    def from_keywords(cls, local_dir: str | os.PathLike[str], *, keep_last: int | None = None,
-                      keep_every_n_steps: int | None = None, keep_every_n_seconds: float | None = None,
-                      retention: RetentionPolicy | None = None, **options: Any) -> PersistOptions:
-        """The adapters' flat keywords (``keep_last=3, keep_every_n_steps=1000``) as options.
-
-        Raises:
-            ConfigError: a bad value (named), or ``retention`` together with a keyword.
-        """
-        policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds, retention)
-        return cls(local_dir=local_dir, retention=policy, **options)  # type: ignore[arg-type]  # made a Path, checked
 
 
 class PersistSession:
@@ -125,10 +50,13 @@ class PersistSession:
             e.g. ``"resume that run with trainer.fit(..., ckpt_path=io.latest_path())"``.
         release_hint: what this process holds when its own earlier adapter still writes ``local_dir`` and the
             call that lets go of it, e.g. ``"... io.teardown() on the first PersistCheckpointIO"``.
+        links: the names this adapter's users give checkpoints (on ``options.local_dir``); ``None``: none.
     """
 
-    def __init__(self, options: PersistOptions, *, resume_hint: str, release_hint: str | None = None) -> None:
+    def __init__(self, options: Config, *, resume_hint: str, release_hint: str | None = None,
+                 links: Links | None = None) -> None:
         self.options = options
+        self.links = links
         self._hint = resume_hint
         self._release_hint = release_hint
         self._engine: CheckpointEngine | None = None
@@ -157,12 +85,10 @@ class PersistSession:
         self._engine, self._others = None, {}
         self._collectives = collectives
 
-    def open(self, *, keep_extra: RetentionPolicy | None = None, preemption: bool = False) -> CheckpointEngine:
+    def open(self, *, preemption: bool = False) -> CheckpointEngine:
         """The engine, created on the first call.
 
         Args:
-            keep_extra: the adapter's own retention, kept on both tiers besides the user's
-                (Lightning keeps what its paths link to).
             preemption: create a :class:`PreemptionNotice` on ``preemption_signals`` (with a
                 ``save_policy``: the next decision point saves instead of the process ending).
         """
@@ -171,33 +97,37 @@ class PersistSession:
         o = self.options
         if preemption and self.notice is None:
             self.notice = PreemptionNotice(o.preemption_signals)
-        self._engine = self._new_engine(FULL, keep_extra, save_policy=o.save_policy, preemption=self.notice)
+        self._engine = self._new_engine(FULL, save_policy=o.save_policy, preemption=self.notice)
         if self._reader is not None and self._reader.loaded_step is not None:  # resumed before the engine opened
             self._engine.resume_from(self._reader.loaded_step, from_remote=self._reader.loaded_from_remote)
         return self._engine
 
-    def open_kind(self, kind: str, *, keep_extra: RetentionPolicy | None = None) -> CheckpointEngine:
+    def open_kind(self, kind: str) -> CheckpointEngine:
         """The engine of one kind of checkpoint (see :mod:`persist_core.layout`): ``full`` is :meth:`open`'s;
         ``weights-only`` ones go to ``local_dir/weights-only`` (and ``remote_url/weights-only``), with
         the same options and a retention of their own, and continue from the step the run resumed from.
         """
         if kind == FULL:
-            return self.open(keep_extra=keep_extra)
+            return self.open()
         if kind in self._others:
             return self._others[kind]
         main = self.open()
-        engine = self._new_engine(kind, keep_extra)
+        engine = self._new_engine(kind)
         resumed = main.resumed_step
         if resumed is not None:  # the run goes on from there on every kind
             engine._continue_from(resumed, from_remote=main.reader.loaded_from_remote)
         self._others[kind] = engine
         return engine
 
-    def _new_engine(self, kind: str, keep_extra: RetentionPolicy | None, **extra: Any) -> CheckpointEngine:
+    def _new_engine(self, kind: str, *, save_policy: SavePolicy | None = None,
+                    preemption: PreemptionNotice | None = None) -> CheckpointEngine:
         """An engine on ``kind``'s tier (``local_dir``/``remote_url`` plus its sub-directory) with the user's
-        options, and the user's retention together with ``keep_extra`` (the remote's only when the user gave one)."""
+        options, and the user's retention together with what the links name (the remote's only when the user
+        gave one; with none, the links alone when they retain only what is linked, else nothing is removed)."""
         o = self.options
-        user = o.retention
+        user = o.keep_local
+        links = self.links
+        keep_extra = None if links is None or (user is None and not links.retain_only_linked) else links.keep(kind)
         local = keep_extra if user is None else user if keep_extra is None else AnyOf(user, keep_extra)
         sub = kind_subdir(kind)
         if sub and os.path.islink(o.local_dir / sub):  # planted: never written through
@@ -205,12 +135,10 @@ class PersistSession:
                               "checkpoints; remove it (it is not one torch-persist made) or use another local_dir")
         url = o.remote_url if o.remote_url is None or not sub else f"{o.remote_url.rstrip('/')}/{sub}"
         try:
-            return CheckpointEngine(
-                o.local_dir / sub if sub else o.local_dir, remote_url=url, storage_options=o.storage_options,
-                keep_local=local, keep_remote=None if user is None or url is None else local, verify=o.verify,
-                max_pending=o.max_pending, write_threads=o.write_threads, collectives=self._collectives,
-                preemption_grace_s=o.preemption_grace_s, remote_timeout_s=o.remote_timeout_s,
-                torch_loadable=o.torch_loadable, start_over=o.start_over, **extra)
+            config = o.replace(local_dir=o.local_dir / sub if sub else o.local_dir, remote_url=url, keep_local=local,
+                               keep_remote=None if user is None or url is None else local, save_policy=save_policy,
+                               preemption=preemption)
+            return CheckpointEngine(config, collectives=self._collectives)
         except DirectoryInUseError as e:
             if self._release_hint is None or not e.this_process:
                 raise
@@ -261,6 +189,18 @@ class PersistSession:
         self._saved[kind, step] = handle
         self._unreported.append(handle)
         return handle
+
+    def link(self, name: str, step: int, handle: SaveHandle | None, kind: str = FULL, *,
+             automatic: bool = False) -> None:
+        """``name`` links to ``(kind, step)`` once ``handle``'s save is committed (now for ``None``: a step
+        restored from, committed); see :meth:`Links.intend` for ``automatic``. Needs ``links``."""
+        links = self.links
+        assert links is not None, "PersistSession(links=...) names no links"
+        links.intend(name, step, kind, automatic=automatic)
+        if handle is None:
+            links.on_committed(name, step, True, kind)
+        else:
+            handle.add_local_callback(lambda committed: links.on_committed(name, step, committed, kind))
 
     def saved(self, step: int, kind: str = FULL) -> bool:
         return (kind, step) in self._saved

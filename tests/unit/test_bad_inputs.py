@@ -21,7 +21,7 @@ from persist_core._knobs import MAX_STEP
 from persist_core.cli import main as persist
 from persist_core.errors import ConfigError
 from persist_core.policies.save import Continuous
-from persist_core.session import PersistOptions
+from persist_core.config import Config
 from tests.support.states import assert_state_equal
 
 
@@ -111,17 +111,17 @@ ADAPTER_ARGS = [
 @pytest.mark.parametrize("kwargs, names", ADAPTER_ARGS)
 def test_every_adapters_options_refuse_them_in_one_place(tmp_path, kwargs, names):
     with pytest.raises(ConfigError, match=names):
-        PersistOptions.from_keywords(tmp_path / "ckpt", **kwargs)
+        Config.from_keywords(tmp_path / "ckpt", **kwargs)
 
 
 def test_options_without_a_local_dir_are_refused_by_name():
     with pytest.raises(ConfigError, match="local_dir=None"):
-        PersistOptions.from_keywords(None)
+        Config.from_keywords(None)
 
 
 def test_an_adapter_refuses_them_when_built(tmp_path):
     """PersistHook stands for the three adapters: PersistCheckpointIO and PersistTrainerCallback build the same
-    PersistOptions (importing Lightning or transformers costs seconds)."""
+    Config (importing Lightning or transformers costs seconds)."""
     pytest.importorskip("accelerate")
     from accelerate_persist import PersistHook
 

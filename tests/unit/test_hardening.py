@@ -336,13 +336,14 @@ def test_the_cli_turns_every_exception_into_one_line_and_debug_shows_the_traceba
 
 
 def test_a_link_at_the_weights_only_directory_is_never_written_through(tmp_path):
-    from persist_core.session import PersistOptions, PersistSession
+    from persist_core.config import Config
+    from persist_core.session import PersistSession
 
     target = tmp_path / "elsewhere"
     target.mkdir()
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "weights-only").symlink_to(target)
-    session = PersistSession(PersistOptions(local_dir=tmp_path / "ckpt"), resume_hint="resume")
+    session = PersistSession(Config(local_dir=tmp_path / "ckpt"), resume_hint="resume")
     with pytest.raises(ConfigError, match="weights-only is a symbolic link"):
         session.save({"w": torch.ones(2)}, 1, kind="weights-only")
     session.close()
