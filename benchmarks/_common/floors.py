@@ -1,4 +1,4 @@
-"""What several benchmarks measure alike: the floors every checkpoint is compared against, and file chores.
+"""The floors every checkpoint is compared against, and file chores.
 
 * :func:`copy_floor` — a plain ``copy_`` of tensors into preallocated memory: the host memcpy for host tensors,
   the device-to-host copy (pinned or pageable) for device ones; what any snapshot must at least do.
@@ -6,8 +6,8 @@
   durable write, what any checkpoint must at least wait for.
 * :func:`fsync_tree` — make a peer's files durable (peers that do not fsync are timed to durable this way).
 * :func:`drop_cached` — evict files from the page cache, for a cold restore.
-
-Each benchmark puts the repository root on ``sys.path`` and imports this as ``benchmarks._common``.
+* :class:`RawWrites` — the disk's writes alone, again and again, holding off while a training update runs, as a
+  guarded engine's writes do: what writing a save costs the update (``bench_overlap.py``, ``bench_pieces.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from __future__ import annotations
 import mmap
 import os
 import statistics
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -118,3 +119,97 @@ def drop_cached(paths: Iterable[Path]) -> bool:
             finally:
                 os.close(fd)
     return True
+
+
+def disk_seconds(nbytes: int, out: Path, repeat: int) -> float:
+    """Seconds the disk takes to write ``nbytes`` durably: :func:`disk_gbps`, the faster of buffered and
+    ``O_DIRECT``."""
+    return nbytes / max(disk_gbps(nbytes, out, repeat).values()) / 1e9
+
+
+#: the write floors' chunk (as the engine's: one per write thread at a time) and their threads
+CHUNK, THREADS = 32 * MB, 4
+
+
+def open_for_writes(path: Path) -> int:
+    """A file for the floors' writes, created or truncated: ``O_DIRECT`` where the file system takes it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        return os.open(path, flags | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return os.open(path, flags)
+
+
+def write_pass(pool: ThreadPoolExecutor, fd: int, chunk: Callable[[int], memoryview], nbytes: int,
+               turn: threading.Event, *, piece: int, checksum: Callable[[memoryview], object] | None = None,
+               checksum_block: int = 256 << 10) -> None:
+    """One pass of a floor's writes, then an fsync: ``chunk(offset)`` (:data:`CHUNK` bytes) at every offset below
+    ``nbytes``, on ``pool``'s threads, in pwrites of ``piece`` bytes, each waiting while ``turn`` is clear (the
+    update runs), as a guarded engine writes; with ``checksum``: first that of every ``checksum_block`` bytes of
+    it, each after ``turn`` too, as the engine's writes."""
+
+    def one(at: int) -> None:
+        data = chunk(at)
+        if checksum is not None:
+            for block in range(0, len(data), checksum_block):
+                turn.wait()
+                checksum(data[block:block + checksum_block])
+        for o in range(0, len(data), piece):
+            turn.wait()
+            os.pwrite(fd, data[o:o + piece], at + o)
+
+    list(pool.map(one, range(0, nbytes, CHUNK)))
+    os.fsync(fd)
+
+
+class RawWrites:
+    """The floor of what writing a save costs the update: the state's bytes written again and again as the
+    engine writes them (:data:`THREADS` threads of :data:`CHUNK` chunks, each in ``piece``-byte ``O_DIRECT``
+    pwrites, an fsync a pass) from one buffer, each pwrite waiting while :attr:`turn` is clear (the update
+    runs) — no copy, no checksums, no commit.
+
+    The training thread calls :meth:`start`, then per step :meth:`before_update` and :meth:`after_update`
+    around the update, then :meth:`stop`; the writes run on a thread of their own.
+    """
+
+    def __init__(self, path: Path, nbytes: int, *, piece: int) -> None:
+        self._path, self._piece = path, piece  # piece CHUNK: each chunk in one pwrite
+        self.pass_bytes = max(CHUNK, nbytes // CHUNK * CHUNK)  # what one pass writes
+        self._buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
+        self._buf.write(os.urandom(MB) * (CHUNK // MB))
+        self.turn = threading.Event()
+        self.turn.set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.passes = 0
+
+    def start(self) -> int:
+        """Starts the writes; the passes so far."""
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self.passes
+
+    def stop(self) -> int:
+        """Stops the writes once the pass in flight is done; the passes so far."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self.passes
+
+    def before_update(self) -> None:
+        self.turn.clear()
+
+    def after_update(self) -> None:
+        self.turn.set()
+
+    def _run(self) -> None:
+        fd = open_for_writes(self._path)
+        view = memoryview(self._buf)
+        try:
+            with ThreadPoolExecutor(THREADS) as pool:
+                while not self._stop.is_set():
+                    write_pass(pool, fd, lambda at: view, self.pass_bytes, self.turn, piece=self._piece)
+                    self.passes += 1
+        finally:
+            os.close(fd)

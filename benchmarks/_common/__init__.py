@@ -1,0 +1,60 @@
+"""What the benchmarks share: the floors every checkpoint is compared against (``floors``), the models they train
+and the chores around a state (``models``), and the ways to checkpoint a loop, ours and the peers' (``savers``).
+
+Each benchmark puts the repository root on ``sys.path`` and imports from ``benchmarks._common``. Everything here
+uses ``persist_core``'s public names only.
+"""
+
+from benchmarks._common.floors import (
+    CHUNK,
+    MB,
+    THREADS,
+    RawWrites,
+    copy_floor,
+    disk_gbps,
+    disk_seconds,
+    drop_cached,
+    files_under,
+    floor_copy,
+    fsync_tree,
+    open_for_writes,
+    write_pass,
+)
+from benchmarks._common.models import (
+    accel_model,
+    alternate,
+    cpu_model,
+    differences,
+    leaves,
+    median,
+    nbytes,
+    tensors,
+    training_state,
+    tree_map,
+)
+
+__all__ = [
+    "CHUNK",
+    "MB",
+    "THREADS",
+    "RawWrites",
+    "accel_model",
+    "alternate",
+    "copy_floor",
+    "cpu_model",
+    "differences",
+    "disk_gbps",
+    "disk_seconds",
+    "drop_cached",
+    "files_under",
+    "floor_copy",
+    "fsync_tree",
+    "leaves",
+    "median",
+    "nbytes",
+    "open_for_writes",
+    "tensors",
+    "training_state",
+    "tree_map",
+    "write_pass",
+]
