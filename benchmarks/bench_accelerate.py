@@ -10,14 +10,14 @@ Reported: the training-visible stall (the call's duration) and the time until du
 of ``--repeat`` saves, with an optimizer step between saves. Bars: hook stall <= 1.5x the floor,
 and at least 5x lower than Accelerate's.
 
-Usage: ``python benchmarks/bench_accelerate.py [--layers 6] [--width 4096] [--repeat 3] [--dir bench-out]``
+Usage: ``python benchmarks/bench_accelerate.py [--layers 6] [--width 4096] [--repeat 3] [--dir bench-out]``;
+``--smoke``: 2 x Linear(256), one save each, in seconds (CI runs it).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import statistics
 import sys
@@ -34,16 +34,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from accelerate_persist import PersistHook  # noqa: E402
-
-
-def fsync_tree(path: Path) -> None:
-    for p in path.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+from benchmarks._common import copy_floor, fsync_tree, tensors  # noqa: E402
 
 
 def setup(layers: int, width: int):
@@ -63,13 +54,16 @@ def train_step(acc, model, opt, width: int) -> None:
     opt.zero_grad()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default="bench-out")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one save each: a check that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.layers, args.width, args.repeat = 2, 256, 1
     warnings.filterwarnings("ignore")
     logging.getLogger("accelerate").setLevel(logging.ERROR)
     out = Path(args.dir).absolute() / "accelerate"
@@ -78,20 +72,10 @@ def main() -> None:
 
     acc, model, opt = setup(args.layers, args.width)
     train_step(acc, model, opt, args.width)
-    state = [t for t in model.state_dict().values()] + [
-        t for s in opt.state_dict()["state"].values() for t in s.values() if torch.is_tensor(t)]
+    state = tensors([model.state_dict(), opt.state_dict()["state"]])
     nbytes = sum(t.numel() * t.element_size() for t in state)
     print(f"state: {args.layers} x Linear({args.width}) + AdamW = {nbytes / 1e9:.2f} GB, {args.repeat} saves each")
-
-    buffers = [torch.empty_like(t) for t in state]
-    floor = []
-    for _ in range(args.repeat + 1):
-        t0 = time.perf_counter()
-        for b, t in zip(buffers, state):
-            b.copy_(t)
-        floor.append(time.perf_counter() - t0)
-    floor_s = statistics.median(floor[1:])
-    del buffers
+    floor_s = copy_floor(state, args.repeat, warmup=1)
 
     plain_stall, plain_durable = [], []
     for i in range(args.repeat):
@@ -128,7 +112,8 @@ def main() -> None:
     hook_s, plain_s = rows[2][1], rows[1][1]
     print(f"\nhook stall / floor = {hook_s / floor_s:.2f}x (bar <= 1.5x); Accelerate's stall / hook's = "
           f"{plain_s / hook_s:.1f}x (bar >= 5x)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,6 +11,8 @@ training's own ops fill, the background copy takes a core from a 2-thread forwar
 barriers waits for the thread descheduled), so it can cost more than the copy it hides.
 
     .venv/bin/python benchmarks/bench_cpu_guard.py [--rounds 12] [--width 1536]
+
+``--smoke``: one round of two steps, a tiny model, in seconds (CI runs it).
 """
 
 from __future__ import annotations
@@ -26,25 +28,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import alternate, cpu_model, nbytes, training_state  # noqa: E402
 from persist_core import CheckpointEngine, Continuous, KeepLastN  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--block", type=int, default=16)
     parser.add_argument("--width", type=int, default=1536)
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(4)])
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x = torch.randn(64, args.width)
-
-    def step() -> None:
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: a check that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.block, args.width = 1, 2, 128
+        torch.set_num_threads(1)  # tiny ops gain nothing from more; on busy cores OpenMP's waits take 100s of ms
+    model, opt, step = cpu_model(args.width)
     step()
     state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
     kinds = ("no saves", "guarded", "not guarded")
@@ -54,7 +52,7 @@ def main() -> None:
                    for i, k in enumerate(kinds[1:])}
         n = 0
         for r in range(args.rounds):
-            for kind in kinds if r % 2 == 0 else kinds[:1] + kinds[:0:-1]:
+            for kind in alternate(kinds, r, first_fixed=True):
                 engine = engines.get(kind)
                 guard = engine.guard(opt) if kind == "guarded" else None
                 saves0 = engine.summary()["saves"] if engine is not None else 0
@@ -75,10 +73,7 @@ def main() -> None:
             engine.close()
     med = statistics.median
     bare = [r[0] for r in results["no saves"]]
-    tensors = list(model.state_dict().values()) + [v for s in opt.state.values() for v in s.values()
-                                                   if isinstance(v, torch.Tensor)]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    print(f"CPU-bound steps: 4 x Linear({args.width}) + Adam ({nbytes / 1e9:.2f} GB saved), {torch.get_num_threads()} "
+    print(f"CPU-bound steps: 4 x Linear({args.width}) + Adam ({nbytes(training_state(model, opt)) / 1e9:.2f} GB saved), {torch.get_num_threads()} "
           f"intra-op threads, saving continuously, {args.rounds} rounds of {args.block} steps")
     print(f"{'':>12} {'step':>8} {'/ no saves':>11} {'saves/block':>12} {'C per save':>11}")
     cost = {}
@@ -91,7 +86,8 @@ def main() -> None:
     if cost["guarded"] and cost["not guarded"]:
         print(f"C guarded / not guarded: {cost['guarded'] / cost['not guarded']:.2f}x (above 1: on this host the overlap "
               "costs more than the copy it hides)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,6 +29,8 @@ the snapshot floor's is what the engine adds (its checksums, commit, history); t
 what copying and writing the state cost this host's update.
 
     .venv/bin/python benchmarks/bench_overlap.py [--layers 12] [--repeat 5] [--accel-rounds 6] [--accel-width 3072]
+
+``--smoke``: both parts with tiny sizes, in seconds (CI runs it; its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,34 +52,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import crc32c  # noqa: E402
 
+from benchmarks._common import (  # noqa: E402
+    CHUNK, THREADS, RawWrites, accel_model, alternate, copy_floor, cpu_model, open_for_writes, tensors, write_pass)
 from persist_core import CheckpointEngine  # noqa: E402
 from persist_core.fileio import CHECKSUM_BLOCK_BYTES, YIELD_PIECE_BYTES, OsFileOps  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=2048, help="the CPU step's model's width")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--accel-rounds", type=int, default=6)
     parser.add_argument("--block", type=int, default=12)
     parser.add_argument("--step-ms", type=float, default=80.0)
     parser.add_argument("--accel-width", type=int, default=3072, help="the accelerator-like model's width")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: a check that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.layers, args.width, args.repeat, args.accel_rounds, args.block, args.step_ms, args.accel_width = (
+            1, 256, 1, 1, 2, 5.0, 256)
+        torch.set_num_threads(1)  # tiny ops gain nothing from more; on busy cores OpenMP's waits take 100s of ms
+    t0 = time.perf_counter()
     cpu_step(args)
+    t1 = time.perf_counter()
     if args.accel_rounds:
         accel(args)
-
-
-def accel_model(width: int) -> tuple[torch.nn.Module, torch.optim.SGD]:
-    """The accelerator-like step's model, 4 x Linear(``width``), and its SGD with momentum on fixed gradients
-    (the device's backward, done), stepped once so that the momentum exists."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    opt.step()
-    return model, opt
+    print(f"(took {time.perf_counter() - t0:.0f} s: the CPU step {t1 - t0:.0f} s)")
+    return 0
 
 
 def accel(args: argparse.Namespace) -> None:
@@ -89,8 +90,8 @@ def accel(args: argparse.Namespace) -> None:
     kinds = ("no saves", "saving, writes yield", "saving, no yield", WHOLE, RAW, RAW_WHOLE, SNAPSHOT, CHECKSUMMED)
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
     in_flight: dict[str, list[bool]] = {k: [] for k in kinds}  # per update: did it begin with a pwrite in flight
-    tensors = [p for p in model.parameters()] + [opt.state[p]["momentum_buffer"] for p in model.parameters()]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)  # parameters and momentum
+    saved = [p for p in model.parameters()] + [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+    nbytes = sum(t.numel() * t.element_size() for t in saved)  # parameters and momentum
     fresh = []  # the update before any engine exists or saves: what the no-saves blocks' update should stay at
     for _ in range(args.block):
         time.sleep(args.step_ms / 1000)
@@ -104,12 +105,13 @@ def accel(args: argparse.Namespace) -> None:
                    for i, k in enumerate(kinds[:4])}
         engines["saving, no yield"]._overlap.turn.hold = lambda: None  # the writes run through the updates
         engines[WHOLE]._writer._yielding = lambda: False  # a chunk in one pwrite: it runs on through a hold
-        floors = {RAW: RawWrites(Path(work) / "raw", nbytes),
-                  RAW_WHOLE: RawWrites(Path(work) / "raw32", nbytes, piece=RawWrites.CHUNK), SNAPSHOT: SnapshotFloor(Path(work) / "snap", tensors),
-                  CHECKSUMMED: SnapshotFloor(Path(work) / "crc", tensors, checksums=True)}
+        floors = {RAW: RawWrites(Path(work) / "raw", nbytes, piece=YIELD_PIECE_BYTES),
+                  RAW_WHOLE: RawWrites(Path(work) / "raw32", nbytes, piece=CHUNK),
+                  SNAPSHOT: SnapshotFloor(Path(work) / "snap", saved),
+                  CHECKSUMMED: SnapshotFloor(Path(work) / "crc", saved, checksums=True)}
         step_no = 0
         for round_no in range(args.accel_rounds):
-            for kind in kinds[:1] + (kinds[1:] if round_no % 2 == 0 else kinds[:0:-1]):  # no kind always first
+            for kind in alternate(kinds, round_no, first_fixed=True):  # no saves always first
                 engine, floor = engines.get(kind), floors.get(kind)
                 guard = engine.guard(opt) if engine is not None else None
                 saves0 = engine.summary()["overlapped_saves"] if engine is not None else floor.start()
@@ -208,91 +210,11 @@ class CountingOps(OsFileOps):
                 self.in_flight -= 1
 
 
-class RawWrites:
-    """The floor of what writing a save costs the update: the state's bytes written again and again as the
-    engine writes them (4 threads of 32 MiB chunks, each in ``YIELD_PIECE_BYTES`` ``O_DIRECT`` pwrites, an fsync
-    a pass) from one buffer, each pwrite waiting while :attr:`turn` is clear (the update runs) — no copy, no
-    checksums, no commit."""
-
-    CHUNK, THREADS = 32 << 20, 4
-
-    def __init__(self, path: Path, nbytes: int, *, piece: int = YIELD_PIECE_BYTES) -> None:
-        self._path, self._piece = path, piece  # piece: RawWrites.CHUNK writes each chunk in one pwrite
-        self.pass_bytes = max(self.CHUNK, nbytes // self.CHUNK * self.CHUNK)  # what one pass writes
-        self._buf = mmap.mmap(-1, self.CHUNK)  # page-aligned, as O_DIRECT needs
-        self._buf.write(os.urandom(1 << 20) * (self.CHUNK >> 20))
-        self.turn = threading.Event()
-        self.turn.set()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.passes = 0
-
-    def start(self) -> int:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self.passes
-
-    def stop(self) -> int:
-        self._stop.set()
-        assert self._thread is not None
-        self._thread.join()
-        return self.passes
-
-    def before_update(self) -> None:
-        self.turn.clear()
-
-    def after_update(self) -> None:
-        self.turn.set()
-
-    def _run(self) -> None:
-        fd = _open_for_writes(self._path)
-        view = memoryview(self._buf)
-        try:
-            with ThreadPoolExecutor(self.THREADS) as pool:
-                while not self._stop.is_set():
-                    _write_pass(pool, fd, lambda at: view, self.pass_bytes, self.turn,  # the one buffer at every offset
-                                piece=self._piece)
-                    self.passes += 1
-        finally:
-            os.close(fd)
-
-
-def _open_for_writes(path: Path) -> int:
-    """A file for the floors' writes, created or truncated: ``O_DIRECT`` where the file system takes it."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    try:
-        return os.open(path, flags | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        return os.open(path, flags)
-
-
-def _write_pass(pool: ThreadPoolExecutor, fd: int, chunk: Callable[[int], memoryview], nbytes: int,
-                turn: threading.Event, *, checksums: bool = False, piece: int = YIELD_PIECE_BYTES) -> None:
-    """One pass of a floor's writes, then an fsync: ``chunk(offset)`` (``RawWrites.CHUNK`` bytes) at every offset
-    below ``nbytes``, on ``pool``'s threads, in pwrites of ``piece`` bytes, each waiting while ``turn`` is
-    clear (the update runs), as a guarded engine writes;
-    ``checksums``: first a crc32c of every 256 KiB block of it, each after ``turn`` too, as the engine's writes."""
-
-    def one(at: int) -> None:
-        data = chunk(at)
-        if checksums:
-            for block in range(0, len(data), CHECKSUM_BLOCK_BYTES):
-                turn.wait()
-                crc32c.crc32c(data[block:block + CHECKSUM_BLOCK_BYTES])
-        for o in range(0, len(data), piece):
-            turn.wait()
-            os.pwrite(fd, data[o:o + piece], at + o)
-
-    list(pool.map(one, range(0, nbytes, RawWrites.CHUNK)))
-    os.fsync(fd)
-
-
 class SnapshotFloor:
     """The floor of a snapshot on the engine's schedule: what any checkpoint of this state must do, and no more.
     After an update, when the previous pass is done (as continuous saving starts a save once the previous one
     committed), a thread copies the state into a page-aligned host buffer (the engine's copy, on one thread),
-    then writes it to a new file as :class:`RawWrites` does (4 threads of 32 MiB chunks in pieces, holding
+    then writes it to a new file as ``_common.RawWrites`` does (4 threads of 32 MiB chunks in pieces, holding
     off during the update, an fsync) and removes the file before it; the next update waits for the copy
     (the fence). No manifest, commit or history; ``checksums``: a crc32c of every 256 KiB block before its
     pwrite, on the writing threads, as the engine's writes compute them."""
@@ -301,11 +223,11 @@ class SnapshotFloor:
         self._path, self._tensors, self._checksums = path, tensors, checksums
         path.mkdir(parents=True, exist_ok=True)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        self._nbytes = -(-nbytes // RawWrites.CHUNK) * RawWrites.CHUNK
+        self._nbytes = -(-nbytes // CHUNK) * CHUNK
         self._buf = mmap.mmap(-1, self._nbytes)  # page-aligned; its pages touched once here, as the engine warms its own
         self._buf.write(b"\0" * self._nbytes)
         self._staging = torch.frombuffer(self._buf, dtype=torch.uint8)
-        self._pool = ThreadPoolExecutor(RawWrites.THREADS)
+        self._pool = ThreadPoolExecutor(THREADS)
         self.turn, self._copied = threading.Event(), threading.Event()
         self.turn.set()
         self._copied.set()
@@ -340,11 +262,11 @@ class SnapshotFloor:
             copy_here(self._staging[offset:offset + n].view(t.dtype).view(t.shape), t)
             offset += n
         self._copied.set()
-        fd = _open_for_writes(self._path / f"pass-{self.passes}")
+        fd = open_for_writes(self._path / f"pass-{self.passes}")
         view = memoryview(self._buf)
         try:
-            _write_pass(self._pool, fd, lambda at: view[at:at + RawWrites.CHUNK], self._nbytes, self.turn,
-                        checksums=self._checksums)
+            write_pass(self._pool, fd, lambda at: view[at:at + CHUNK], self._nbytes, self.turn, piece=YIELD_PIECE_BYTES,
+                       checksum=crc32c.crc32c if self._checksums else None, checksum_block=CHECKSUM_BLOCK_BYTES)
         finally:
             os.close(fd)
         (self._path / f"pass-{self.passes - 1}").unlink(missing_ok=True)
@@ -352,29 +274,16 @@ class SnapshotFloor:
 
 
 def cpu_step(args: argparse.Namespace) -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(args.layers)])
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x = torch.randn(64, 2048)
+    model, opt, train = cpu_model(args.width, layers=args.layers)
 
     def step() -> float:
         t0 = time.perf_counter()
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
+        train()
         return time.perf_counter() - t0
 
     step()
     state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
-    tensors = [t for t in model.state_dict().values()] + [v for s in opt.state.values() for v in s.values()
-                                                           if isinstance(v, torch.Tensor)]
-    dst = [torch.empty_like(t) for t in tensors]
-    floors = []
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
-        for d, t in zip(dst, tensors):
-            d.copy_(t)
-        floors.append(time.perf_counter() - t0)
+    floor = copy_floor(tensors(state()), args.repeat, warmup=1)
     bare = statistics.median(step() for _ in range(args.repeat))
     rows = {}
     for guarded in (False, True):
@@ -395,7 +304,6 @@ def cpu_step(args: argparse.Namespace) -> None:
             if guard is not None:
                 guard.remove()
         rows[guarded] = (statistics.median(stalls), statistics.median(steps), statistics.median(fences))
-    floor = statistics.median(floors)
     print(f"state {nbytes / 1e9:.2f} GB; copy floor {floor * 1e3:.0f} ms; a step with no save {bare * 1e3:.0f} ms")
     print(f"{'save':>10} {'stall':>9} {'/ floor':>8} {'next step':>10} {'/ bare step':>12} {'fence wait':>11}")
     for guarded, (stall, took, fence) in rows.items():
@@ -405,4 +313,4 @@ def cpu_step(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,7 +2,7 @@
 
 The accelerator-like step of ``bench_overlap.py`` (the host waits --step-ms of "device time", then the in-place
 SGD-with-momentum update of 4 x Linear(--accel-width)) in blocks of --block steps: a block with no writes, then
-one with the raw floor's writes running (``bench_overlap.RawWrites``: 4 threads of 32 MiB chunks, ``O_DIRECT``,
+one with the raw floor's writes running (``benchmarks._common.RawWrites``: 4 threads of 32 MiB chunks, ``O_DIRECT``,
 an fsync a pass, each pwrite waiting while the update runs) in pwrites of each --pieces size, interleaved,
 the order reversed every other round. A hold stops the next pwrite; what is in flight when it starts (the
 disk's DMA) runs on through the update. Per size: the update's median time over the no-writes blocks' (the
@@ -10,6 +10,8 @@ slowdown the writes in flight cause) and the bytes written per second of the blo
 disk's throughput). ``fileio.YIELD_PIECE_BYTES`` is the size a guarded engine writes in.
 
     .venv/bin/python benchmarks/bench_pieces.py [--pieces 32,8,4,2,1] [--rounds 5]
+
+``--smoke``: two sizes, one round of two steps, a tiny model, in seconds (CI runs it).
 """
 
 from __future__ import annotations
@@ -21,23 +23,26 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_overlap import RawWrites, accel_model  # noqa: E402
-
+from benchmarks._common import RawWrites, accel_model, alternate  # noqa: E402
 from persist_core.fileio import YIELD_PIECE_BYTES  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pieces", default="32,8,4,2,1", help="pwrite sizes in MiB, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--block", type=int, default=12)
     parser.add_argument("--step-ms", type=float, default=80.0)
     parser.add_argument("--accel-width", type=int, default=3072)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: a check that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.pieces, args.rounds, args.block, args.step_ms, args.accel_width = "32,4", 1, 2, 5.0, 256
+        torch.set_num_threads(1)  # tiny ops gain nothing from more; on busy cores OpenMP's waits take 100s of ms
     sizes = [int(p) << 20 for p in args.pieces.split(",")]
     model, opt = accel_model(args.accel_width)
     nbytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters and momentum
@@ -64,7 +69,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-pieces-") as work:
         floors = {s: RawWrites(Path(work) / f"raw-{s}", nbytes, piece=s) for s in sizes}
         for r in range(args.rounds):
-            for s in sizes if r % 2 == 0 else sizes[::-1]:
+            for s in alternate(sizes, r):
                 bare, _ = block(None)
                 held, rate = block(floors[s])
                 slowdown[s].append(held / bare)
@@ -79,7 +84,8 @@ def main() -> None:
         mark = "  <- fileio.YIELD_PIECE_BYTES" if s == YIELD_PIECE_BYTES else ""
         rel = f"{med(speed[s]) / ref:>16.2f}x" if ref else f"{'-':>17}"
         print(f"{s >> 20:>5} MiB {med(slowdown[s]):>18.3f}x {med(speed[s]) / 1e9:>7.2f} GB/s {rel}{mark}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

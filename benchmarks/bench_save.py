@@ -14,7 +14,8 @@ Peers: ``torch.save``, Lightning ``AsyncCheckpointIO``, ``torch.distributed.chec
 fsynced after they finish, so every throughput is to durable storage. With CUDA, a GPU section
 times the device-to-host staging from CUDA tensors into pinned buffers.
 
-Usage: ``python benchmarks/bench_save.py [--gib 1.0] [--repeat 3] [--dir bench-out]``
+Usage: ``python benchmarks/bench_save.py [--gib 1.0] [--repeat 3] [--only cpu|gpu] [--dir bench-out]``;
+``--smoke``: a 10 MiB state, one timed run each, in seconds (CI runs it; its ratios mean nothing).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import argparse
 import logging
 import os
 import shutil
-import statistics
 import sys
 import time
 import warnings
@@ -35,27 +35,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import disk_gbps, floor_copy, fsync_tree  # noqa: E402
+from benchmarks._common import copy_floor, disk_gbps, floor_copy, fsync_tree, median, nbytes  # noqa: E402
 from persist_core import CheckpointEngine  # noqa: E402
-from persist_core.layout import checkpoint_dirname  # noqa: E402
 
 
 def make_state(gib: float, device: str = "cpu") -> dict[str, torch.Tensor]:
     """A model-like state: a few large matrices and many small vectors, ~``gib`` GiB of fp32."""
     total = int(gib * (1 << 30)) // 4
+    small = min(4096, total // 8192)
     sizes = [total // 8] * 6 + [total // 64] * 15
-    sizes.append(total - sum(sizes) - 64 * 4096)
-    sizes += [4096] * 64
+    sizes.append(total - sum(sizes) - 64 * small)
+    sizes += [small] * 64
     g = torch.Generator().manual_seed(0)
     return {f"layer{i}.weight": torch.randn(n, generator=g).to(device) for i, n in enumerate(sizes)}
-
-
-def nbytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
 
 
 # ------------------------------------------------------------------ contenders
@@ -87,7 +79,8 @@ def run_persist(state):
         stall = time.perf_counter() - t0
         handle.wait()
         total = time.perf_counter() - t0
-        shutil.rmtree(engine.local_dir / checkpoint_dirname(i))
+        for saved in engine.list():
+            shutil.rmtree(saved.path)
         return stall, total
 
     return run, engines
@@ -160,16 +153,7 @@ def gpu_section(gib: float, repeat: int, out: Path) -> list[str]:
         return ["GPU section skipped: no CUDA device (run this script on a GPU machine for it)"]
     state = make_state(gib, "cuda")
     size = nbytes(state)
-    pinned = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in state.items()}
-    times = []
-    for _ in range(repeat + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for k, v in state.items():
-            pinned[k].copy_(v, non_blocking=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    floor = median(times[1:])
+    floor = copy_floor(list(state.values()), repeat, to="cpu", pin=True, warmup=1)
     engine = CheckpointEngine(out / "gpu")
     stalls = []
     for i in range(repeat + 1):
@@ -187,13 +171,16 @@ def gpu_section(gib: float, repeat: int, out: Path) -> list[str]:
     ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=ROOT / "bench-out")
     parser.add_argument("--only", choices=["cpu", "gpu"], default=None)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="a 10 MiB state, one timed run each: a check that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.gib, args.repeat = 10 / 1024, 1
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP without a process group
     out = args.dir
@@ -208,6 +195,7 @@ def main() -> None:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     print("\n".join(lines))
+    return 0
 
 
 def cpu_section(args: argparse.Namespace, out: Path) -> list[str]:
@@ -247,4 +235,4 @@ def cpu_section(args: argparse.Namespace, out: Path) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
