@@ -37,7 +37,8 @@ every MTBF; cpu — reported as it is, and OptimalInterval >= 0.95x the best fix
 
 Usage: ``python benchmarks/bench_goodput.py [--quick] [--horizon 20] [--mtbfs 10,30,120] [--seeds 2]
 [--width 1536] [--step-ms 80] [--settings accel,cpu] [--cpu-guard] [--no-steady-malloc] [--dir bench-out]`` (the defaults: about 23 minutes
-here; ``--quick``: one MTBF, one sequence, about 6)
+here; ``--quick``: one MTBF, one sequence, about 6; ``--smoke``: the accel setting with a tiny model, jobs of 8 s,
+one calibration pair, one fixed interval, MTBF 4 s, about 45 s: a check that it runs, its figures mean nothing)
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from persist_core.tiers.local import committed_steps  # noqa: E402
+from benchmarks._common.models import accel_model, alternate, cpu_model  # noqa: E402
+from persist_core import CheckpointReader  # noqa: E402
 
 #: glibc's malloc told never to hand freed memory back to the kernel (``--steady-malloc``, the default). With its
 #: defaults a CPU-bound job's process lands, at random, in one of two modes for its whole life: tens of MB freed
@@ -84,19 +86,13 @@ def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: f
     ``save()`` copies everything before it returns.
     """
     sys.path.insert(0, str(ROOT))
-    import torch
-
     from persist_core import (  # noqa: F401
         CheckpointEngine, CheckpointNotFoundError, Continuous, EveryNSteps, KeepLastN, OptimalInterval)
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
     if setting == "accel":
-        opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)  # fixed gradients: the device's backward, done
+        model, opt = accel_model(width, stepped=False)  # fixed gradients: the device's backward, done
     else:
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        model, opt, train = cpu_model(width)
     engine = CheckpointEngine(local_dir, save_policy=eval(policy_text), keep_local=KeepLastN(2))
     start = 0
     try:
@@ -109,7 +105,6 @@ def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: f
     if guard:
         engine.guard(opt)  # for the process's life: the update waits for a save's background copy
     print(json.dumps({"event": "start", "step": start}), flush=True)
-    x = torch.randn(64, width)
     step = start
     while True:
         step += 1
@@ -117,9 +112,7 @@ def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: f
             time.sleep(step_ms / 1000)
             opt.step()
         else:
-            model(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+            train()
         engine.maybe_save(lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step)
         print(json.dumps({"event": "step", "step": step}), flush=True)
         if step - start == 3:  # where the calibration's rates start (see run_policy): what came before
@@ -148,7 +141,8 @@ def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: li
                                  "--width", str(args.accel_width if setting == "accel" else args.width), "--setting", setting, "--step-ms", str(args.step_ms),
                                  "--guard", str(int(setting == "accel" or args.cpu_guard))],
                                 stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, **STEADY_MALLOC} if args.steady_malloc else None)
+                                env={**os.environ, **(STEADY_MALLOC if args.steady_malloc else {}),
+                                     **({"OMP_NUM_THREADS": "1"} if args.smoke else {})})
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         started, start_step = None, None
@@ -181,7 +175,8 @@ def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: li
         if started is None:  # killed before it could start: the whole restart was lost
             restarts.append(time.perf_counter() - spawned)
         if deadline < horizon:  # a failure: what the next process starts from is the newest committed step
-            lost.append(reached - (max(committed_steps(local), default=0) if local.exists() else 0))
+            with CheckpointReader(local) as reader:
+                lost.append(reached - max((c.step for c in reader.list()), default=0))
     shutil.rmtree(local, ignore_errors=True)
     # steps per second from the first process's third step on: its first save copied into memory the process
     # had never touched, which on this VM costs up to 15x a copy (the hypervisor backs each page on first
@@ -203,7 +198,7 @@ def calibrate(args: argparse.Namespace, setting: str, out: Path) -> dict:
     saving continuously (C and D); medians of the two pairs (a rate difference between two jobs is what C
     is read from, and one pair on this shared machine moves it several-fold)."""
     pairs = [(run_policy("EveryNSteps(10**9)", args, setting, [], out / "calibrate-bare"),
-              run_policy("Continuous()", args, setting, [], out / "calibrate-continuous")) for _ in range(2)]
+              run_policy("Continuous()", args, setting, [], out / "calibrate-continuous")) for _ in range(args.pairs)]
     if any(cont["summary"] is None or not bare["rate"] for bare, cont in pairs):
         raise SystemExit(f"--horizon {args.horizon:g} s is too short for a calibration ({setting}); give it at "
                          "least 10 s")
@@ -260,11 +255,11 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
     verdicts = {}
     for mtbf in mtbfs:
         best = math.sqrt(2 * cal["C"] * mtbf)  # Young/Daly: seconds between saves
-        grid = sorted({max(1, round(k * best / cal["step_s"])) for k in (0.5, 1.0, 2.0)})
+        grid = sorted({max(1, round(k * best / cal["step_s"])) for k in ((1.0,) if args.smoke else (0.5, 1.0, 2.0))})
         # where Young/Daly's interval is under D every grid point queues behind the previous save: then the
         # grid also tries the first interval >= 1.5 D (about where continuous itself saves)
         keeps_up = max(1, math.ceil(1.5 * cal["D"] / cal["step_s"]))
-        if grid[-1] < keeps_up:
+        if grid[-1] < keeps_up and not args.smoke:
             grid.append(keeps_up)
         policies = [(f"every {n} steps", f"EveryNSteps({n})") for n in grid]
         policies += [("continuous", "Continuous()"), (f"optimal (mtbf {mtbf:g} s)", f"OptimalInterval(mtbf_s={mtbf})")]
@@ -278,7 +273,7 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
             sequences.append(times)
         runs: dict[str, list[dict]] = {name: [] for name, _ in policies}
         for k, failures in enumerate(sequences):  # interleaved: drift on a shared machine hits every policy alike
-            for name, policy in policies if k % 2 == 0 else policies[::-1]:  # and no policy always runs first
+            for name, policy in alternate(policies, k):  # and no policy always runs first
                 r = run_policy(policy, args, setting, failures, out / setting / name.replace(" ", "-"))
                 r["horizon"] = args.horizon
                 runs[name].append(r)
@@ -367,7 +362,7 @@ SETTINGS = {"accel": "accelerator-like (each step waits --step-ms of device time
             "cpu": "CPU-bound (forward/backward matmuls and Adam on the host cores)"}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--horizon", type=float, default=20.0, help="seconds of wall time each job runs")
     parser.add_argument("--mtbfs", default="10,30,120", help="mean seconds between failures, comma-separated")
@@ -379,6 +374,8 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=80.0, help="device time of a step (accel setting)")
     parser.add_argument("--settings", default="accel,cpu")
     parser.add_argument("--quick", action="store_true", help="one MTBF (30 s), one sequence: a few minutes")
+    parser.add_argument("--smoke", action="store_true", help="the accel setting, tiny and short: a check that it runs")
+    parser.add_argument("--pairs", type=int, default=2, help="calibration pairs (no saves, continuous)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--dir", default="bench-out")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -393,12 +390,15 @@ def main() -> None:
                         help="run the jobs with glibc's malloc keeping what it frees (STEADY_MALLOC); "
                              "--no-steady-malloc: glibc's defaults, under which a CPU-bound process's steps are "
                              "fast or slow at random for its whole life on this VM")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         child(args.child, args.policy, args.width, args.setting, args.step_ms, bool(args.guard))
-        return
+        return 0
     if args.quick:
         args.mtbfs, args.seeds = "30", 1
+    if args.smoke:
+        args.mtbfs, args.seeds, args.pairs, args.horizon, args.settings = "4", 1, 1, 8.0, "accel"
+        args.width, args.accel_width, args.step_ms = 64, 64, 5.0
     mtbfs = [float(m) for m in args.mtbfs.split(",")]
     out = Path(args.dir).absolute() / "goodput"
     out.mkdir(parents=True, exist_ok=True)
@@ -441,7 +441,8 @@ def main() -> None:
                          + "; optimal " + ", ".join(f"{m:g} s: {x['optimal_held_out']:.3f}x" for m, x in v.items()))
     lines.append(f"\n(the whole run: {time.perf_counter() - t0:.0f} s)")
     print("\n" + "\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,7 +18,8 @@ time to write the state's bytes durably — parallel ``pwrite`` + ``fsync``, buf
 whichever is faster (``benchmarks._common.disk_gbps``). A loop that checkpoints every step can be no faster
 than max(step without checkpoints, that time); each configuration's step time is also given over it.
 
-Usage: ``python benchmarks/bench_lightning.py [--width 3072] [--steps 30] [--rounds 2] [--dir bench-out]``
+Usage: ``python benchmarks/bench_lightning.py [--width 3072] [--steps 30] [--rounds 2] [--dir bench-out]``;
+``--smoke``: a tiny model, 6 steps, one round, every configuration in this process, in seconds (CI runs it).
 """
 
 from __future__ import annotations
@@ -101,19 +102,26 @@ def child(mode: str, width: int, steps: int, batch: int, out: Path) -> dict:
             "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, "files": files, **parts}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=3072)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2, help="each mode runs this often, interleaved")
     parser.add_argument("--dir", default="bench-out")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes, one round, each configuration in this process: a check that it runs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.width, args.steps, args.batch, args.rounds = 64, 6, 8, 1
+        import torch
+
+        torch.set_num_threads(1)  # tiny ops gain nothing from more; on busy cores OpenMP's waits take 100s of ms
     out = Path(args.dir).absolute() / "lightning"
     if args.child:
         print(json.dumps(child(args.child, args.width, args.steps, args.batch, out)))
-        return
+        return 0
 
     state_gb = 4 * (args.width * args.width + args.width) * 4 * 3 / 1e9
     print(f"Lightning loop, 4 x Linear({args.width}) + Adam (state {state_gb:.2f} GB), batch {args.batch}, "
@@ -129,6 +137,9 @@ def main() -> None:
         for mode in MODES:
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir(parents=True)
+            if args.smoke:  # one process for all: the same code, without a fresh interpreter (and Lightning) each
+                results[mode].append(child(mode, args.width, args.steps, args.batch, out))
+                continue
             run = subprocess.run([sys.executable, __file__, "--child", mode, "--width", str(args.width), "--steps",
                                   str(args.steps), "--batch", str(args.batch), "--dir", args.dir],
                                  capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -159,7 +170,8 @@ def main() -> None:
           f"{p['staging_s'] * 1000:.0f} ms copying) + {rest * 1000:.0f} ms the step ran slower while the write ran "
           f"(CPU and memory-bandwidth contention); the write itself took {p['write_s'] * 1000:.0f} ms against the "
           f"disk's {durable_s * 1000:.0f} ms alone")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

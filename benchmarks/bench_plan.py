@@ -10,6 +10,8 @@ the same processes: the caller's own ``model.state_dict()`` + ``opt.state_dict()
 costs before any save), and the stall per tensor.
 
     .venv/bin/python benchmarks/bench_plan.py --baseline /path/to/older/checkout [--layers 32] [--rounds 5]
+
+``--smoke``: this checkout alone (unless --baseline), 2 blocks, 3 saves, one process, in seconds (CI runs it).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(code: str, layers: int, saves: int) -> None:
+def child(code: str, layers: int, saves: int, threads: int = 0) -> None:
     sys.path.insert(0, code)
     import torch
 
+    if threads:
+        torch.set_num_threads(threads)
     from persist_core import CheckpointEngine, KeepLastN
 
     torch.manual_seed(0)
@@ -64,21 +68,26 @@ def child(code: str, layers: int, saves: int) -> None:
 
 def run(code: str, args: argparse.Namespace) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", code, "--layers", str(args.layers),
-                          "--saves", str(args.saves)], check=True, capture_output=True, text=True)
+                          "--saves", str(args.saves), "--threads", str(args.threads)], check=True, capture_output=True,
+                         text=True)
     return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", required=False, help="another checkout of torch-persist (e.g. a git worktree)")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--saves", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--child")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one process: a check that it runs")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.layers, args.saves, args.rounds, args.threads = 2, 3, 1, 1
     if args.child:
-        child(args.child, args.layers, args.saves)
-        return
+        child(args.child, args.layers, args.saves, args.threads)
+        return 0
     codes = {"this checkout": str(ROOT)}
     if args.baseline:
         codes["baseline"] = str(Path(args.baseline).resolve())
@@ -99,7 +108,8 @@ def main() -> None:
     if base:
         mine = statistics.median(x["stall_s"] for x in results["this checkout"])
         print(f"this checkout / baseline: {mine / base:.2f}x")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

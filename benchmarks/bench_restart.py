@@ -18,12 +18,15 @@ warm-up takes from the load shows there); the copy floor, measured in the same p
 into memory already touched. Medians over --rounds rounds.
 
     .venv/bin/python benchmarks/bench_restart.py [--width 6144] [--step-ms 400] [--steps 3] [--rounds 3]
+
+``--smoke``: a tiny model, one round, no discarded process, in seconds (CI runs it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,17 +35,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-def build(width: int):
-    import torch
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)  # fixed gradients: the device's backward, done
-    return model, opt
+from benchmarks._common.models import alternate  # noqa: E402
 
 
 def child(work: str, width: int, step_ms: float, steps: int, variant: str) -> None:
@@ -50,10 +45,11 @@ def child(work: str, width: int, step_ms: float, steps: int, variant: str) -> No
     sys.path.insert(0, str(ROOT))
     import torch
 
+    from benchmarks._common import accel_model, copy_floor
     from persist_core import CheckpointEngine, KeepLastN
     from persist_core.save.staging import StagingPool
 
-    model, opt = build(width)
+    model, opt = accel_model(width, stepped=False)
     if variant == "setup":
         opt.step()
         with CheckpointEngine(work, keep_local=KeepLastN(2)) as engine:
@@ -83,41 +79,41 @@ def child(work: str, width: int, step_ms: float, steps: int, variant: str) -> No
     nbytes = handles[0].stats.nbytes
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]
                      + [s["momentum_buffer"].reshape(-1) for s in opt.state.values()])
-    into = torch.empty_like(flat)
-    into.copy_(flat)  # touched once: the copy below is the floor
-    t = time.perf_counter()
-    into.copy_(flat)
-    floor_s = time.perf_counter() - t
+    floor_s = copy_floor([flat], 1, warmup=1)  # into memory touched once
     print(json.dumps({"variant": variant, "load_s": load_s, "first_copy_s": handles[0].stats.staging_s,
                       "fence_s": fence_s, "total_s": total_s, "floor_s": floor_s, "nbytes": nbytes}), flush=True)
 
 
 def run(work: str, args: argparse.Namespace, variant: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", work, "--variant", variant, "--width", str(args.width),
-                          "--step-ms", str(args.step_ms), "--steps", str(args.steps)],
-                         check=True, capture_output=True, text=True)
+                          "--step-ms", str(args.step_ms), "--steps", str(args.steps)], check=True, capture_output=True,
+                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"} if args.smoke else None)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else {}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--width", type=int, default=6144)
     parser.add_argument("--step-ms", type=float, default=400.0)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--child")
-    parser.add_argument("--variant", default="warm")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: a check that it runs")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="warm", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.width, args.step_ms, args.steps, args.rounds = 256, 5.0, 2, 1
     if args.child:
         child(args.child, args.width, args.step_ms, args.steps, args.variant)
-        return
+        return 0
     results: dict[str, list[dict]] = {"warm": [], "cold": []}
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as work:
         run(work, args, "setup")
-        run(work, args, "cold")  # discarded: the first process after the setup pays the VM's first touch either way
+        if not args.smoke:  # discarded: the first process after the setup pays the VM's first touch either way
+            run(work, args, "cold")
         for r in range(args.rounds):
-            for variant in (("warm", "cold") if r % 2 == 0 else ("cold", "warm")):
+            for variant in alternate(("warm", "cold"), r):
                 results[variant].append(run(work, args, variant))
                 print(f"round {r + 1} {variant}: {json.dumps(results[variant][-1])}", flush=True)
 
@@ -136,7 +132,8 @@ def main() -> None:
     floor = statistics.median(x["floor_s"] for v in results.values() for x in v)
     print(f"copy floor (a copy into touched memory): {floor:.3f} s; first save's copy / floor: warm "
           f"{med('warm', 'first_copy_s') / floor:.2f}x, cold {med('cold', 'first_copy_s') / floor:.2f}x")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
