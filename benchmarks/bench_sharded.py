@@ -12,13 +12,14 @@ The same FSDP2 (``fully_shard``) model + Adam state (default ~1 GB in all) on 2 
 Every figure is a median of ``--repeat`` runs after a warm-up, measured in this one run. Usage::
 
     .venv/bin/python benchmarks/bench_sharded.py [--gb 1.0] [--repeat 3] [--dir bench-out/sharded]
+
+``--smoke``: a tiny model, one timed run, the 2 -> 1 load only, in seconds (CI runs it).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import mmap
 import os
 import shutil
 import socket
@@ -26,7 +27,6 @@ import statistics
 import sys
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MB = 1 << 20
+from benchmarks._common import disk_seconds, tensors  # noqa: E402
 
 
 def _port() -> int:
@@ -45,47 +45,27 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def make_model(gb: float, seed: int) -> torch.nn.Module:
+def make_model(gb: float, seed: int, width: int = 2048) -> torch.nn.Module:
     """Linear layers of ~``gb / 3`` GB of fp32 parameters (Adam adds two moments: ~``gb`` in all)."""
     torch.manual_seed(seed)
-    width = 2048
     params = int(gb * 1e9 / 3 / 4)
     layers = max(1, params // (width * width + width))
     return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
 
 
 def _setup(rank: int, world: int, port: int, gb: float, seed: int):
+    if gb < 0.1:  # --smoke
+        torch.set_num_threads(1)
     from torch.distributed.checkpoint.state_dict import _init_optim_state
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    model = make_model(gb, seed)
+    model = make_model(gb, seed, width=2048 if gb >= 0.1 else 256)
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     _init_optim_state(opt)
     return model, opt
-
-
-def _local_tensors(tree) -> list[torch.Tensor]:
-    out = []
-    if isinstance(tree, dict):
-        for v in tree.values():
-            out += _local_tensors(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            out += _local_tensors(v)
-    elif isinstance(tree, torch.Tensor):
-        out.append(tree.to_local() if hasattr(tree, "to_local") else tree)
-    return out
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in path.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
 
 
 def _timed(fn, repeat: int) -> list[float]:
@@ -109,7 +89,7 @@ def save_rank(rank: int, world: int, port: int, gb: float, repeat: int, out: str
     coll = TorchCollectives.new_group()
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
-    local = _local_tensors(state)
+    local = tensors(state)
     mine = sum(t.numel() * t.element_size() for t in local)
     work = Path(out)
 
@@ -121,24 +101,12 @@ def save_rank(rank: int, world: int, port: int, gb: float, repeat: int, out: str
             d.copy_(s)
         return [time.perf_counter() - t0]
 
-    buf = mmap.mmap(-1, mine - mine % 4096 + 4096)  # page-aligned, so O_DIRECT takes it
-    for o in range(0, len(buf), MB):
-        buf[o : o + 16] = os.urandom(16)
+    mine_dir = work / f"disk-{rank}"
+    mine_dir.mkdir(exist_ok=True)
 
     def disk(i: int) -> list[float]:
         """Both ranks at once: parallel pwrite + fsync of this rank's bytes, buffered or O_DIRECT (the faster)."""
-        took = []
-        for extra in (0, getattr(os, "O_DIRECT", 0)):
-            path = work / f"disk-{rank}.bin"
-            t0 = time.perf_counter()
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | extra, 0o644)
-            with ThreadPoolExecutor(4) as ex:
-                list(ex.map(lambda o: os.pwrite(fd, memoryview(buf)[o: o + 32 * MB], o), range(0, len(buf), 32 * MB)))
-            os.fsync(fd)
-            os.close(fd)
-            took.append(time.perf_counter() - t0)
-            path.unlink()
-        return [min(took)]
+        return [disk_seconds(mine, mine_dir, 1)]
 
     engine = CheckpointEngine(work / "persist", collectives=coll)
 
@@ -195,7 +163,7 @@ def load_rank(rank: int, world: int, port: int, gb: float, repeat: int, out: str
             t0 = time.perf_counter()
             engine.load(saved_step, into=into)
             took = time.perf_counter() - t0
-            s = engine._reader.last_load
+            s = engine.reader.last_load
             stats.append((s.needed_bytes, s.read_bytes))
         return [took]
 
@@ -214,12 +182,15 @@ def load_rank(rank: int, world: int, port: int, gb: float, repeat: int, out: str
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gb", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default="bench-out/sharded")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one run, 2 -> 1 only: a check that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.gb, args.repeat = 0.002, 1
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     work = Path(args.dir).absolute()
@@ -230,7 +201,7 @@ def main() -> None:
         mp.spawn(save_rank, args=(2, _port(), args.gb, args.repeat, str(work)), nprocs=2, join=True)
         save = torch.load(work / "save-figures.pt", weights_only=False)
         loads = {}
-        for world in (1, 3):
+        for world in (1,) if args.smoke else (1, 3):
             mp.spawn(load_rank, args=(world, _port(), args.gb, args.repeat, str(work)), nprocs=world, join=True)
             loads[world] = torch.load(work / f"load-{world}-figures.pt", weights_only=False)
     finally:
@@ -259,7 +230,8 @@ def main() -> None:
         for r, f in enumerate(figs):
             print(f"{world:>5} {r:>4} {f['ours']:>7.3f}s {f['dcp']:>8.3f}s {f['dcp'] / f['ours']:>9.2f}x "
                   f"{f['needed'] / 1e6:>8.1f}M {f['read'] / 1e6:>8.1f}M {f['read'] / max(1, f['needed']):>12.3f}x")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
