@@ -8,7 +8,8 @@ In one run, on the same ~1 GiB checkpoint and the same moto server (127.0.0.1):
   fresh-machine ``load()`` (ranged parallel reads straight into the tensors, checksums verified; a
   local copy written alongside and committed after), against boto3 ``download_file``.
 
-Usage: ``python benchmarks/bench_remote.py [--gib 1.0] [--repeat 2]``
+Usage: ``python benchmarks/bench_remote.py [--gib 1.0] [--repeat 2]``; ``--smoke``: 8 MiB, one boto3 setting, one
+round, in seconds (CI runs it).
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import MB  # noqa: E402
 from persist_core import CheckpointEngine, KeepLastN  # noqa: E402
 from tests.support.moto_server import CREDENTIALS, moto_server  # noqa: E402
-
-MB = 1 << 20
 
 
 def timed(fn) -> float:
@@ -40,11 +40,15 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=2)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="8 MiB, one setting, one round: a check that it runs")
+    args = parser.parse_args(argv)
+    grid = [(16, 4)] if args.smoke else [(p, c) for p in (16, 64) for c in (4, 8, 16)]
+    if args.smoke:
+        args.gib, args.repeat = 8 / 1024, 1
     logging.basicConfig(level=logging.WARNING)
     os.environ.update(CREDENTIALS)
     import boto3
@@ -63,7 +67,7 @@ def main() -> None:
             engine = CheckpointEngine(work / "nvme", remote_url="s3://bench/persist", storage_options=options,
                                       keep_local=KeepLastN(1), keep_remote=KeepLastN(1))
             engine.save(state, step=0).wait()  # warm-up; also gives the shard file the raw clients upload
-            (saved,) = (work / "nvme" / "step-000000000000").glob("*.safetensors")
+            (saved,) = Path(engine.list()[-1].path).glob("*.safetensors")
             shard = work / "shard.safetensors"  # the raw clients' copy; retention will remove step 0
             shutil.copyfile(saved, shard)
             size = shard.stat().st_size
@@ -72,11 +76,10 @@ def main() -> None:
                 return size / statistics.median(seconds) / 1e9
 
             raw = {}  # a quick grid to find boto3's best settings for this server
-            for part_mb in (16, 64):
-                for conc in (4, 8, 16):
-                    cfg = TransferConfig(multipart_threshold=part_mb * MB, multipart_chunksize=part_mb * MB,
-                                         max_concurrency=conc)
-                    raw[(part_mb, conc)] = gbps([timed(lambda: s3.upload_file(str(shard), "bench", "raw/shard", Config=cfg))])
+            for part_mb, conc in grid:
+                cfg = TransferConfig(multipart_threshold=part_mb * MB, multipart_chunksize=part_mb * MB,
+                                     max_concurrency=conc)
+                raw[(part_mb, conc)] = gbps([timed(lambda: s3.upload_file(str(shard), "bench", "raw/shard", Config=cfg))])
             best_part, best_conc = max(raw, key=raw.get)
             best_cfg = TransferConfig(multipart_threshold=best_part * MB, multipart_chunksize=best_part * MB,
                                       max_concurrency=best_conc)
@@ -130,7 +133,8 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

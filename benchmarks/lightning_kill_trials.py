@@ -6,7 +6,8 @@ commit lands after the next save was requested, kills it with SIGKILL once ``las
 exists plus a random delay, then checks: ``last.ckpt`` exists, is a committed checkpoint, loads
 (verified) and with ``torch.load``, and a new run resumes from it (``fit(ckpt_path=last)``) to the end.
 
-Usage: ``python benchmarks/lightning_kill_trials.py [--trials 10] [--width 1536] [--dir bench-out]``
+Usage: ``python benchmarks/lightning_kill_trials.py [--trials 10] [--width 1536] [--dir bench-out]``; ``--smoke``:
+one trial of a narrow model (CI runs it).
 """
 
 from __future__ import annotations
@@ -69,26 +70,29 @@ def trial(d: Path, width: int, delay_s: float) -> str | None:
     return None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--width", type=int, default=1536)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default="bench-out")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="one trial, a narrow model: a check that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.trials, args.width = 1, 256
     rng = random.Random(args.seed)
     d = Path(args.dir).absolute() / "kill-trials"
     failures = []
     for i in range(args.trials):
-        delay = rng.uniform(0.0, 3.0)
+        delay = rng.uniform(0.0, 0.5 if args.smoke else 3.0)
         problem = trial(d, args.width, delay)
         print(f"trial {i + 1}: kill {delay:.2f} s after last.ckpt first appeared: {problem or 'ok'}", flush=True)
         if problem:
             failures.append(problem)
     shutil.rmtree(d, ignore_errors=True)
     print(f"{args.trials - len(failures)} of {args.trials} trials left a last.ckpt that loads and resumes")
-    sys.exit(1 if failures else 0)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
