@@ -8,7 +8,7 @@ WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),)
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-quick docs lint bench bench-remote bench-lightning venv clean
+.PHONY: demo test test-quick docs lint bench bench-remote bench-lightning bench-smoke venv clean
 
 venv: $(STAMP)
 
@@ -47,6 +47,10 @@ bench-remote: $(STAMP)
 
 bench-lightning: $(STAMP)
 	$(PY) benchmarks/bench_lightning.py
+
+# every benchmark's --smoke (tiny sizes: a check that each still runs, not a measurement); part of `make test`
+bench-smoke: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_benchmarks_smoke.py
 
 clean:
 	rm -rf $(VENV) demo-out bench-out site

@@ -37,8 +37,8 @@ every MTBF; cpu — reported as it is, and OptimalInterval >= 0.95x the best fix
 
 Usage: ``python benchmarks/bench_goodput.py [--quick] [--horizon 20] [--mtbfs 10,30,120] [--seeds 2]
 [--width 1536] [--step-ms 80] [--settings accel,cpu] [--cpu-guard] [--no-steady-malloc] [--dir bench-out]`` (the defaults: about 23 minutes
-here; ``--quick``: one MTBF, one sequence, about 6; ``--smoke``: the accel setting with a tiny model, jobs of 8 s,
-one calibration pair, one fixed interval, MTBF 4 s, about 45 s: a check that it runs, its figures mean nothing)
+here; ``--quick``: one MTBF, one sequence, about 6; ``--smoke``: the accel setting with a tiny model, jobs of 12 s,
+one calibration pair, one fixed interval, MTBF 6 s, about a minute: a check that it runs, its figures mean nothing)
 """
 
 from __future__ import annotations
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.mtbfs, args.seeds = "30", 1
     if args.smoke:
-        args.mtbfs, args.seeds, args.pairs, args.horizon, args.settings = "4", 1, 1, 8.0, "accel"
+        args.mtbfs, args.seeds, args.pairs, args.horizon, args.settings = "6", 1, 1, 12.0, "accel"
         args.width, args.accel_width, args.step_ms = 64, 64, 5.0
     mtbfs = [float(m) for m in args.mtbfs.split(",")]
     out = Path(args.dir).absolute() / "goodput"

@@ -198,9 +198,9 @@ def fmt(value: float | None, scale: float = 1.0, digits: int = 0, suffix: str = 
     return "-" if value is None else f"{value * scale:.{digits}f}{suffix}"
 
 
-def shown_args() -> list[str]:
+def shown_args(args: list[str]) -> list[str]:
     """The command line's options but ``--markdown PATH`` (where the report went is no part of the setting)."""
-    args, out = sys.argv[1:], []
+    out = []
     skip = False
     for a in args:
         if skip or a.startswith("--markdown="):
@@ -242,7 +242,7 @@ def report(args: argparse.Namespace, loop: Loop, nbytes: int, ntensors: int, flo
     d2h, disk_s = floor_seconds(floors, nbytes)
     gbps = lambda s: nbytes / s / 1e9  # noqa: E731
     lines = [
-        f"{datetime.date.today().isoformat()}: `python benchmarks/bench_gpu.py {shlex.join(shown_args())}`".rstrip(),
+        f"{datetime.date.today().isoformat()}: `python benchmarks/bench_gpu.py {shlex.join(shown_args(args.argv))}`".rstrip(),
         "",
         (f"{where}, torch {torch.__version__}, {os.cpu_count()} CPUs, directory {args.dir}. State: {args.layers} x "
         f"(Linear({args.width}) + LayerNorm), fp32, {type(loop.opt).__name__}"
@@ -291,6 +291,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", type=Path, default=ROOT / "bench-out" / "gpu")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     preset = {"layers": 16, "width": 4096, "batch": 8192, "micro": 8, "every": 19, "saves": 2, "repeat": 1}
     if args.quick:
         preset.update(layers=8, every=15)
