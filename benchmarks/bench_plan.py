@@ -11,7 +11,7 @@ costs before any save), and the stall per tensor.
 
     .venv/bin/python benchmarks/bench_plan.py --baseline /path/to/older/checkout [--layers 32] [--rounds 5]
 
-``--smoke``: this checkout alone (unless --baseline), 2 blocks, 3 saves, one process, in seconds (CI runs it).
+``--smoke``: this checkout alone (unless --baseline), 2 blocks, 3 saves, in this process, in seconds (CI runs it).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(code: str, layers: int, saves: int, threads: int = 0) -> None:
+def child(code: str, layers: int, saves: int, threads: int = 0) -> dict:
+    """One process's saves with the checkout at ``code``: the median stall, the state's build, the tensors."""
     sys.path.insert(0, code)
     import torch
 
@@ -62,11 +63,13 @@ def child(code: str, layers: int, saves: int, threads: int = 0) -> None:
                 handle.wait()
     tensors = len(model.state_dict()) + sum(len(s) for s in opt.state.values())
     keep = saves // 3
-    print(json.dumps({"stall_s": statistics.median(stalls[keep:]), "build_s": statistics.median(builds[keep:]),
-                      "tensors": tensors}), flush=True)
+    return {"stall_s": statistics.median(stalls[keep:]), "build_s": statistics.median(builds[keep:]),
+            "tensors": tensors}
 
 
 def run(code: str, args: argparse.Namespace) -> dict:
+    if args.smoke and code == str(ROOT):  # this checkout in this process: the same code, without a fresh interpreter
+        return child(code, args.layers, args.saves, args.threads)
     out = subprocess.run([sys.executable, __file__, "--child", code, "--layers", str(args.layers),
                           "--saves", str(args.saves), "--threads", str(args.threads)], check=True, capture_output=True,
                          text=True)
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.layers, args.saves, args.rounds, args.threads = 2, 3, 1, 1
     if args.child:
-        child(args.child, args.layers, args.saves, args.threads)
+        print(json.dumps(child(args.child, args.layers, args.saves, args.threads)), flush=True)
         return 0
     codes = {"this checkout": str(ROOT)}
     if args.baseline:

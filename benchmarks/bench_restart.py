@@ -19,14 +19,13 @@ into memory already touched. Medians over --rounds rounds.
 
     .venv/bin/python benchmarks/bench_restart.py [--width 6144] [--step-ms 400] [--steps 3] [--rounds 3]
 
-``--smoke``: a tiny model, one round, no discarded process, in seconds (CI runs it).
+``--smoke``: a tiny model, one round, every job in this process (so nothing is fresh), in seconds (CI runs it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -40,12 +39,11 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._common.models import alternate  # noqa: E402
 
 
-def child(work: str, width: int, step_ms: float, steps: int, variant: str) -> None:
-    """One restarted job; prints one JSON line."""
+def child(work: str, width: int, step_ms: float, steps: int, variant: str) -> dict:
+    """One restarted job: what it measured (nothing for the ``setup`` variant)."""
     sys.path.insert(0, str(ROOT))
-    import torch
 
-    from benchmarks._common import accel_model, copy_floor
+    from benchmarks._common import accel_model
     from persist_core import CheckpointEngine, KeepLastN
     from persist_core.save.staging import StagingPool
 
@@ -54,9 +52,22 @@ def child(work: str, width: int, step_ms: float, steps: int, variant: str) -> No
         opt.step()
         with CheckpointEngine(work, keep_local=KeepLastN(2)) as engine:
             engine.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}, step=1)
-        return
+        return {}
+    warm = StagingPool.warm
     if variant == "cold":
         StagingPool.warm = lambda self, nbytes: None  # the behaviour before the warm-up
+    try:
+        return _restarted(work, model, opt, step_ms, steps, variant)
+    finally:
+        StagingPool.warm = warm
+
+
+def _restarted(work: str, model, opt, step_ms: float, steps: int, variant: str) -> dict:
+    import torch
+
+    from benchmarks._common import copy_floor
+    from persist_core import CheckpointEngine, KeepLastN
+
     engine = CheckpointEngine(work, keep_local=KeepLastN(2))
     t0 = time.perf_counter()
     state = engine.load()
@@ -80,14 +91,16 @@ def child(work: str, width: int, step_ms: float, steps: int, variant: str) -> No
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]
                      + [s["momentum_buffer"].reshape(-1) for s in opt.state.values()])
     floor_s = copy_floor([flat], 1, warmup=1)  # into memory touched once
-    print(json.dumps({"variant": variant, "load_s": load_s, "first_copy_s": handles[0].stats.staging_s,
-                      "fence_s": fence_s, "total_s": total_s, "floor_s": floor_s, "nbytes": nbytes}), flush=True)
+    return {"variant": variant, "load_s": load_s, "first_copy_s": handles[0].stats.staging_s, "fence_s": fence_s,
+            "total_s": total_s, "floor_s": floor_s, "nbytes": nbytes}
 
 
 def run(work: str, args: argparse.Namespace, variant: str) -> dict:
+    if args.smoke:  # in this process: the same code, without a fresh interpreter (nor its untouched memory)
+        return child(work, args.width, args.step_ms, args.steps, variant)
     out = subprocess.run([sys.executable, __file__, "--child", work, "--variant", variant, "--width", str(args.width),
                           "--step-ms", str(args.step_ms), "--steps", str(args.steps)], check=True, capture_output=True,
-                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"} if args.smoke else None)
+                         text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else {}
 
@@ -104,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         args.width, args.step_ms, args.steps, args.rounds = 256, 5.0, 2, 1
+        import torch
+
+        torch.set_num_threads(1)  # tiny ops gain nothing from more; on busy cores OpenMP's waits take 100s of ms
     if args.child:
-        child(args.child, args.width, args.step_ms, args.steps, args.variant)
+        print(json.dumps(child(args.child, args.width, args.step_ms, args.steps, args.variant)), flush=True)
         return 0
     results: dict[str, list[dict]] = {"warm": [], "cold": []}
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as work:
