@@ -21,13 +21,7 @@ The remote is a local moto S3 server when ``moto`` is installed (``make demo``),
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import logging
-import os
-import shutil
-import signal
 import sys
 import warnings
 from pathlib import Path
@@ -35,12 +29,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from examples._common import child_options, finish, kill_and_resume, preempt, storage_options  # noqa: E402
+
 TOTAL_STEPS, EVERY, KILL_AFTER_SAVE = 40, 5, 25
 BATCHES_PER_EPOCH = 5
 
 
 def train(local_dir: str | None, remote: str, endpoint: str | None, kill_after: int | None) -> None:
-    """One machine's training process; prints one JSON line at the end."""
+    """One machine's training process (no ``local_dir``: no checkpoints); prints one JSON line at the end."""
     import torch
     from accelerate import Accelerator
 
@@ -62,9 +58,8 @@ def train(local_dir: str | None, remote: str, endpoint: str | None, kill_after: 
     hook = None
     step = 0
     if local_dir is not None:
-        options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else None
-        hook = PersistHook(local_dir=local_dir, remote_url=remote, storage_options=options, keep_last=2,
-                           keep_every_n_steps=20)
+        hook = PersistHook(local_dir=local_dir, remote_url=remote, storage_options=storage_options(endpoint),
+                           keep_last=2, keep_every_n_steps=20)
         hook.register(accelerator)
         step = hook.resume()
     resumed_from = step
@@ -80,55 +75,26 @@ def train(local_dir: str | None, remote: str, endpoint: str | None, kill_after: 
             if hook is not None and step % EVERY == 0:
                 accelerator.save_state()
                 if step == kill_after:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    preempt()
             if step == TOTAL_STEPS:
                 break
     if hook is not None:
         hook.close()
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
-    print(json.dumps({"resumed_from": resumed_from, "step": step, "digest": digest}), flush=True)
+    finish(model, resumed_from=resumed_from, step=step)
 
 
-def machine(local_dir: Path | None, remote: str, endpoint: str | None, kill_after: int | None = None) -> dict | None:
-    cmd = [sys.executable, __file__, "--child", "--remote", remote]
-    cmd += (["--local-dir", str(local_dir)] if local_dir else []) + (["--endpoint", endpoint] if endpoint else [])
-    cmd += ["--kill-after", str(kill_after)] if kill_after else []
-    from examples._common import run_machine
-
-    return run_machine(cmd, run_id='demo-run-8' if local_dir is not None else None)
-
-
-def main() -> None:
-    from examples._common import listing, remote_steps, remote_storage
-
-    out = ROOT / "demo-out" / "accelerate"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    with remote_storage(out, "run-8") as (remote, endpoint):
-        print(f"== Accelerate: machine 1 trains {TOTAL_STEPS} steps, save_state() every {EVERY} (keep 2 + every 20th), "
-              f"synced to {remote}; SIGKILL right after save_state() at step {KILL_AFTER_SAVE}")
-        assert machine(out / "machine-1", remote, endpoint, kill_after=KILL_AFTER_SAVE) is None
-        print(f"  killed. machine 1's local_dir: {listing(out / 'machine-1')}")
-        print(f"  on the remote: steps {remote_steps(out / 'peek', remote, endpoint)}")
-        print("== machine 2: empty local_dir, same code: step = hook.resume()")
-        resumed = machine(out / "machine-2", remote, endpoint)
-        print(f"  resumed at step {resumed['resumed_from']} and finished at step {resumed['step']}")
-        print(f"  machine 2's local_dir: {listing(out / 'machine-2')}")
-        reference = machine(None, remote, endpoint)
-        same = resumed["digest"] == reference["digest"]
-        print(f"== resumed weights bit-identical to an uninterrupted run: {same}")
-    sys.exit(0 if same else 1)
+def main() -> int:
+    return kill_and_resume(
+        __file__, "accelerate", "run-8", kill_at=KILL_AFTER_SAVE,
+        intro=(f"== Accelerate: machine 1 trains {TOTAL_STEPS} steps, save_state() every {EVERY} (keep 2 + every "
+               f"20th), synced to {{remote}}; SIGKILL right after save_state() at step {KILL_AFTER_SAVE}"),
+        machine_2="== machine 2: empty local_dir, same code: step = hook.resume()",
+        resumed=lambda r: f"  resumed at step {r['resumed_from']} and finished at step {r['step']}")
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--local-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--remote", help=argparse.SUPPRESS)
-    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
-    parser.add_argument("--kill-after", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = child_options()
     if args.child:
-        train(args.local_dir, args.remote, args.endpoint, args.kill_after)
+        train(args.local_dir, args.remote, args.endpoint, args.kill_at)
     else:
-        main()
+        sys.exit(main())

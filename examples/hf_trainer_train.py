@@ -18,13 +18,7 @@ directory. Usage: ``python examples/hf_trainer_train.py``.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import logging
-import os
-import shutil
-import signal
 import sys
 import warnings
 from pathlib import Path
@@ -32,11 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from examples._common import child_options, finish, kill_and_resume, preempt, storage_options  # noqa: E402
+
 TOTAL_STEPS, EVERY, KILL_AT = 16, 4, 10
 
 
 def train(local_dir: str | None, remote: str, endpoint: str | None, kill_at: int | None, out: str) -> None:
-    """One machine's training process; prints one JSON line at the end."""
+    """One machine's training process (no ``local_dir``: no checkpoints); prints one JSON line at the end."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
     from transformers.utils import logging as hf_logging
@@ -59,12 +55,12 @@ def train(local_dir: str | None, remote: str, endpoint: str | None, kill_at: int
             if state.global_step == kill_at - 1:
                 callback.wait()  # the checkpoints so far are on the remote: the kill lands mid-run, not mid-upload
             if state.global_step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+                preempt()
 
     callbacks, resume = [], None
     if local_dir is not None:
-        options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else None
-        callback = PersistTrainerCallback(local_dir=local_dir, remote_url=remote, storage_options=options, keep_last=2)
+        callback = PersistTrainerCallback(local_dir=local_dir, remote_url=remote, storage_options=storage_options(endpoint),
+                                          keep_last=2)
         callbacks.append(callback)
         resume = callback.resume_path()
     if kill_at:
@@ -74,59 +70,36 @@ def train(local_dir: str | None, remote: str, endpoint: str | None, kill_at: int
                              disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
     own = sorted(p.name for p in Path(out).glob("checkpoint-*"))
-    print(json.dumps({"resumed_from": resume and int(resume.rsplit("-", 1)[1]), "digest": digest, "own": own}),
-          flush=True)
+    finish(model, resumed_from=resume and int(resume.rsplit("-", 1)[1]), own=own)
 
 
-def machine(local_dir: Path | None, remote: str, endpoint: str | None, out: Path, kill_at: int | None = None):
-    cmd = [sys.executable, __file__, "--child", "--remote", remote, "--out", str(out)]
-    cmd += (["--local-dir", str(local_dir)] if local_dir else []) + (["--endpoint", endpoint] if endpoint else [])
-    cmd += ["--kill-at", str(kill_at)] if kill_at else []
-    from examples._common import run_machine
+def resumed(r: dict) -> str:
+    if r["resumed_from"] is None:  # killed before its first upload committed: the same run starts over
+        return (f"  nothing on the remote yet: the same run (PERSIST_RUN_ID) started over and finished at step "
+                f"{TOTAL_STEPS}")
+    return (f"  resumed from step {r['resumed_from']} (downloaded, verified, written as the Trainer's files) and "
+            f"finished at step {TOTAL_STEPS}")
 
-    return run_machine(cmd, run_id='demo-run-9' if local_dir is not None else None)
+
+def own_checkpoints(out: Path) -> str:
+    own = sorted(p.name for p in (out / "machine-1-out").glob("checkpoint-*"))
+    return f"; the Trainer's own checkpoints: {own or 'none'}"
 
 
-def main() -> None:
-    from examples._common import listing, remote_steps, remote_storage
-
-    out = ROOT / "demo-out" / "hf-trainer"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    with remote_storage(out, "run-9") as (remote, endpoint):
-        print(f"== HF Trainer: machine 1 trains {TOTAL_STEPS} steps, save_steps={EVERY} through "
-              f"PersistTrainerCallback (keep 2), synced to {remote}; SIGKILL after step {KILL_AT}")
-        assert machine(out / "machine-1", remote, endpoint, out / "out-1", kill_at=KILL_AT) is None
-        own = sorted(p.name for p in (out / "out-1").glob("checkpoint-*"))
-        print(f"  killed. machine 1's local_dir: {listing(out / 'machine-1')}; the Trainer's own checkpoints: "
-              f"{own or 'none'}")
-        print(f"  on the remote: steps {remote_steps(out / 'peek', remote, endpoint)}")
-        print("== machine 2: empty local_dir, same script: trainer.train(resume_from_checkpoint=callback.resume_path())")
-        resumed = machine(out / "machine-2", remote, endpoint, out / "out-2")
-        if resumed["resumed_from"] is None:  # killed before its first upload committed: the same run starts over
-            print(f"  nothing on the remote yet: the same run (PERSIST_RUN_ID) started over and finished at step "
-                  f"{TOTAL_STEPS}")
-        else:
-            print(f"  resumed from step {resumed['resumed_from']} (downloaded, verified, written as the Trainer's "
-                  f"files) and finished at step {TOTAL_STEPS}")
-        reference = machine(None, remote, endpoint, out / "out-ref")
-        same = resumed["digest"] == reference["digest"]
-        print(f"== resumed weights bit-identical to an uninterrupted run: {same}")
-    sys.exit(0 if same else 1)
+def main() -> int:
+    return kill_and_resume(
+        __file__, "hf-trainer", "run-9", kill_at=KILL_AT,
+        intro=(f"== HF Trainer: machine 1 trains {TOTAL_STEPS} steps, save_steps={EVERY} through "
+               f"PersistTrainerCallback (keep 2), synced to {{remote}}; SIGKILL after step {KILL_AT}"),
+        machine_2=("== machine 2: empty local_dir, same script: "
+                   "trainer.train(resume_from_checkpoint=callback.resume_path())"),
+        resumed=resumed, after_kill=own_checkpoints, show_machine_2=False)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--child", action="store_true")
-    parser.add_argument("--local-dir")
-    parser.add_argument("--remote")
-    parser.add_argument("--endpoint")
-    parser.add_argument("--out")
-    parser.add_argument("--kill-at", type=int)
-    a = parser.parse_args()
-    if a.child:
-        train(a.local_dir, a.remote, a.endpoint, a.kill_at, a.out)
+    args = child_options()
+    if args.child:
+        train(args.local_dir, args.remote, args.endpoint, args.kill_at, args.out)
     else:
-        main()
+        sys.exit(main())

@@ -18,13 +18,7 @@ The remote is a local moto S3 server (started here when ``moto`` is installed, a
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import logging
-import os
-import shutil
-import signal
 import sys
 import warnings
 from pathlib import Path
@@ -32,12 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from examples._common import child_options, finish, kill_and_resume, preempt, storage_options  # noqa: E402
+
 TOTAL_STEPS, EVERY, KILL_AT = 40, 5, 27
 BATCHES_PER_EPOCH = 5  # checkpoints fall on epoch ends, where Lightning resumes exactly
 
 
-def train(local_dir: str, remote: str, endpoint: str | None, kill_at: int | None, checkpoint: bool) -> None:
-    """One machine's training process; prints one JSON line at the end."""
+def train(local_dir: str | None, remote: str, endpoint: str | None, kill_at: int | None) -> None:
+    """One machine's training process (no ``local_dir``: no checkpoints); prints one JSON line at the end."""
     import torch
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -72,66 +68,36 @@ def train(local_dir: str, remote: str, endpoint: str | None, kill_at: int | None
 
         def on_train_batch_start(self, trainer, *args) -> None:
             if trainer.global_step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+                preempt()
 
     callbacks = [Preempted()] if kill_at else []
     io = None
-    if checkpoint:
-        options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else None
-        io = PersistCheckpointIO(local_dir=local_dir, remote_url=remote, storage_options=options, keep_every_n_steps=20)
+    if local_dir is not None:
+        io = PersistCheckpointIO(local_dir=local_dir, remote_url=remote, storage_options=storage_options(endpoint),
+                                 keep_every_n_steps=20)
         callbacks.append(ModelCheckpoint(dirpath=local_dir, every_n_train_steps=EVERY, save_top_k=2, monitor="step",
                                          mode="max", save_last=True))
     trainer = Trainer(max_steps=TOTAL_STEPS, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, enable_checkpointing=checkpoint, callbacks=callbacks,
+                      enable_model_summary=False, enable_checkpointing=io is not None, callbacks=callbacks,
                       plugins=[io] if io else None)
     model = Net()
     resume = io.latest_path() if io else None
     trainer.fit(model, ckpt_path=resume)
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
-    print(json.dumps({"resumed_from": resume, "step": trainer.global_step, "digest": digest}), flush=True)
+    finish(model, resumed_from=resume, step=trainer.global_step)
 
 
-def machine(local_dir: Path, remote: str, endpoint: str | None, kill_at: int | None = None,
-            checkpoint: bool = True) -> dict | None:
-    cmd = [sys.executable, __file__, "--child", str(local_dir), "--remote", remote]
-    cmd += (["--endpoint", endpoint] if endpoint else []) + (["--kill-at", str(kill_at)] if kill_at else [])
-    cmd += [] if checkpoint else ["--no-checkpoint"]
-    from examples._common import run_machine
-
-    return run_machine(cmd, run_id='demo-run-7' if local_dir is not None else None)
-
-
-def main() -> None:
-    from examples._common import listing, remote_steps, remote_storage
-
-    out = ROOT / "demo-out" / "lightning"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    with remote_storage(out, "run-7") as (remote, endpoint):
-        print(f"== Lightning: machine 1 trains {TOTAL_STEPS} steps, a checkpoint every {EVERY} (top 2 + last), "
-              f"synced to {remote} (milestones every 20 steps); SIGKILL at step {KILL_AT}")
-        assert machine(out / "machine-1", remote, endpoint, kill_at=KILL_AT) is None
-        print(f"  killed. machine 1's local_dir: {listing(out / 'machine-1')}")
-        print(f"  on the remote: steps {remote_steps(out / 'peek', remote, endpoint)}")
-        print("== machine 2: empty local_dir, same code: trainer.fit(model, ckpt_path=io.latest_path())")
-        resumed = machine(out / "machine-2", remote, endpoint)
-        print(f"  resumed from {resumed['resumed_from']} and finished at step {resumed['step']}")
-        print(f"  machine 2's local_dir: {listing(out / 'machine-2')}")
-        reference = machine(out / "reference", remote, endpoint, checkpoint=False)
-        same = resumed["digest"] == reference["digest"]
-        print(f"== resumed weights bit-identical to an uninterrupted run: {same}")
-    sys.exit(0 if same else 1)
+def main() -> int:
+    return kill_and_resume(
+        __file__, "lightning", "run-7", kill_at=KILL_AT,
+        intro=(f"== Lightning: machine 1 trains {TOTAL_STEPS} steps, a checkpoint every {EVERY} (top 2 + last), "
+               f"synced to {{remote}} (milestones every 20 steps); SIGKILL at step {KILL_AT}"),
+        machine_2="== machine 2: empty local_dir, same code: trainer.fit(model, ckpt_path=io.latest_path())",
+        resumed=lambda r: f"  resumed from {r['resumed_from']} and finished at step {r['step']}")
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--remote", help=argparse.SUPPRESS)
-    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
-    parser.add_argument("--kill-at", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--no-checkpoint", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = child_options()
     if args.child:
-        train(args.child, args.remote, args.endpoint, args.kill_at, checkpoint=not args.no_checkpoint)
+        train(args.local_dir, args.remote, args.endpoint, args.kill_at)
     else:
-        main()
+        sys.exit(main())
