@@ -37,8 +37,8 @@ every MTBF; cpu — reported as it is, and OptimalInterval >= 0.95x the best fix
 
 Usage: ``python benchmarks/bench_goodput.py [--quick] [--horizon 20] [--mtbfs 10,30,120] [--seeds 2]
 [--width 1536] [--step-ms 80] [--settings accel,cpu] [--cpu-guard] [--no-steady-malloc] [--dir bench-out]`` (the defaults: about 23 minutes
-here; ``--quick``: one MTBF, one sequence, about 6; ``--smoke``: the accel setting with a tiny model, jobs of 12 s,
-one calibration pair, one fixed interval, MTBF 6 s, about a minute: a check that it runs, its figures mean nothing)
+here; ``--quick``: one MTBF, one sequence, about 6; ``--smoke``: the accel setting with a tiny model, jobs of 4 s from
+their first start, one calibration pair, one fixed interval, MTBF 3 s, under a minute: a check that it runs, its figures mean nothing)
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common.models import accel_model, alternate, cpu_model  # noqa: E402
-from persist_core import CheckpointReader  # noqa: E402
+from benchmarks._common.jobs import resumable_job  # noqa: E402
+from benchmarks._common.models import alternate, mean_interval, median  # noqa: E402
+from persist_core import CheckpointReader, Continuous, EveryNSteps, OptimalInterval  # noqa: E402
 
 #: glibc's malloc told never to hand freed memory back to the kernel (``--steady-malloc``, the default). With its
 #: defaults a CPU-bound job's process lands, at random, in one of two modes for its whole life: tens of MB freed
@@ -74,53 +75,9 @@ STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_
 
 
 def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: float, guard: bool = True) -> None:
-    """One training process: resume from the newest checkpoint and train until killed, ``maybe_save``
-    deciding; prints each step, and the engine's summary every 10 steps.
-
-    ``setting="accel"``: each step is device time — the host waits ``step_ms`` (a GIL-releasing sleep, the
-    host cores free, as while a GPU computes), then an in-place optimizer update (SGD with momentum on fixed
-    gradients) mutates the state. ``"cpu"``: real forward/backward matmuls on the host cores, then Adam.
-    With ``guard`` (the accel setting; the cpu one with ``--cpu-guard``) the optimizer is guarded
-    (``engine.guard``): ``save()`` returns after planning, the copy runs during the next step, and the update
-    waits for it. Without (the cpu setting's default, as the README advises for CPU-bound training):
-    ``save()`` copies everything before it returns.
-    """
-    sys.path.insert(0, str(ROOT))
-    from persist_core import (  # noqa: F401
-        CheckpointEngine, CheckpointNotFoundError, Continuous, EveryNSteps, KeepLastN, OptimalInterval)
-
-    if setting == "accel":
-        model, opt = accel_model(width, stepped=False)  # fixed gradients: the device's backward, done
-    else:
-        model, opt, train = cpu_model(width)
-    engine = CheckpointEngine(local_dir, save_policy=eval(policy_text), keep_local=KeepLastN(2))
-    start = 0
-    try:
-        state = engine.load()
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-        start = state["step"]
-    except CheckpointNotFoundError:
-        pass
-    if guard:
-        engine.guard(opt)  # for the process's life: the update waits for a save's background copy
-    print(json.dumps({"event": "start", "step": start}), flush=True)
-    step = start
-    while True:
-        step += 1
-        if setting == "accel":
-            time.sleep(step_ms / 1000)
-            opt.step()
-        else:
-            train()
-        engine.maybe_save(lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step=step)
-        print(json.dumps({"event": "step", "step": step}), flush=True)
-        if step - start == 3:  # where the calibration's rates start (see run_policy): what came before
-            steady = engine.summary()
-            print(json.dumps({"event": "steady", "saves": steady["saves"], "fence_s": steady["fence_wait_s"]}), flush=True)
-        if step % 10 == 0:
-            summary = {**engine.summary(), "steps": step - start}
-            print(json.dumps({"event": "summary", "summary": summary, "fence_s": summary["fence_wait_s"]}), flush=True)
+    """One training process (``benchmarks._common.jobs``), its save policy from ``policy_text``."""
+    policy = eval(policy_text, {"Continuous": Continuous, "EveryNSteps": EveryNSteps, "OptimalInterval": OptimalInterval})
+    resumable_job(local_dir, policy, width, setting, step_ms, guard)
 
 
 def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: list[float], local: Path) -> dict:
@@ -131,6 +88,9 @@ def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: li
     t0 = time.perf_counter()
     horizon = t0 + args.horizon
     kills = [t0 + f for f in failures if f < args.horizon]
+    waiting = args.smoke  # --smoke: the job's clock starts at its first start (below), however long that took
+    if waiting:
+        horizon, kills = t0 + 300, []
     lost, restarts, reached, best, first_step, last_step, steady = [], [], 0, None, None, None, None
     while True:
         spawned = time.perf_counter()
@@ -161,6 +121,10 @@ def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: li
             if ev["event"] == "start":
                 started, start_step = now, ev["step"]
                 restarts.append(now - spawned)  # importing torch, opening the engine, loading
+                if waiting:  # --smoke: the clock starts now
+                    waiting, shift = False, now - t0
+                    horizon, kills = t0 + args.horizon + shift, [t0 + f + shift for f in failures if f < args.horizon]
+                    deadline = min([k for k in kills if k > now] + [horizon])
             elif ev["event"] == "step":
                 reached = ev["step"]
                 if first_step is None and reached - (start_step or 0) >= 3:
@@ -188,11 +152,6 @@ def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: li
             "rate": rate, "steady": steady}
 
 
-def _med(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def calibrate(args: argparse.Namespace, setting: str, out: Path) -> dict:
     """Uninterrupted jobs of ``--horizon`` seconds, interleaved twice: without saves (the step time), and
     saving continuously (C and D); medians of the two pairs (a rate difference between two jobs is what C
@@ -214,20 +173,9 @@ def calibrate(args: argparse.Namespace, setting: str, out: Path) -> dict:
         rows.append({"step_s": 1 / bare["rate"], "C": max(extra, stall + fence_s / saves, 1e-4), "stall": stall,
                      "D": summary["save_p50_s"] or 0.0, "saves": saves, "fence_s": fence_s,
                      "slowdown": summary.get("write_slowdown")})
-    cal = {k: _med([r[k] for r in rows]) for k in rows[0]}
+    cal = {k: median([r[k] for r in rows]) for k in rows[0]}
     return {**cal, "saves": round(cal["saves"]), "C_each": [r["C"] for r in rows],
-            "restart_s": _med([x for pair in pairs for r in pair for x in r["restarts"]])}
-
-
-_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student's t, 97.5%
-
-
-def _interval(ratios: list[float]) -> str:
-    """The 95% interval of the mean of per-sequence ratios (Student's t): how much the sequences say."""
-    if len(ratios) < 2:
-        return "one sequence: no interval"
-    mean, half = statistics.mean(ratios), _T975.get(len(ratios) - 1, 2.2) * statistics.stdev(ratios) / len(ratios) ** 0.5
-    return f"their mean {mean:.3f}x, 95% interval {mean - half:.2f}-{mean + half:.2f}x"
+            "restart_s": median([x for pair in pairs for r in pair for x in r["restarts"]])}
 
 
 def _goodput(r: dict, restart_s: float, step_s: float) -> tuple[float, float]:
@@ -279,7 +227,7 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
                 runs[name].append(r)
                 print(f"  {setting} mtbf {mtbf:g}: sequence {k}: {name}: step {r['progress']}, {r['failures']} "
                       f"failures, restarts {sum(r['restarts']):.1f} s", flush=True)
-        restart_s = _med([x for rs in runs.values() for r in rs for x in r["restarts"]]) or 0.0
+        restart_s = median([x for rs in runs.values() for r in rs for x in r["restarts"]]) or 0.0
         n_fail = [sum(1 for f in s if f < args.horizon) for s in sequences]
         predicted = {}
         table = [f"MTBF {mtbf:g} s — {sum(n_fail)} failures in {args.seeds} x {args.horizon:g} s (the same for every "
@@ -295,7 +243,7 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
             lost = [x for r in rs for x in r["lost"]]
             summaries = [r["summary"]["summary"] for r in rs if r["summary"]]
             goodputs = [_goodput(r, restart_s, cal["step_s"]) for r in rs]
-            p50 = _med([x["interval_p50_s"] for x in summaries])
+            p50 = median([x["interval_p50_s"] for x in summaries])
             # Young/Daly's expected goodput at this policy's own interval T: a save costs C, a failure T/2 of
             # work plus a restart; the job's first start is part of the horizon too
             nominal = re.fullmatch(r"EveryNSteps\((\d+)\)", dict(policies)[name])
@@ -305,10 +253,10 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
             rows[name] = row = {
                 "goodput": statistics.mean(g[0] for g in goodputs), "norm": [g[1] for g in goodputs],
                 "lost": statistics.mean(lost) if lost else 0.0, "p50": p50,
-                "save": _med([x["save_p50_s"] for x in summaries]),
-                "stalled": _med([x["stall_fraction"] for x in summaries]),
-                "slow": _med([x.get("write_slowdown") for x in summaries]),
-                "fence": _med([r["summary"]["fence_s"] for r in rs if r["summary"]])}
+                "save": median([x["save_p50_s"] for x in summaries]),
+                "stalled": median([x["stall_fraction"] for x in summaries]),
+                "slow": median([x.get("write_slowdown") for x in summaries]),
+                "fence": median([r["summary"]["fence_s"] for r in rs if r["summary"]])}
             ratio = "-" if not row["p50"] or not row["save"] else f"{row['p50'] / row['save']:.2f}x"
             table.append(f"| {name} | {row['goodput']:.2f} | {statistics.mean(row['norm']):.2f} | "
                          f"{predicted[name]:.2f} | {row['lost']:.1f} steps | "
@@ -349,8 +297,8 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
                 f"{cont_h:.3f}x, optimal {optimal_h:.3f}x")
         table += ["", f"continuous: P50 interval / save duration {'-' if p50 is None else format(p50, '.2f') + 'x'}; "
                   f"goodput (restart-normalized) / the best fixed interval ({fixed}) {cont:.3f}x (per sequence "
-                  f"{', '.join(f'{x:.3f}' for x in cont_k)}; {_interval(cont_k)}); optimal / best fixed "
-                  f"{optimal:.3f}x (per sequence {', '.join(f'{x:.3f}' for x in optimal_k)}; {_interval(optimal_k)})"
+                  f"{', '.join(f'{x:.3f}' for x in cont_k)}; {mean_interval(cont_k)}); optimal / best fixed "
+                  f"{optimal:.3f}x (per sequence {', '.join(f'{x:.3f}' for x in optimal_k)}; {mean_interval(optimal_k)})"
                   + held, ""]
         print("\n".join(table), flush=True)
         lines += table
@@ -397,14 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.mtbfs, args.seeds = "30", 1
     if args.smoke:
-        args.mtbfs, args.seeds, args.pairs, args.horizon, args.settings = "6", 1, 1, 12.0, "accel"
+        args.mtbfs, args.seeds, args.pairs, args.horizon, args.settings = "3", 1, 1, 4.0, "accel"
         args.width, args.accel_width, args.step_ms = 64, 64, 5.0
     mtbfs = [float(m) for m in args.mtbfs.split(",")]
     out = Path(args.dir).absolute() / "goodput"
     out.mkdir(parents=True, exist_ok=True)
-    def gb(w: int) -> float:
-        return 4 * (w * w + w) * 4 * 3 / 1e9
-
+    gb = lambda w: 4 * (w * w + w) * 4 * 3 / 1e9  # noqa: E731 -- 4 x Linear(w) and two moments, GB
     lines = [f"Jobs of {args.horizon:g} s training 4 x Linear({args.accel_width}) in the accel setting, "
              f"4 x Linear({args.width}) in the cpu setting (states with optimizer up to {gb(args.accel_width):.2f} "
              f"and {gb(args.width):.2f} GB), SIGKILLed at exponential times (MTBF {args.mtbfs} s, {args.seeds} sequence(s) of "

@@ -1,5 +1,7 @@
 """What the benchmarks share: the floors every checkpoint is compared against (``floors``), the models they train
-and the chores around a state (``models``), and the ways to checkpoint a loop, ours and the peers' (``savers``).
+and the chores around a state (``models``), re-exported here; and, imported from their modules (they import the
+engine): the ways to checkpoint a loop, ours and the peers' (``savers``), and a job that resumes and saves until it
+is killed (``jobs``).
 
 Each benchmark puts the repository root on ``sys.path`` and imports from ``benchmarks._common``. Everything here
 uses ``persist_core``'s public names only.

@@ -6,7 +6,7 @@
 * :func:`leaves`, :func:`tree_map`, :func:`nbytes`, :func:`differences` — a state's tensors, copied, counted, and
   compared bit for bit with what was loaded back.
 * :func:`alternate` — the order of a round of interleaved runs (drift on a shared machine hits every kind alike).
-* :func:`median` — of what was measured, ``None`` for nothing.
+* :func:`median` — of what was measured, ``None`` for nothing; :func:`mean_interval` — how much a few runs say.
 """
 
 from __future__ import annotations
@@ -111,3 +111,14 @@ def median(values: Iterable[float | None]) -> float | None:
     """The median of the values that are not ``None``; ``None`` when there are none."""
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
+
+
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student's t, 97.5%
+
+
+def mean_interval(ratios: Sequence[float]) -> str:
+    """The 95% interval of the mean of per-sequence ratios (Student's t): how much the sequences say."""
+    if len(ratios) < 2:
+        return "one sequence: no interval"
+    mean, half = statistics.mean(ratios), _T975.get(len(ratios) - 1, 2.2) * statistics.stdev(ratios) / len(ratios) ** 0.5
+    return f"their mean {mean:.3f}x, 95% interval {mean - half:.2f}-{mean + half:.2f}x"
