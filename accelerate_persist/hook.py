@@ -24,7 +24,6 @@ micro-batches of gradient accumulation, do not count) — what :meth:`PersistHoo
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -175,14 +174,14 @@ class PersistHook:
         options = self._options
         config = accelerator.project_configuration
         if config.total_limit is not None:
-            if options.retention is None:
-                options = dataclasses.replace(options, retention=KeepLastN(config.total_limit))
+            if options.keep_local is None:
+                options = options.retaining(KeepLastN(config.total_limit))
                 log.info("ProjectConfiguration(total_limit=%d) becomes keep_last=%d (applied after each commit)",
                          config.total_limit, config.total_limit)
-            elif options.retention != KeepLastN(config.total_limit):
+            elif options.keep_local != KeepLastN(config.total_limit):
                 raise ConfigError(
                     f"ProjectConfiguration(total_limit={config.total_limit}) conflicts with the hook's retention "
-                    f"{options.retention!r}: set one of them (the hook applies retention after each commit)"
+                    f"{options.keep_local!r}: set one of them (the hook applies retention after each commit)"
                 )
         session = PersistSession(options, resume_hint="resume it with hook.resume() before training",
                                  release_hint="Here that is an earlier PersistHook on this local_dir: call "

@@ -127,8 +127,11 @@ class Config:
             ConfigError: a bad value (named), an unknown keyword, or ``retention`` together with a keyword.
         """
         policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds, retention)
-        keep_remote = policy if options.get("remote_url") is not None else None
-        return cls.of(local_dir, keep_local=policy, keep_remote=keep_remote, **options)
+        return cls.of(local_dir, **options).retaining(policy)
+
+    def retaining(self, policy: RetentionPolicy | None) -> Config:
+        """A copy keeping ``policy`` on both tiers (on the remote when there is one)."""
+        return self.replace(keep_local=policy, keep_remote=policy if self.remote_url is not None else None)
 
     @classmethod
     def of(cls, local_dir: str | os.PathLike[str], **keywords: Any) -> Config:
