@@ -2,7 +2,7 @@
 both tiers, the record of what is not uploaded, and the history of what each save cost.
 
 After each commit (writer thread, :class:`~persist_core.writer.Writer`) the checkpoint goes to the
-upload queue (:mod:`persist_core.sync`) first, then local retention (:mod:`persist_core.retainer`) runs;
+upload queue (:mod:`persist_core.sync`) first, then local retention (:class:`~persist_core.policies.retention.Retainer`) runs;
 after each upload (sync thread) both tiers' retention runs. On several nodes each node's leader
 follows rank 0's upload rounds (:mod:`persist_core.assembly`).
 """
@@ -28,8 +28,7 @@ from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import HistoryLog
 from persist_core.layout import UNSYNCED_NAME
 from persist_core.ownership import write_unsynced
-from persist_core.policies.retention import RetentionPolicy
-from persist_core.retainer import Retainer
+from persist_core.policies.retention import Retainer, RetentionPolicy
 from persist_core.sidefiles import warn_once
 from persist_core.staging import StagingPool
 from persist_core.sync import RemoteSync, SyncJob

@@ -4,7 +4,7 @@ It owns "being uploaded": :meth:`RemoteSync.unsynced_steps` is what local retent
 
 Who calls what: the engine's writer thread calls :meth:`RemoteSync.submit` after each local
 commit; ``wait()`` calls :meth:`RemoteSync.drain`; the sync thread uploads, applies remote
-retention (:class:`~persist_core.retainer.Retainer` over what it knows the remote holds), ends
+retention (:class:`~persist_core.policies.retention.Retainer` over what it knows the remote holds), ends
 each handle's remote phase (or records its failure in the ledger), then calls ``after_upload``
 (the engine: local retention, since what waited for this upload may go now).
 
@@ -39,8 +39,7 @@ from persist_core.errors import DirectoryInUseError, RemoteError
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger
 from persist_core.layout import MANIFEST_NAME
-from persist_core.policies.retention import RetentionPolicy
-from persist_core.retainer import Retainer
+from persist_core.policies.retention import Retainer, RetentionPolicy
 from persist_core.tiers.lease import RemoteLease
 from persist_core.tiers.remote import RemoteTier
 from persist_core.timeline import RemoteAside
