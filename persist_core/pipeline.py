@@ -2,9 +2,9 @@
 both tiers, the record of what is not uploaded, and the history of what each save cost.
 
 After each commit (writer thread, :class:`~persist_core.writer.Writer`) the checkpoint goes to the
-upload queue (:mod:`persist_core.sync`) first, then local retention (:class:`~persist_core.policies.retention.Retainer`) runs;
+upload queue (:mod:`persist_core.sync.queue`) first, then local retention (:class:`~persist_core.policies.retention.Retainer`) runs;
 after each upload (sync thread) both tiers' retention runs. On several nodes each node's leader
-follows rank 0's upload rounds (:mod:`persist_core.assembly`).
+follows rank 0's upload rounds (:mod:`persist_core.sync.nodes`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from persist_core._knobs import WriteSettings, remote_lease_s, run_id_from_env
-from persist_core.assembly import Coordinator, Follower, uploads_channel
+from persist_core.sync.nodes import Coordinator, Follower, uploads_channel
 from persist_core.commit import Nodes
 from persist_core.distributed import Collectives, decision_channel
 from persist_core.errors import ConfigError, RemoteError, WriteError
@@ -31,9 +31,9 @@ from persist_core.ownership import write_unsynced
 from persist_core.policies.retention import Retainer, RetentionPolicy
 from persist_core.sidefiles import warn_once
 from persist_core.staging import StagingPool
-from persist_core.sync import RemoteSync, SyncJob
+from persist_core.sync.queue import RemoteSync, SyncJob
 from persist_core.tiers.local import LocalTier, checkpoint_dir, discover
-from persist_core.tiers.lease import RemoteLease, local_run_id
+from persist_core.sync.lease import RemoteLease, local_run_id
 from persist_core.timeline import Timeline
 from persist_core.tiers.remote import RemoteTier
 from persist_core.writer import Writer

@@ -30,13 +30,13 @@ from persist_core.tiers.local import LocalTier
 
 if TYPE_CHECKING:
     from persist_core.tiers.remote import RemoteTier
-    from persist_core.uploads import KnownRemote
+    from persist_core.sync.order import KnownRemote
 
 log = logging.getLogger(__name__)
 
 
 class Uploads(Protocol):
-    """What the timeline needs of the upload queue (:class:`~persist_core.sync.RemoteSync`)."""
+    """What the timeline needs of the upload queue (:class:`~persist_core.sync.queue.RemoteSync`)."""
 
     def known_steps(self) -> set[int]: ...
 

@@ -1,7 +1,7 @@
 """What the upload queue works with: one job, the remote as the sync thread knows it, the order jobs go in,
 and how an upload that failed is said.
 
-:class:`~persist_core.sync.RemoteSync` (the queue and its thread) holds the state; the pieces here hold none
+:class:`~persist_core.sync.queue.RemoteSync` (the queue and its thread) holds the state; the pieces here hold none
 of it: :class:`UploadOrder` answers which queued jobs the remote policy would drop and in what order retries
 go, :func:`explain` turns what an upload raised into the error its handle reports.
 """

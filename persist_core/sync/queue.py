@@ -23,7 +23,7 @@ retention policy would not keep are superseded by it. Milestones (kept by the po
 superseded; with no remote policy, every checkpoint is kept, so none is.
 
 The pieces without state are elsewhere: the job, the remote as known, the order and what a failure says in
-:mod:`persist_core.uploads`; the remote's side of a branch in :class:`persist_core.timeline.RemoteAside`.
+:mod:`persist_core.sync.order`; the remote's side of a branch in :class:`persist_core.timeline.RemoteAside`.
 """
 
 from __future__ import annotations
@@ -34,16 +34,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from persist_core.assembly import Coordinator
+from persist_core.sync.nodes import Coordinator
 from persist_core.errors import DirectoryInUseError, RemoteError
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger
 from persist_core.layout import MANIFEST_NAME
 from persist_core.policies.retention import Retainer, RetentionPolicy
-from persist_core.tiers.lease import RemoteLease
+from persist_core.sync.lease import RemoteLease
 from persist_core.tiers.remote import RemoteTier
 from persist_core.timeline import RemoteAside
-from persist_core.uploads import KnownRemote, SyncJob, UploadOrder, end_superseded, explain, wrapped
+from persist_core.sync.order import KnownRemote, SyncJob, UploadOrder, end_superseded, explain, wrapped
 
 __all__ = ["Backlog", "RemoteSync", "SyncJob"]
 
