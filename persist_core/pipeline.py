@@ -22,8 +22,7 @@ from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.history import HistoryLog
 from persist_core.policies.retention import Retainer, RetentionPolicy
 from persist_core.staging import StagingPool
-from persist_core.sync.job import SyncJob
-from persist_core.sync.syncer import Syncer
+from persist_core.sync import SyncJob, Syncer
 from persist_core.tiers.local import LocalTier
 from persist_core.tiers.remote import RemoteTier
 from persist_core.timeline import Timeline

@@ -17,7 +17,6 @@ never pruned and never the latest: retention and ``load()`` see only the live br
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -25,8 +24,6 @@ from typing import Protocol
 from persist_core.errors import ConfigError
 from persist_core.layout import START
 from persist_core.tiers.local import LocalTier
-
-log = logging.getLogger(__name__)
 
 
 class Uploads(Protocol):

@@ -2,11 +2,11 @@
 
 It owns "being uploaded": :meth:`RemoteSync.unsynced_steps` is what local retention must keep.
 
-Who calls what: the engine's writer thread calls :meth:`RemoteSync.submit` after each local
-commit; ``wait()`` calls :meth:`RemoteSync.drain`; the sync thread uploads, applies remote
-retention (:class:`~persist_core.policies.retention.Retainer` over what it knows the remote holds), ends
-each handle's remote phase (or records its failure in the ledger), then calls ``after_upload``
-(the engine: local retention, since what waited for this upload may go now).
+Who calls what (through :class:`~persist_core.sync.syncer.Syncer`): the engine's writer thread calls
+:meth:`RemoteSync.submit` after each local commit; ``wait()`` calls :meth:`RemoteSync.drain`; the sync
+thread uploads, applies remote retention (over what it knows the remote holds), ends each handle's
+remote phase (or records its failure in the ledger), then calls ``after_upload`` (the engine: local
+retention, since what waited for this upload may go now).
 
 Start-up happens on the sync thread too, never on the caller's: it lists the remote once and
 queues the committed local checkpoints the remote lacks (an earlier run died before syncing). A
@@ -36,18 +36,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from persist_core.sync.nodes import Coordinator
 from persist_core.errors import RemoteError
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger
 from persist_core.layout import MANIFEST_NAME
 from persist_core.policies.retention import Retainer, RetentionPolicy
-from persist_core.sync.lease import RemoteLease
-from persist_core.tiers.remote import RemoteTier
 from persist_core.sync.aside import RemoteAside
 from persist_core.sync.job import SyncJob, end_superseded, wrapped
+from persist_core.sync.lease import RemoteLease
+from persist_core.sync.nodes import Coordinator
 from persist_core.sync.order import KnownRemote, UploadOrder
 from persist_core.sync.upload import Uploader
+from persist_core.tiers.remote import RemoteTier
 
 __all__ = ["Backlog", "RemoteSync", "SyncJob"]
 

@@ -20,9 +20,9 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from persist_core._knobs import remote_lease_s, run_id_from_env
-from persist_core.commit import Nodes
 from persist_core.distributed import Collectives
 from persist_core.errors import RemoteError, WriteError
 from persist_core.format.manifest import Manifest
@@ -35,6 +35,9 @@ from persist_core.sync.queue import RemoteSync
 from persist_core.sync.record import UnsyncedRecord
 from persist_core.tiers.local import checkpoint_dir, discover
 from persist_core.tiers.remote import RemoteTier
+
+if TYPE_CHECKING:  # the save flow's type only: the save flow hands to sync, never the other way
+    from persist_core.commit import Nodes
 
 log = logging.getLogger(__name__)
 
