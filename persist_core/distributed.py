@@ -85,7 +85,7 @@ class TorchCollectives:
         #: (``maybe_save``) and restore agreement; ``None`` when built from one group only
         self.decisions: TorchCollectives | None = None if decisions is None else TorchCollectives(decisions)
         #: collectives over a third group, for the sync threads assembling a remote copy from several
-        #: nodes (:mod:`persist_core.assembly`); ``None`` when not built by :meth:`new_group`
+        #: nodes (:mod:`persist_core.sync.nodes`); ``None`` when not built by :meth:`new_group`
         self.uploads: TorchCollectives | None = None if uploads is None else TorchCollectives(uploads)
         self._group = group
         self._rank = dist.get_rank(group)

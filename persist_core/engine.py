@@ -7,7 +7,7 @@ Call order (one process):
   staging buffer (:mod:`persist_core.save.staging`), hand to the :class:`~persist_core.save.writer.Writer`,
   return a :class:`SaveHandle`.
 * writer thread — write, commit (:mod:`persist_core.save.commit`), local retention
-  (:class:`~persist_core.retainer.Retainer`), then the upload queue (:mod:`persist_core.sync`).
+  (:class:`~persist_core.policies.retention.Retainer`), then the upload queue (:mod:`persist_core.sync.queue`).
 * ``maybe_save`` / ``decide`` / ``should_save`` — the :class:`~persist_core.scheduler.SaveScheduler`.
 * ``wait()`` / ``close()`` — drain; a background failure is raised once (:class:`ErrorLedger`).
 * ``list()`` / ``load()`` — the :class:`~persist_core.reader.CheckpointReader`: committed only, verified.

@@ -1,5 +1,5 @@
-"""Who owns what in ``local_dir``: the writer lock of each rank, the owner mark of each temporary
-directory, and the record of checkpoints not yet uploaded.
+"""Who owns what in ``local_dir``: the writer lock of each rank and the owner mark of each temporary
+directory. (The record of checkpoints not yet uploaded is :mod:`persist_core.sync.record`'s.)
 
 Liveness is an ``flock`` held by a live process, never a PID: a PID says nothing across hosts
 (a shared file system) or PID namespaces (containers), and PIDs are reused. The kernel drops a
@@ -13,8 +13,6 @@ process's locks when it dies, however it dies (SIGKILL included).
   download, a checkpoint being deleted) has an ``.owner`` file next to it, created and locked
   *before* the directory and unlinked *after* the directory is renamed or removed. A temporary
   directory whose mark nobody holds, or that has none, is dead: :func:`remove_dead` removes it.
-* **Un-synced record** (:func:`write_unsynced`): the steps committed here and not yet uploaded,
-  rewritten by the upload queue when that set changes; ``persist gc`` never removes them.
 * **Links are not ours.** Anyone who can write into a shared directory can plant a symbolic link where
   a file or directory of ours goes. Side files are opened without following links
   (:mod:`persist_core.sidefiles`; temporaries are created with ``O_EXCL``), so a link there is a
@@ -41,9 +39,7 @@ from typing import Any
 from persist_core.errors import ConfigError, DirectoryInUseError
 from persist_core.fileio import fsync_dir
 from persist_core.layout import (
-    MAX_STEP,
     OWNER_SUFFIX,
-    UNSYNCED_NAME,
     lock_filename,
     owner_filename,
     parse_checkpoint_dirname,
@@ -56,7 +52,6 @@ from persist_core.sidefiles import (
     linked,
     open_side_file,
     read_side_file,
-    write_side_file,
 )
 
 log = logging.getLogger(__name__)
@@ -327,31 +322,3 @@ def discard(root: Path, ckpt: Path) -> None:
             return  # another process removed it first
         fsync_dir(root)
         shutil.rmtree(trash)
-
-
-def write_unsynced(root: Path, remote: str, steps: set[int]) -> None:
-    """Record (atomically) that ``steps`` are committed in ``root`` and not yet uploaded to ``remote``.
-
-    Raises:
-        ConfigError: a link is where its temporary goes (named). OSError: the write failed.
-    """
-    body = json.dumps({"remote": remote, "steps": sorted(steps), "updated": time.time()})
-    write_side_file(root / UNSYNCED_NAME, body.encode())  # only the holder of rank 0's writer lock writes it
-
-
-def read_unsynced(root: Path) -> tuple[str | None, set[int] | None]:
-    """``(remote, steps)`` of the un-synced record in ``root``: ``(None, set())`` when there is none,
-    ``steps=None`` when it is unreadable (then nobody knows: keep every checkpoint)."""
-    path = root / UNSYNCED_NAME
-    try:
-        data = json.loads(read_side_file(path))
-        remote, steps = data["remote"], data["steps"]
-        if not isinstance(remote, str) or not isinstance(steps, list) or not all(
-                type(s) is int and 0 <= s <= MAX_STEP for s in steps):
-            raise ValueError("not a remote URL and a list of steps")
-        return remote, set(steps)
-    except FileNotFoundError:
-        return None, set()
-    except (ValueError, KeyError, TypeError) as e:  # ConfigError (a link) and UnicodeDecodeError are ValueErrors
-        log.warning("%s is unreadable (%s); every checkpoint there counts as not uploaded", path, e)
-        return None, None

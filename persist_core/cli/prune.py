@@ -10,7 +10,8 @@ from typing import Any
 import click
 
 from persist_core.errors import CheckpointNotFoundError, PersistError
-from persist_core.ownership import describe, read_unsynced
+from persist_core.ownership import describe
+from persist_core.sync.record import read_unsynced
 from persist_core.policies.anyof import policy_from_keywords
 from persist_core.policies.retention import RetentionContext, to_delete
 from persist_core.cli.app import CommandError, Location, human_size, main, open_location

@@ -1,23 +1,31 @@
-"""Retention policies: which committed checkpoints of a tier to keep. Pure; no I/O.
+"""Retention: the policies (which committed checkpoints of a tier to keep; pure, no I/O) and the
+:class:`Retainer` that applies one to a tier.
 
 A policy is any object with ``should_keep(checkpoints, *, context) -> Sequence[bool]``, one
 answer per checkpoint, given oldest first. Compose them with :class:`AnyOf`::
 
     keep = AnyOf(KeepLastN(3), KeepEveryNSteps(1000))
 
-The engine calls :func:`to_delete` after each commit on a tier, and removes what it returns.
-Whatever the policy says, the newest committed checkpoint and the ``protected`` steps (being
-written or uploaded) are never deleted.
+A :class:`Retainer` calls :func:`to_delete` after each commit on a tier, and removes what it returns.
+Whatever the policy says, the newest committed checkpoint, the ``protected`` steps (being written or
+uploaded) and the steps other checkpoints depend on are never deleted.
+
+Who calls what: the engine's writer thread calls :meth:`Retainer.apply` for the local tier after
+each commit, the sync thread after each upload (for both tiers); ``engine.prune()`` calls it on
+the training thread. One lock per tier, so two threads never prune one tier at once.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from persist_core.errors import ConfigError
-from persist_core.tiers.tier import CheckpointInfo
+from persist_core.tiers.tier import CheckpointInfo, Tier
 
 __all__ = [
     "KeepEveryNSeconds",
@@ -26,8 +34,11 @@ __all__ = [
     "KeepSteps",
     "RetentionContext",
     "RetentionPolicy",
+    "Retainer",
     "to_delete",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -185,3 +196,41 @@ def to_delete(
     keep[-1] = True
     guard = set(protected)
     return [c for c, k in zip(ordered, keep) if not k and c.step not in guard]
+
+
+class Retainer:
+    """Applies ``policy`` to ``tier``, never touching the steps ``protected()`` or ``depended_on()`` return.
+
+    Args:
+        tier: where the checkpoints are (``list`` and ``remove`` are called).
+        policy: what to keep; ``None`` keeps everything.
+        protected: steps that must stay whatever the policy says (being written, or not yet uploaded),
+            read at each pass.
+        depended_on: steps other checkpoints depend on (an incremental checkpoint names bytes in an earlier
+            one), read at each pass; kept whatever the policy says while they do. Nothing passes it yet.
+    """
+
+    def __init__(self, tier: Tier, policy: RetentionPolicy | None, protected: Callable[[], set[int]] = set,
+                 depended_on: Callable[[], set[int]] = set) -> None:
+        self.tier = tier
+        self.policy = policy
+        self._protected = protected
+        self._depended_on = depended_on
+        self._lock = threading.Lock()
+
+    def apply(self) -> list[CheckpointInfo]:
+        """One pass; returns what it removed.
+
+        Raises:
+            ConfigError: a custom policy answered the wrong number of times (nothing removed).
+        """
+        if self.policy is None:
+            return []
+        with self._lock:
+            keep = self._protected() | self._depended_on()
+            context = RetentionContext(tier=self.tier.kind, now=time.time())
+            doomed = to_delete(self.tier.list(), self.policy, context=context, protected=keep)
+            for info in doomed:
+                log.info("[step=%d] %s retention (%r) removes %s", info.step, self.tier.kind, self.policy, info.path)
+                self.tier.remove(info.step)
+            return doomed

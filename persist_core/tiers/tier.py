@@ -1,6 +1,6 @@
 """The ``Tier`` protocol: one place committed checkpoints live, and what it reports of them.
 
-Who calls what: the engine's :class:`~persist_core.retainer.Retainer` calls ``list`` and
+Who calls what: the engine's :class:`~persist_core.policies.retention.Retainer` calls ``list`` and
 ``remove`` after each commit (one retention loop for every tier); the
 :class:`~persist_core.reader.CheckpointReader` calls ``committed_steps`` and ``read_manifest``;
 the ``persist`` command calls all of them. A tier never decides what to keep.

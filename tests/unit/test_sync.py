@@ -24,7 +24,7 @@ from persist_core import (
     RemoteError,
 )
 from tests.support.states import assert_state_equal
-from persist_core.sync import RemoteSync
+from persist_core.sync.queue import RemoteSync
 from tests.support.fakes import GatedUploads
 from functools import partial
 from tests.support import states

@@ -1,9 +1,8 @@
-"""What the upload queue works with: one job, the remote as the sync thread knows it, the order jobs go in,
-and how an upload that failed is said.
+"""The order uploads go in: the remote as the sync thread knows it (:class:`KnownRemote`), and which queued
+jobs the remote policy would drop and in what order retries go (:class:`UploadOrder`).
 
-:class:`~persist_core.sync.RemoteSync` (the queue and its thread) holds the state; the pieces here hold none
-of it: :class:`UploadOrder` answers which queued jobs the remote policy would drop and in what order retries
-go, :func:`explain` turns what an upload raised into the error its handle reports.
+:class:`~persist_core.sync.queue.RemoteSync` (the queue and its thread) holds the state; the pieces here hold
+none of it.
 """
 
 from __future__ import annotations
@@ -11,39 +10,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 
-from persist_core.errors import DirectoryInUseError, PersistError, RemoteError
-from persist_core.format.manifest import Manifest
-from persist_core.handle import SaveHandle
 from persist_core.policies.retention import RetentionContext, RetentionPolicy, to_delete
+from persist_core.sync.job import SyncJob
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SyncJob:
-    """One committed local checkpoint to upload, and the handle whose remote phase it ends."""
-
-    local_ckpt: Path
-    manifest: Manifest
-    handle: SaveHandle
-    committed_at: float  # time.monotonic() of the local commit
-
-    @property
-    def step(self) -> int:
-        return self.manifest.step
-
-    def info(self, url: str) -> CheckpointInfo:
-        return CheckpointInfo(step=self.step, time=self.manifest.time, nbytes=self.manifest.nbytes,
-                              path=f"{url}/{self.local_ckpt.name}", tier="remote")
-
-
 class KnownRemote:
-    """The remote as the sync thread knows it (listed once, then kept up to date): a Tier for retention."""
+    """The remote as the sync thread knows it (listed once, then kept up to date): a Tier for retention.
+
+    Its first listing (before this run uploaded anything) also says whose remote it is: a run that loaded
+    nothing (:meth:`fresh_run`) may upload nothing beside another run's committed checkpoints (:attr:`refusal`).
+    """
 
     kind = "remote"
 
@@ -51,6 +33,52 @@ class KnownRemote:
         self._tier = tier
         self.infos: dict[int, CheckpointInfo] = {}
         self.lock = threading.Lock()
+        self.listed = False  # listed once (until then nobody knows what the remote lacks)
+        self._tried = threading.Event()  # the start-up listing was tried (listed, or it failed)
+        self._first: set[int] | None = None  # the remote's steps as first listed (before any upload)
+        #: set when this run loaded nothing (:meth:`fresh_run`): another run's checkpoints there mean no upload
+        self._make_refusal: Callable[[set[int]], Exception] | None = None
+        self._refusal: Exception | None = None  # why nothing of this run may be uploaded
+
+    def load(self) -> None:
+        """List the remote (sync thread): what is known from now on; the first time, whose remote it is.
+
+        Raises:
+            RemoteError: the remote cannot be listed.
+        """
+        listing = self._tier.list()
+        with self.lock:
+            self.infos = {i.step: i for i in listing}
+            if self._first is None:
+                self._first = set(self.infos)
+                if self._make_refusal is not None and self._first:
+                    self._refusal = self._make_refusal(self._first)
+        self.listed = True
+
+    def tried(self) -> None:
+        """The start-up listing was tried (listed, or it failed): :meth:`wait_listed` returns."""
+        self._tried.set()
+
+    def wait_listed(self, timeout: float) -> set[int] | None:
+        """Wait (at most ``timeout`` s) for the start-up listing to be tried: the remote's steps as first listed
+        (before this run uploaded anything), or ``None`` when it could not be listed (an outage) in time."""
+        self._tried.wait(timeout)
+        with self.lock:
+            return None if self._first is None else set(self._first)
+
+    def fresh_run(self, refusal: Callable[[set[int]], Exception]) -> None:
+        """This run loaded nothing: committed checkpoints in the first listing (another run's) mean nothing of
+        it is uploaded; ``refusal(steps)`` says why (any thread)."""
+        with self.lock:
+            self._make_refusal = refusal
+            if self._first:
+                self._refusal = refusal(self._first)
+
+    @property
+    def refusal(self) -> Exception | None:
+        """Why nothing of this run may be uploaded, or ``None``."""
+        with self.lock:
+            return self._refusal
 
     @property
     def location(self) -> str:
@@ -63,10 +91,6 @@ class KnownRemote:
     def steps(self) -> set[int]:
         with self.lock:
             return set(self.infos)
-
-    def reset(self, infos: list[CheckpointInfo]) -> None:
-        with self.lock:
-            self.infos = {i.step: i for i in infos}
 
     def add(self, info: CheckpointInfo) -> None:
         with self.lock:
@@ -117,29 +141,3 @@ class UploadOrder:
             doomed = set()
         rest = jobs[:-1]
         return [jobs[-1], *[j for j in rest if j.step not in doomed], *[j for j in rest if j.step in doomed]]
-
-
-def explain(error: BaseException, job: SyncJob, tier: RemoteTier, *, uploaded: bool) -> BaseException:
-    """The error ``job``'s handle reports for what its upload (or the retention after it) raised."""
-    if isinstance(error, DirectoryInUseError):
-        return error  # says it all: the holder and the fix
-    if not uploaded and (hint := tier.hint(error)):
-        return wrapped(f"uploading checkpoint step={job.step} to {tier.url} failed{hint}", error)
-    if uploaded:
-        return wrapped(f"checkpoint step={job.step} was uploaded, but the retention that follows failed", error)
-    return error
-
-
-def end_superseded(jobs: list[SyncJob], why: str) -> None:
-    """End the remote phase of jobs that will not be uploaded by this engine (each handle says so)."""
-    for job in jobs:
-        log.info("[step=%d] %s", job.step, why)
-        job.handle._update(superseded=True)
-        job.handle._set_remote_done()
-
-
-def wrapped(message: str, error: BaseException) -> BaseException:
-    kind = RemoteError if isinstance(error, RemoteError) else PersistError
-    out = kind(f"{message}: {type(error).__name__}: {error}")
-    out.__cause__ = error
-    return out

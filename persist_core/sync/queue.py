@@ -2,11 +2,11 @@
 
 It owns "being uploaded": :meth:`RemoteSync.unsynced_steps` is what local retention must keep.
 
-Who calls what: the engine's writer thread calls :meth:`RemoteSync.submit` after each local
-commit; ``wait()`` calls :meth:`RemoteSync.drain`; the sync thread uploads, applies remote
-retention (:class:`~persist_core.retainer.Retainer` over what it knows the remote holds), ends
-each handle's remote phase (or records its failure in the ledger), then calls ``after_upload``
-(the engine: local retention, since what waited for this upload may go now).
+Who calls what (through :class:`~persist_core.sync.syncer.Syncer`): the engine's writer thread calls
+:meth:`RemoteSync.submit` after each local commit; ``wait()`` calls :meth:`RemoteSync.drain`; the sync
+thread uploads, applies remote retention (over what it knows the remote holds), ends each handle's
+remote phase (or records its failure in the ledger), then calls ``after_upload`` (the engine: local
+retention, since what waited for this upload may go now).
 
 Start-up happens on the sync thread too, never on the caller's: it lists the remote once and
 queues the committed local checkpoints the remote lacks (an earlier run died before syncing). A
@@ -22,8 +22,10 @@ Back-pressure: when a new job arrives, queued jobs that have not started and tha
 retention policy would not keep are superseded by it. Milestones (kept by the policy) are never
 superseded; with no remote policy, every checkpoint is kept, so none is.
 
-The pieces without state are elsewhere: the job, the remote as known, the order and what a failure says in
-:mod:`persist_core.uploads`; the remote's side of a branch in :class:`persist_core.timeline.RemoteAside`.
+The pieces without the queue's state are elsewhere: the job and what a failure says in
+:mod:`persist_core.sync.job`; the remote as known and the order in :mod:`persist_core.sync.order`; what one
+attempt does in :class:`persist_core.sync.upload.Uploader`; the remote's side of a branch in
+:class:`persist_core.sync.aside.RemoteAside`.
 """
 
 from __future__ import annotations
@@ -34,17 +36,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from persist_core.assembly import Coordinator
-from persist_core.errors import DirectoryInUseError, RemoteError
+from persist_core.errors import RemoteError
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger
 from persist_core.layout import MANIFEST_NAME
-from persist_core.policies.retention import RetentionPolicy
-from persist_core.retainer import Retainer
-from persist_core.tiers.lease import RemoteLease
+from persist_core.policies.retention import Retainer, RetentionPolicy
+from persist_core.sync.aside import RemoteAside
+from persist_core.sync.job import SyncJob, end_superseded, wrapped
+from persist_core.sync.lease import RemoteLease
+from persist_core.sync.nodes import Coordinator
+from persist_core.sync.order import KnownRemote, UploadOrder
+from persist_core.sync.upload import Uploader
 from persist_core.tiers.remote import RemoteTier
-from persist_core.timeline import RemoteAside
-from persist_core.uploads import KnownRemote, SyncJob, UploadOrder, end_superseded, explain, wrapped
 
 __all__ = ["Backlog", "RemoteSync", "SyncJob"]
 
@@ -86,22 +89,16 @@ class RemoteSync:
         self._known = KnownRemote(tier)
         self._order = UploadOrder(keep_remote, self._known)
         self._aside = RemoteAside(tier, self._known, abandoned)
-        self._retainer = Retainer(self._known, keep_remote, protected=self._queued_steps)
+        self._uploader = Uploader(tier, known=self._known, lease=lease, aside=self._aside, ledger=ledger,
+                                  retainer=Retainer(self._known, keep_remote, protected=self._queued_steps))
         self._cond = threading.Condition()
         self._queue: list[SyncJob] = []
         self._failed: dict[int, SyncJob] = {}  # uploads that failed: retried, protected meanwhile
-        self._reported: set[int] = set()  # steps whose failure went to the ledger already
         self._retry_s = tier.backoff_s
         self._retry_now = False
         self.failures = 0  # failed upload attempts, all told
         self._active: SyncJob | None = None  # being uploaded: protected from local retention
         self._busy = True  # the thread is working (start-up, or a job until its outcome is recorded)
-        self._listed = False
-        self._attempted = threading.Event()  # the start-up listing was tried (listed, or it failed)
-        self._first_listing: set[int] | None = None  # the remote's steps as first listed (before any upload)
-        #: set when this run loaded nothing (:meth:`fresh_run`): another run's checkpoints there mean no upload
-        self._make_refusal: Callable[[set[int]], Exception] | None = None
-        self._refusal: Exception | None = None  # why nothing of this run may be uploaded
         self._refused: dict[int, SyncJob] = {}  # not uploaded because of it: kept (protected), never retried
         self._stopping = False
         self._down = False  # the last listing or upload failed (its recovery is logged once)
@@ -124,7 +121,7 @@ class RemoteSync:
     @property
     def listed(self) -> bool:
         """The remote has been listed once (until then nobody knows what it lacks)."""
-        return self._listed
+        return self._known.listed
 
     def _unsynced(self) -> dict[int, SyncJob]:
         """The jobs not uploaded yet: queued, uploading, failed or waiting for the other nodes, by step."""
@@ -144,18 +141,13 @@ class RemoteSync:
     def wait_listed(self, timeout: float) -> set[int] | None:
         """Wait (at most ``timeout`` s) for the start-up listing to be tried: the remote's steps as first listed
         (before this run uploaded anything), or ``None`` when it could not be listed (an outage) in time."""
-        self._attempted.wait(timeout)
-        with self._cond:
-            return None if self._first_listing is None else set(self._first_listing)
+        return self._known.wait_listed(timeout)
 
     def fresh_run(self, refusal: Callable[[set[int]], Exception]) -> None:
         """This run loaded nothing and the remote was not listed yet: once it is, committed checkpoints there
         (another run's) mean nothing of this run is uploaded; ``refusal(steps)`` says why, once, through the
         ledger, and the checkpoints stay committed locally (any thread)."""
-        with self._cond:
-            self._make_refusal = refusal
-            if self._first_listing:
-                self._refusal = refusal(self._first_listing)
+        self._known.fresh_run(refusal)
 
     def known_steps(self) -> set[int]:
         """The remote's committed steps as this thread knows them (empty until it is listed)."""
@@ -228,8 +220,8 @@ class RemoteSync:
 
     def apply_retention(self) -> None:
         """Apply ``keep_remote`` to the remote now (the sync thread also does after each upload)."""
-        if self._listed and (self._lease is None or self._lease.held):
-            self._retainer.apply()
+        if self._known.listed:
+            self._uploader.apply_retention()
 
     def close(self, *, give_up: bool = False, give_up_after_s: float = 30.0) -> None:
         """Finish every queued upload, then stop the thread.
@@ -246,7 +238,7 @@ class RemoteSync:
                 self._failed.update({j.step: j for j in dropped})
                 self._gave_up = True
         for job in dropped:
-            if job.step not in self._reported:
+            if not self._uploader.reported(job.step):
                 self._ledger.fail(job.handle, RemoteError(
                     f"checkpoint step={job.step} was not uploaded to {self._tier.url} before the engine closed (the "
                     "remote did not answer within remote_timeout_s); it stays committed locally and the next engine "
@@ -279,14 +271,7 @@ class RemoteSync:
         Raises:
             RemoteError: the remote cannot be listed (the next upload tries again, and reports it).
         """
-        listing = self._tier.list()
-        with self._cond:
-            self._known.reset(listing)
-            if self._first_listing is None:
-                self._first_listing = {i.step for i in listing}
-                if self._make_refusal is not None and self._first_listing:
-                    self._refusal = self._make_refusal(self._first_listing)
-        self._listed = True
+        self._known.load()
         self._aside.listed()
         backlog = self._backlog(self._known.steps())
         for job in backlog:
@@ -309,7 +294,7 @@ class RemoteSync:
             log.warning("listing %s failed (%s); the next upload tries again, and checkpoints stay local until "
                         "then", self._tier.url, e)
         finally:
-            self._attempted.set()
+            self._known.tried()
         while True:
             with self._cond:
                 self._busy = False
@@ -345,10 +330,11 @@ class RemoteSync:
                      "finds the other nodes' ranks to upload their files); it stays committed and protected",
                      job.step, len(job.manifest.nodes))
             return
+        unlisted = self._relist()
         if self._refused_before_upload(job):
             return
         t0 = time.perf_counter()
-        uploaded, announced, error = self._attempt(job)
+        uploaded, announced, error = self._uploader.attempt(job, self.peers, unlisted)
         upload_s = time.perf_counter() - t0
         vanished = not uploaded and not (job.local_ckpt / MANIFEST_NAME).exists()
         if vanished:  # nothing to retry: say who lost it instead of a raw FileNotFoundError
@@ -385,19 +371,24 @@ class RemoteSync:
                     self._after_upload(job)
             except BaseException as e:
                 error = e
-        self._conclude(job, error, uploaded=uploaded, vanished=vanished)
+        self._uploader.conclude(job, error, uploaded=uploaded, vanished=vanished)
+
+    def _relist(self) -> BaseException | None:
+        """List the remote if the start-up listing failed (an outage), once per upload attempt: nothing is
+        uploaded before it is listed. ``None``, or why it still cannot be (the attempt's failure)."""
+        if self._known.listed:
+            return None
+        try:
+            self._start()
+        except BaseException as e:  # still down: the attempt reports it, and is retried
+            return e
+        return None
 
     def _refused_before_upload(self, job: SyncJob) -> bool:
         """A run that loaded nothing found another run's checkpoints on the remote: ``job`` is not uploaded, it
-        stays committed locally (protected) and its handle fails once with the refusal. Lists the remote first
-        if the start-up listing failed (an outage: nothing is uploaded before it is listed)."""
-        if self._make_refusal is not None and not self._listed:
-            try:
-                self._start()
-            except Exception:  # still down: the upload's own attempt reports it and is retried
-                return False
+        stays committed locally (protected) and its handle fails once with the refusal."""
+        refusal = self._known.refusal
         with self._cond:
-            refusal = self._refusal
             if refusal is None:
                 return False
             self._active = None
@@ -405,42 +396,3 @@ class RemoteSync:
             first = len(self._refused) == 1
         self._ledger.fail(job.handle, refusal, remote=not first)  # raised once; each handle's wait raises it too
         return True
-
-    def _attempt(self, job: SyncJob) -> tuple[bool, bool, BaseException | None]:
-        """Upload ``job`` (and apply remote retention after it): ``(uploaded, announced to the other ranks,
-        what it raised)``."""
-        uploaded = announced = False
-        try:
-            if not self._listed:  # the start-up listing failed: try again before this upload
-                self._start()
-            if self._lease is not None:
-                self._lease.ensure()  # another run's live lease: nothing is written, retried later
-            self._aside.apply()  # a new branch's first upload waits for the old branch to move aside
-            if job.manifest.node is None:  # this directory holds every file
-                self._tier.upload(job.local_ckpt, job.manifest)
-            else:  # a node's copy: every rank uploads its own files, the manifest after all of them
-                assert self.peers is not None
-                self.peers.before(job.step)
-                announced = True
-                self._tier.upload(job.local_ckpt, job.manifest, files=tuple(f for f in job.manifest.held() if f.rank == 0))
-            uploaded = True
-            self._known.add(job.info(self._tier.url))
-            self._retainer.apply()
-        except BaseException as e:  # recorded on the handle, raised once by the engine
-            return uploaded, announced, e
-        return uploaded, announced, None
-
-    def _conclude(self, job: SyncJob, error: BaseException | None, *, uploaded: bool, vanished: bool) -> None:
-        """End ``job``'s remote phase, or record its failure: in the ledger once, the retries only logged."""
-        if error is None:
-            job.handle._set_remote_done()
-            return
-        if not vanished:
-            error = explain(error, job, self._tier, uploaded=uploaded)
-        if job.step in self._reported:
-            log.debug("[step=%d] retry failed: %s", job.step, error)
-            return
-        self._reported.add(job.step)
-        log.error("[step=%d] %s (kept locally; retried while the job runs)", job.step, error)
-        in_use = isinstance(error, DirectoryInUseError)  # a misconfiguration: the next save says so
-        self._ledger.fail(job.handle, error, remote=not uploaded and not vanished and not in_use)
