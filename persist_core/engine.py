@@ -10,7 +10,7 @@ Call order (one process):
   (:class:`~persist_core.retainer.Retainer`), then the upload queue (:mod:`persist_core.sync`).
 * ``maybe_save`` / ``decide`` / ``should_save`` — the :class:`~persist_core.scheduler.SaveScheduler`.
 * ``wait()`` / ``close()`` — drain; a background failure is raised once (:class:`ErrorLedger`).
-* ``list()`` / ``load()`` — the :class:`~persist_core.reader.CheckpointReader`: committed only, verified.
+* ``list()`` / ``load()`` — the :class:`~persist_core.load.reader.CheckpointReader`: committed only, verified.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from persist_core.planning.sharding import check_replica_mode
 from persist_core.policies.retention import RetentionPolicy, check_policy
 from persist_core.policies.save import Clock, DecisionContext, SavePolicy, check_save_policy
 from persist_core.preemption import PreemptionNotice, check_grace, default_notice
-from persist_core.reader import CheckpointReader, agreed_load
+from persist_core.load.reader import CheckpointReader, agreed_load
 from persist_core.scheduler import SaveScheduler
 from persist_core.staging import StagingPool, stage_into
 from persist_core.tiers.local import open_local_dir

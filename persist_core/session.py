@@ -38,7 +38,7 @@ from persist_core.policies.anyof import AnyOf, policy_from_keywords
 from persist_core.policies.retention import RetentionPolicy
 from persist_core.policies.save import SavePolicy, check_save_policy
 from persist_core.preemption import PreemptionNotice, SignalFlush, check_grace, drain_within
-from persist_core.reader import CheckpointReader
+from persist_core.load.reader import CheckpointReader
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The local tier: committed checkpoint directories under ``local_dir``.
 
 Readers never trust a manifest alone: :func:`check_files` checks that every file it names is
-there with its size, and :func:`~persist_core.tiers.shards.load_checkpoint` verifies every chunk's
+there with its size, and :func:`~persist_core.load.shards.load_checkpoint` verifies every chunk's
 crc32c while reading (unless ``verify=False``), straight into the memory of the returned tensors.
 """
 

@@ -2,7 +2,7 @@
 
 Who calls what: the engine's :class:`~persist_core.retainer.Retainer` calls ``list`` and
 ``remove`` after each commit (one retention loop for every tier); the
-:class:`~persist_core.reader.CheckpointReader` calls ``committed_steps`` and ``read_manifest``;
+:class:`~persist_core.load.reader.CheckpointReader` calls ``committed_steps`` and ``read_manifest``;
 the ``persist`` command calls all of them. A tier never decides what to keep.
 """
 

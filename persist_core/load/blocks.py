@@ -1,7 +1,7 @@
 """How a load reads bytes: requested byte ranges of shard files merged into runs of adjacent checksum blocks,
 each run one verified read, the runs in parallel; and what the reads cost (:class:`LoadStats`).
 
-:mod:`persist_core.planning.load` decides which ranges its targets need and requests them of a
+:mod:`persist_core.load.assemble` decides which ranges its targets need and requests them of a
 :class:`ReadPlan`; ``read_blocks`` is the tier's (local ``pread`` or remote ranged reads).
 """
 

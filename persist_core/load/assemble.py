@@ -4,13 +4,13 @@
 resumed on another number of ranks or another layout) — from a committed checkpoint: for each
 target it computes which saved chunks overlap the part this rank holds (:func:`overlap`), reads
 exactly those byte ranges (rounded out to whole checksum blocks, each verified), in parallel,
-per file in runs of adjacent blocks (:class:`~persist_core.planning.reads.ReadPlan`), and copies them
+per file in runs of adjacent blocks (:class:`~persist_core.load.blocks.ReadPlan`), and copies them
 into place. Tensors without a target are
 read whole. :func:`assemble` builds a sharded tensor whole from the entries a full load read.
 
-Who calls what: :class:`~persist_core.reader.CheckpointReader` calls :func:`load_into` with a
+Who calls what: :class:`~persist_core.load.reader.CheckpointReader` calls :func:`load_into` with a
 ``read_blocks`` for the tier the checkpoint is on (local ``pread`` or remote ranged reads);
-:func:`persist_core.tiers.shards.load_checkpoint` calls :func:`assemble` and :func:`per_rank_values`.
+:func:`persist_core.load.shards.load_checkpoint` calls :func:`assemble` and :func:`per_rank_values`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from persist_core.format.manifest import Manifest
 from persist_core.format.shard_file import OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, itemsize
 from persist_core.format.tree import flatten, is_dtensor, tensor_paths, unflatten
 from persist_core.planning.partition import contiguous_strides
-from persist_core.planning.reads import LoadStats, ReadBlocks, ReadPlan
+from persist_core.load.blocks import LoadStats, ReadBlocks, ReadPlan
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ It never writes a checkpoint, uploads or deletes one, so any number of processes
 a job, a CLI, an evaluation job) may read the same ``local_dir`` and ``remote_url`` while one
 :class:`~persist_core.CheckpointEngine` writes there. The one thing it adds to ``local_dir`` is a
 checkpoint downloaded from the remote, put in place with a rename exactly as a writer commits
-(:mod:`persist_core.restore`).
+(:mod:`persist_core.load.remote`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptChe
 from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname, parse_shard_filename
 from persist_core.ownership import discard
 from persist_core.format.manifest import Manifest
-from persist_core.planning.load import LoadOptions, check_weights_only, load_into
-from persist_core.planning.reads import LoadStats
-from persist_core.restore import RemoteRestore
+from persist_core.load.assemble import LoadOptions, check_weights_only, load_into
+from persist_core.load.blocks import LoadStats
+from persist_core.load.remote import RemoteRestore
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_manifest
-from persist_core.tiers.shards import load_checkpoint, read_blocks
+from persist_core.load.shards import load_checkpoint, read_blocks
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from persist_core.format.shard_file import (OBJECTS_ENTRY, PER_RANK_ENTRY, dtype
                                             parse_header, whole_entry_mismatch)
 from persist_core.format.torch_zip import image_offset
 from persist_core.format.tree import unflatten
-from persist_core.planning.load import LoadOptions, assemble, per_rank_values
+from persist_core.load.assemble import LoadOptions, assemble, per_rank_values
 
 _IOV_BATCH = 512
 

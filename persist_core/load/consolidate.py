@@ -18,9 +18,9 @@ from persist_core.errors import ConfigError
 from persist_core.format.shard_file import dtype_from_name, encode_header, itemsize, safetensors_dtype
 from persist_core.format.tree import tensor_paths
 from persist_core.layout import checkpoint_dirname
-from persist_core.planning.load import iter_tensors
+from persist_core.load.assemble import iter_tensors
 from persist_core.tiers import LocalTier, Tier
-from persist_core.tiers.shards import read_blocks
+from persist_core.load.shards import read_blocks
 
 
 def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, list[str]]:
