@@ -22,12 +22,12 @@ from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptChe
 from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname, parse_shard_filename
 from persist_core.ownership import discard
 from persist_core.format.manifest import Manifest
-from persist_core.load.assemble import LoadOptions, check_weights_only, load_into
+from persist_core.load.assemble import load_checkpoint, load_into
 from persist_core.load.blocks import LoadStats
+from persist_core.load.plan import LoadOptions, check_weights_only
 from persist_core.load.remote import RemoteRestore
 from persist_core.tiers.remote import RemoteTier
-from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_manifest
-from persist_core.load.shards import load_checkpoint, read_blocks
+from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_blocks, read_manifest
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)

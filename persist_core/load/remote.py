@@ -24,12 +24,12 @@ from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
 from persist_core.layout import checkpoint_dirname
 from persist_core.ownership import claim_tmp
-from persist_core.load.assemble import LoadOptions
-from persist_core.load.blocks import LoadStats
-from persist_core.tiers.local import checkpoint_dir, read_manifest
-from persist_core.load.shards import load_checkpoint, read_shard
-from persist_core.tiers.remote import RemoteTier
+from persist_core.load.assemble import load_checkpoint
+from persist_core.load.blocks import LoadStats, read_shard
 from persist_core.load.local_copy import LocalCopy
+from persist_core.load.plan import LoadOptions
+from persist_core.tiers.local import checkpoint_dir, read_manifest
+from persist_core.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
 
