@@ -42,7 +42,8 @@ from persist_core.planning.sharding import check_replica_mode
 from persist_core.policies.retention import RetentionPolicy, check_policy
 from persist_core.policies.save import Clock, DecisionContext, SavePolicy, check_save_policy
 from persist_core.preemption import PreemptionNotice, check_grace, default_notice
-from persist_core.load.reader import CheckpointReader, agreed_load
+from persist_core.load.choose import agreed_load
+from persist_core.load.reader import CheckpointReader
 from persist_core.scheduler import SaveScheduler
 from persist_core.staging import StagingPool, stage_into
 from persist_core.tiers.local import open_local_dir
