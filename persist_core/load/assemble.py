@@ -1,17 +1,17 @@
-"""What a load reads: the byte ranges of a checkpoint that the caller's targets need, and nothing else.
+"""Shard bytes -> the state: the last phase of a load.
 
-:func:`load_into` fills targets in place — plain tensors, or ``DTensor`` s on any mesh (a job
-resumed on another number of ranks or another layout) — from a committed checkpoint: for each
-target it computes which saved chunks overlap the part this rank holds (:mod:`~persist_core.load.plan`), reads
-exactly those byte ranges (rounded out to whole checksum blocks, each verified), in parallel,
-per file in runs of adjacent blocks (:class:`~persist_core.load.blocks.ReadPlan`), and copies them
-into place. Tensors without a target are
-read whole. :func:`assemble` builds a sharded tensor whole from the entries a full load read.
+:func:`load_into` fills targets in place — plain tensors, or ``DTensor`` s on any mesh (a job resumed on
+another number of ranks or another layout): for each target it asks :mod:`~persist_core.load.plan` which
+byte ranges of the saved chunks the part this rank holds overlaps, requests exactly those of a
+:class:`~persist_core.load.blocks.ReadPlan` (whole checksum blocks, each verified, runs in parallel) and
+copies them into place; tensors without a target are read whole. :func:`iter_tensors` gives each tensor
+whole, one at a time (consolidation). :func:`load_checkpoint` rebuilds the state from shard files read
+whole (local, or streamed from the remote); :func:`assemble` builds a sharded tensor whole from its chunks.
 
 Who calls what: :class:`~persist_core.load.reader.CheckpointReader` calls :func:`load_into` with a
-``read_blocks`` for the tier the checkpoint is on (local ``pread`` or remote ranged reads);
-:func:`load_checkpoint` (a whole load: every shard file read whole, local or streamed) calls :func:`assemble`
-and :func:`per_rank_values`.
+``read_blocks`` for the tier the checkpoint is on (local ``pread`` or remote ranged reads) and
+:func:`load_checkpoint`; :class:`~persist_core.load.remote.RemoteRestore` calls :func:`load_checkpoint` with
+the remote's reads; :mod:`~persist_core.load.consolidate` calls :func:`iter_tensors`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from persist_core.load.plan import LoadOptions, chunk_read, saved_chunks, slices
 from persist_core.tiers.local import ShardFile
 
 log = logging.getLogger(__name__)
+
 
 def assemble(rec: dict[str, Any], entry_of: Callable[[dict[str, Any]], torch.Tensor], device: torch.device) -> torch.Tensor:
     """The whole tensor of a sharded record from the byte tensor of each chunk's entry."""

@@ -1,8 +1,11 @@
-"""How a load reads bytes: requested byte ranges of shard files merged into runs of adjacent checksum blocks,
-each run one verified read, the runs in parallel; and what the reads cost (:class:`LoadStats`).
+"""How a load reads and verifies bytes: runs of adjacent checksum blocks, each run one verified read, the runs
+in parallel; and what the reads cost (:class:`LoadStats`).
 
-:mod:`persist_core.load.assemble` decides which ranges its targets need and requests them of a
-:class:`ReadPlan`; ``read_blocks`` is the tier's (local ``pread`` or remote ranged reads).
+Two shapes of read: a :class:`ReadPlan` takes requested byte ranges of shard files (the ranges
+:mod:`~persist_core.load.plan` computed for a load into targets) and merges them into runs;
+:func:`read_shard` reads one shard file whole into one byte tensor per entry (a whole load). The bytes
+come from the tier (``read_blocks``/``fill``: local ``preadv``, or the remote's ranged reads); what they
+mean is :mod:`~persist_core.load.assemble`'s.
 """
 
 from __future__ import annotations

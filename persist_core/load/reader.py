@@ -1,10 +1,16 @@
 """``CheckpointReader``: list and load committed checkpoints of a local tier and its remote.
 
+A load goes list -> choose -> read -> verify -> assemble: the reader lists what each source holds and
+picks the step and the source in the restore-source order (:mod:`~persist_core.load.choose`), then reads
+it by verified runs of blocks (:mod:`~persist_core.load.blocks`, the ranges from
+:mod:`~persist_core.load.plan`) into the state (:mod:`~persist_core.load.assemble`); a checkpoint only the
+remote holds is streamed (:mod:`~persist_core.load.remote`).
+
 It never writes a checkpoint, uploads or deletes one, so any number of processes (every rank of
 a job, a CLI, an evaluation job) may read the same ``local_dir`` and ``remote_url`` while one
 :class:`~persist_core.CheckpointEngine` writes there. The one thing it adds to ``local_dir`` is a
 checkpoint downloaded from the remote, put in place with a rename exactly as a writer commits
-(:mod:`persist_core.load.remote`).
+(:mod:`persist_core.load.remote`, :mod:`persist_core.load.local_copy`).
 """
 
 from __future__ import annotations

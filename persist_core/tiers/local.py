@@ -171,25 +171,6 @@ def _read_chunk(fd: int, path: Path, views: list[memoryview], offset: int, expec
         )
 
 
-def _read_chunks(fd: int, path: Path, blocks: list[tuple[list[memoryview], int, int | None, int]]) -> None:
-    for views, offset, expected, index in blocks:
-        _read_chunk(fd, path, views, offset, expected, index)
-
-
-def _read_chunk(fd: int, path: Path, views: list[memoryview], offset: int, expected: int | None, index: int) -> None:
-    _read_exact(fd, views, offset, path)
-    if expected is None:
-        return
-    crc = 0
-    for v in views:
-        crc = crc32c.crc32c(v, crc)
-    if crc != expected:
-        raise CorruptCheckpointError(
-            f"{path}: checksum mismatch in chunk {index} (bytes {offset}..{offset + sum(map(len, views))}); "
-            "the file is corrupt: load another step, or restore this one from the remote tier"
-        )
-
-
 class ShardFile:
     """One local shard file open for reading, its size checked against the manifest: :meth:`head` and
     :meth:`fill` are what a whole-file read takes (the load flow's ``read_shard``). Use it as a context manager.
