@@ -92,6 +92,8 @@ class CheckpointReader:
         self.last_load = LoadStats()  # what the last load(into=...) needed and read
         self._on_loaded = on_loaded
         self._manifest: Manifest | None = None  # the manifest the last read went by
+        # how each source in the restore-source order (load/choose.py) reads a step: (step, into, options) -> state
+        self._reads: dict[str, Callable[[int, Any, LoadOptions], Any]] = {LOCAL: self._local, REMOTE: self._remote}
 
     @property
     def local_dir(self) -> Path:
@@ -260,8 +262,7 @@ class CheckpointReader:
         self.last_load = LoadStats()
         for i, source in enumerate(sources):
             try:
-                return (self._local(step, into, opts) if source == LOCAL else self._remote(step, into, opts)), \
-                    source == REMOTE
+                return self._reads[source](step, into, opts), source == REMOTE
             except CorruptCheckpointError as e:
                 if i + 1 == len(sources):
                     raise
