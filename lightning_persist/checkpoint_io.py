@@ -38,7 +38,7 @@ from persist_core.config import Config
 from persist_core.distributed import decision_channel
 from persist_core.layout import FULL, shard_filename
 from persist_core.links import Links
-from persist_core.reader import checkpoint_of
+from persist_core.load.reader import checkpoint_of
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistSession
 

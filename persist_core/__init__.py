@@ -36,7 +36,7 @@ from persist_core.errors import (
 from persist_core.format.tree import PerRank
 from persist_core.handle import SaveHandle, SaveStats
 from persist_core.fileio import FileOps
-from persist_core.reader import CheckpointReader
+from persist_core.load.reader import CheckpointReader
 from persist_core.tiers.tier import CheckpointInfo
 
 __all__ = [

@@ -26,7 +26,7 @@ from persist_core.ownership import DirLock
 from persist_core.pipeline import Pipeline
 from persist_core.policies.save import Clock
 from persist_core.preemption import PreemptionNotice, default_notice
-from persist_core.reader import CheckpointReader
+from persist_core.load.reader import CheckpointReader
 from persist_core.save.overlap import Overlap
 from persist_core.save.saver import Saver
 from persist_core.save.staging import StagingPool

@@ -248,7 +248,7 @@ def check_step(value: object, *, name: str = "step", what: str = "the training s
 
 def check_resume_step(value: object, reader: Any) -> int:
     """``value`` as a step if it is committed on a tier of ``reader`` (a
-    :class:`~persist_core.reader.CheckpointReader`; the step it loaded last counts without a listing);
+    :class:`~persist_core.load.reader.CheckpointReader`; the step it loaded last counts without a listing);
     else a ConfigError naming the committed steps."""
     step = check_step(value, what="the committed step this run continues from")
     if step == reader.loaded_step:

@@ -10,7 +10,7 @@ Call order (one process):
   (:class:`~persist_core.policies.retention.Retainer`), then the upload queue (:mod:`persist_core.sync.queue`).
 * ``maybe_save`` / ``decide`` / ``should_save`` — the :class:`~persist_core.scheduler.SaveScheduler`.
 * ``wait()`` / ``close()`` — drain; a background failure is raised once (:class:`ErrorLedger`).
-* ``list()`` / ``load()`` — the :class:`~persist_core.reader.CheckpointReader`: committed only, verified.
+* ``list()`` / ``load()`` — the :class:`~persist_core.load.reader.CheckpointReader`: committed only, verified.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from persist_core.format.manifest import Manifest
 from persist_core.handle import SaveHandle
 from persist_core.save.overlap import Guard
 from persist_core.policies.save import Clock, DecisionContext, SavePolicy
-from persist_core.reader import CheckpointReader, agreed_load
+from persist_core.load.choose import agreed_load
+from persist_core.load.reader import CheckpointReader
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from persist_core.links import Links
 from persist_core.policies.anyof import AnyOf
 from persist_core.policies.save import SavePolicy
 from persist_core.preemption import PreemptionNotice, SignalFlush, drain_within
-from persist_core.reader import CheckpointReader
+from persist_core.load.reader import CheckpointReader
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from persist_core.layout import checkpoint_dirname
-from persist_core.reader import CheckpointReader
+from persist_core.load.reader import CheckpointReader
 from persist_core.tiers import RemoteTier
 from persist_core.tiers.local import discover, read_manifest
 from persist_core.cli.app import CommandError, Location, distinct, is_url, main, open_location, progress, took
@@ -229,7 +229,7 @@ def export(ctx: click.Context, location: str, step: int | None, target: str, fmt
         if os.path.exists(target):
             raise click.UsageError(f"{target} exists; choose a new file")
         t0 = time.perf_counter()
-        from persist_core.consolidate import export_safetensors
+        from persist_core.load.consolidate import export_safetensors
 
         n, nbytes, skipped = export_safetensors(loc.tier, s, Path(target))
         click.echo(f"step {s} -> {target}: {n} tensors, {took(nbytes, time.perf_counter() - t0)}"

@@ -1,8 +1,9 @@
 """The local tier: committed checkpoint directories under ``local_dir``.
 
 Readers never trust a manifest alone: :func:`check_files` checks that every file it names is
-there with its size, and :func:`~persist_core.tiers.shards.load_checkpoint` verifies every chunk's
-crc32c while reading (unless ``verify=False``), straight into the memory of the returned tensors.
+there with its size, and the reads (:func:`read_blocks`, :class:`ShardFile`) verify every chunk's crc32c
+(unless ``verify=False``), straight into the memory the caller hands them. Bytes only: what the bytes mean
+is the load flow's (:mod:`persist_core.load`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import crc32c
 
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from persist_core.fileio import fsync_dir
-from persist_core.format.manifest import Manifest
+from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.layout import (
     MANIFEST_NAME,
     abandoned_dirname,
@@ -133,6 +135,96 @@ def verify_files(ckpt: Path, manifest: Manifest, progress: Callable[[int], None]
     return problems
 
 
+_IOV_BATCH = 512
+
+
+def _read_exact(fd: int, views: list[memoryview], offset: int, path: Path) -> None:
+    """Fill ``views`` (in file order) from ``offset`` with ``preadv``, however short the reads."""
+    queue = deque(v for v in views if len(v))
+    while queue:
+        batch = [queue.popleft() for _ in range(min(_IOV_BATCH, len(queue)))]
+        n = os.preadv(fd, batch, offset)
+        if n == 0:
+            raise CorruptCheckpointError(f"{path} ended early at byte {offset}")
+        offset += n
+        while n:  # give back what a short read left unfilled
+            head = batch.pop(0)
+            if n >= len(head):
+                n -= len(head)
+            else:
+                batch.insert(0, head[n:])
+                n = 0
+        queue.extendleft(reversed(batch))
+
+
+def _read_chunk(fd: int, path: Path, views: list[memoryview], offset: int, expected: int | None, index: int) -> None:
+    _read_exact(fd, views, offset, path)
+    if expected is None:
+        return
+    crc = 0
+    for v in views:
+        crc = crc32c.crc32c(v, crc)
+    if crc != expected:
+        raise CorruptCheckpointError(
+            f"{path}: checksum mismatch in chunk {index} (bytes {offset}..{offset + sum(map(len, views))}); "
+            "the file is corrupt: load another step, or restore this one from the remote tier"
+        )
+
+
+class ShardFile:
+    """One local shard file open for reading, its size checked against the manifest: :meth:`head` and
+    :meth:`fill` are what a whole-file read takes (the load flow's ``read_shard``). Use it as a context manager.
+
+    Raises:
+        CorruptCheckpointError: the file's size differs from the manifest's.
+    """
+
+    def __init__(self, path: Path, fe: FileEntry) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if os.fstat(self._fd).st_size != fe.size:
+                raise CorruptCheckpointError(f"{path} has {os.fstat(self._fd).st_size} bytes; the manifest says {fe.size}")
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def __enter__(self) -> ShardFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+    def head(self, n: int) -> bytes:
+        """The first ``n`` bytes of the file."""
+        return os.pread(self._fd, n, 0)
+
+    def fill(self, blocks: list[tuple[list[memoryview], int, int | None, int]]) -> None:
+        """Read a run of checksum blocks, each ``(views in file order, file offset, expected crc32c or None,
+        block index)``, verifying those that carry a checksum."""
+        for views, offset, expected, index in blocks:
+            _read_chunk(self._fd, self.path, views, offset, expected, index)
+
+
+def read_blocks(path: Path, fe: FileEntry, first: int, views: list[memoryview], *, verify: bool) -> None:
+    """Fill ``views`` (in file order, whole checksum blocks from block ``first`` on) from the local shard
+    file ``path`` with ``preadv``, straight into them, and verify them (unless ``verify`` is off).
+
+    Raises:
+        CorruptCheckpointError: the file is missing or short, or a block does not match its checksum.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing") from None
+    try:
+        _read_exact(fd, views, first * fe.chunk_bytes, path)
+    finally:
+        os.close(fd)
+    if verify:
+        fe.check_views(views, first, where=str(path))
+
+
 class LocalTier:
     """The :class:`~persist_core.tiers.tier.Tier` of a local directory (nothing here writes but ``remove``)."""
 
@@ -150,6 +242,11 @@ class LocalTier:
 
     def committed_steps(self) -> list[int]:
         return committed_steps(self.root)
+
+    def read_blocks(self, step: int, f: FileEntry, first: int, views: list[memoryview], *, verify: bool = True) -> None:
+        """Fill ``views`` with whole checksum blocks of ``f`` of ``step`` from block ``first`` on (as
+        :func:`read_blocks`; the remote tier's method of the same name reads by ranged requests)."""
+        read_blocks(checkpoint_dir(self.root, step) / f.name, f, first, views, verify=verify)
 
     def read_manifest(self, step: int) -> Manifest:
         return read_manifest(checkpoint_dir(self.root, step))

@@ -2,7 +2,8 @@
 
 Who calls what: the engine's :class:`~persist_core.policies.retention.Retainer` calls ``list`` and
 ``remove`` after each commit (one retention loop for every tier); the
-:class:`~persist_core.reader.CheckpointReader` calls ``committed_steps`` and ``read_manifest``;
+:class:`~persist_core.load.reader.CheckpointReader` calls ``committed_steps``, ``read_manifest`` and
+``read_blocks`` (bytes only: what they mean is :mod:`persist_core.load`'s);
 the ``persist`` command calls all of them. A tier never decides what to keep.
 """
 
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from persist_core.format.manifest import Manifest
+from persist_core.format.manifest import FileEntry, Manifest
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class Tier(Protocol):
 
     def read_manifest(self, step: int) -> Manifest:
         """The manifest of ``step``, every file it places on this tier checked for presence and size."""
+        ...
+
+    def read_blocks(self, step: int, f: FileEntry, first: int, views: list[memoryview], *, verify: bool = True) -> None:
+        """Fill ``views`` (in file order) with whole checksum blocks of file ``f`` of ``step`` from block
+        ``first`` on, each verified unless ``verify`` is off."""
         ...
 
     def list(self) -> list[CheckpointInfo]:

@@ -168,7 +168,7 @@ def test_a_reader_without_with_commits_its_copy_before_the_interpreter_exits(tmp
     child = textwrap.dedent(f"""
         import threading
         from persist_core import CheckpointReader
-        from persist_core.tiers import tee
+        from persist_core.load import local_copy as tee
 
         finish = tee.LocalCopy.finish
         def slow_finish(self):  # a slow disk: the copy is still being committed when the script ends

@@ -17,10 +17,8 @@ from persist_core import _knobs
 from persist_core.errors import ConfigError
 from persist_core.format.shard_file import dtype_from_name, encode_header, itemsize, safetensors_dtype
 from persist_core.format.tree import tensor_paths
-from persist_core.layout import checkpoint_dirname
-from persist_core.planning.load import iter_tensors
-from persist_core.tiers import LocalTier, Tier
-from persist_core.tiers.shards import read_blocks
+from persist_core.load.assemble import iter_tensors
+from persist_core.tiers import Tier
 
 
 def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, list[str]]:
@@ -62,14 +60,9 @@ def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, l
 
     scalars(m.tree, "")
     header = encode_header({"__metadata__": {"format": "pt", "torch-persist-step": str(step), **values}, **entries})
-    if isinstance(tier, LocalTier):
-        ckpt = tier.root / checkpoint_dirname(step)
 
-        def read(f: Any, first: int, views: list[memoryview]) -> None:
-            read_blocks(ckpt / f.name, f, first, views, verify=True)
-    else:
-        def read(f: Any, first: int, views: list[memoryview]) -> None:
-            tier.read_blocks(step, f, first, views)
+    def read(f: Any, first: int, views: list[memoryview]) -> None:
+        tier.read_blocks(step, f, first, views)  # every block verified
     partial = target.with_name(f".{target.name}.partial")
     try:
         with ThreadPoolExecutor(_knobs.write_threads()) as pool, open(partial, "wb") as out:

@@ -1,7 +1,7 @@
 """The local copy a streamed restore leaves behind: the verified blocks it read from the remote, written
 alongside into a temporary directory of ``local_dir`` and committed there once every block arrived.
 
-Who calls what: :class:`~persist_core.reader.CheckpointReader` opens a :class:`LocalCopy` before it
+Who calls what: :class:`~persist_core.load.remote.RemoteRestore` (for the reader) opens a :class:`LocalCopy` before it
 streams a remote checkpoint into tensors, calls :meth:`LocalCopy.write` from its read threads with each
 run of verified blocks (before the bytes can change), then :meth:`LocalCopy.finish` on a thread of its
 own: if every block of every file arrived, the files are fsynced, the manifest written last and the

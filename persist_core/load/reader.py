@@ -1,10 +1,16 @@
 """``CheckpointReader``: list and load committed checkpoints of a local tier and its remote.
 
+A load goes list -> choose -> read -> verify -> assemble: the reader lists what each source holds and
+picks the step and the source in the restore-source order (:mod:`~persist_core.load.choose`), then reads
+it by verified runs of blocks (:mod:`~persist_core.load.blocks`, the ranges from
+:mod:`~persist_core.load.plan`) into the state (:mod:`~persist_core.load.assemble`); a checkpoint only the
+remote holds is streamed (:mod:`~persist_core.load.remote`).
+
 It never writes a checkpoint, uploads or deletes one, so any number of processes (every rank of
 a job, a CLI, an evaluation job) may read the same ``local_dir`` and ``remote_url`` while one
 :class:`~persist_core.CheckpointEngine` writes there. The one thing it adds to ``local_dir`` is a
 checkpoint downloaded from the remote, put in place with a rename exactly as a writer commits
-(:mod:`persist_core.restore`).
+(:mod:`persist_core.load.remote`, :mod:`persist_core.load.local_copy`).
 """
 
 from __future__ import annotations
@@ -18,16 +24,17 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from persist_core import _knobs
-from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, PersistError, RemoteError
+from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RemoteError
 from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname, parse_shard_filename
 from persist_core.ownership import discard
 from persist_core.format.manifest import Manifest
-from persist_core.planning.load import LoadOptions, check_weights_only, load_into
-from persist_core.planning.reads import LoadStats
-from persist_core.restore import RemoteRestore
+from persist_core.load.assemble import load_checkpoint, load_into
+from persist_core.load.blocks import LoadStats
+from persist_core.load.choose import LOCAL, REMOTE, Listing
+from persist_core.load.plan import LoadOptions, check_weights_only
+from persist_core.load.remote import RemoteRestore
 from persist_core.tiers.remote import RemoteTier
-from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_manifest
-from persist_core.tiers.shards import load_checkpoint, read_blocks
+from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_blocks, read_manifest
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -85,6 +92,8 @@ class CheckpointReader:
         self.last_load = LoadStats()  # what the last load(into=...) needed and read
         self._on_loaded = on_loaded
         self._manifest: Manifest | None = None  # the manifest the last read went by
+        # how each source in the restore-source order (load/choose.py) reads a step: (step, into, options) -> state
+        self._reads: dict[str, Callable[[int, Any, LoadOptions], Any]] = {LOCAL: self._local, REMOTE: self._remote}
 
     @property
     def local_dir(self) -> Path:
@@ -205,25 +214,22 @@ class CheckpointReader:
             ConfigError: a bad argument (named); a target of another shape than saved, or one the checkpoint lacks.
         """
         step = None if step is None else _knobs.check_step(step)
-        return self._load_listed(step, self._candidates(step), into=into, map_location=map_location, verify=verify,
+        order, listing = self._candidates(step)
+        return self._load_listed(step, order, listing, into=into, map_location=map_location, verify=verify,
                                  rank=rank, weights_only=weights_only)
 
-    def _load_listed(self, step: int | None, listing: tuple[list[int], set[int], set[int]], *, into: Any = None,
+    def _load_listed(self, step: int | None, order: list[int], listing: Listing, *, into: Any = None,
                      map_location: Any = "cpu", verify: bool | None = None, rank: int = 0,
                      weights_only: bool = True) -> Any:
-        """:meth:`load` from what :meth:`_candidates` listed: ``(steps to try, local steps, remote steps)``."""
+        """:meth:`load`, trying the steps of ``order`` in turn, each from the sources ``listing`` says hold it."""
         opts = LoadOptions(verify=self._verify if verify is None else _knobs.check_bool("verify", verify),
                            map_location=_knobs.check_map_location(map_location),
                            rank=_knobs.check_step(rank, name="rank", what="whose PerRank values to load"),
                            weights_only=check_weights_only(weights_only))
         _knobs.check_into(into)
-        order, local, remote = listing
         for candidate in order:
             try:
-                if into is not None:
-                    state, from_remote = self._read_into(candidate, candidate in local, candidate in remote, into, opts)
-                else:
-                    state, from_remote = self._read_step(candidate, candidate in local, candidate in remote, opts)
+                state, from_remote = self._read(candidate, listing.sources(candidate), into, opts)
             except CorruptCheckpointError as e:
                 if step is not None:
                     raise
@@ -236,16 +242,42 @@ class CheckpointReader:
         where = f"{self._root}" + (f" nor {self._tier.url}" if self._tier else "")
         raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {where}")
 
-    def _candidates(self, step: int | None) -> tuple[list[int], set[int], set[int]]:
-        """The steps to try, newest first (``[step]`` when given), and which are local and remote."""
+    def _list_sources(self) -> Listing:
+        """The committed steps of each source (a remote that cannot be read holds none; a remote step this
+        directory set aside is not the remote's to give)."""
         local = set(committed_steps(self._root))
         remote = set(self._remote_or_nothing(self._tier.committed_steps, [])) if self._tier is not None else set()
         remote -= self._set_aside_here(remote - local)
-        if step is not None and step not in local | remote:
-            where = f"{self._root}" + (f" or {self._tier.url}" if self._tier else "")
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint for step={step} in {where}; committed steps: {sorted(local | remote)}")
-        return ([step] if step is not None else sorted(local | remote, reverse=True)), local, remote
+        return Listing.of(**{LOCAL: local, REMOTE: remote})
+
+    def _candidates(self, step: int | None) -> tuple[list[int], Listing]:
+        """The steps to try, newest first (``[step]`` when given), and what each source holds."""
+        listing = self._list_sources()
+        where = f"{self._root}" + (f" or {self._tier.url}" if self._tier else "")
+        return listing.candidates(step, where), listing
+
+    def _read(self, step: int, sources: list[str], into: Any, opts: LoadOptions) -> tuple[Any, bool]:
+        """``(the state, whether it was read from the remote)``: from the first of ``sources`` (in the
+        restore-source order) whose copy verifies."""
+        self.last_load = LoadStats()
+        for i, source in enumerate(sources):
+            try:
+                return self._reads[source](step, into, opts), source == REMOTE
+            except CorruptCheckpointError as e:
+                if i + 1 == len(sources):
+                    raise
+                self._passed_over(source, step, e, whole=into is None)
+        raise CheckpointNotFoundError(f"no source holds step={step}")  # not reached: listed steps have one
+
+    def _passed_over(self, source: str, step: int, error: CorruptCheckpointError, *, whole: bool) -> None:
+        """``source``'s copy of ``step`` did not verify; the next source (the remote) is read instead."""
+        assert source == LOCAL and self._tier is not None
+        if whole:
+            log.warning("[step=%d] local copy does not verify (%s); downloading from %s", step, error, self._tier.url)
+            self._set_aside(checkpoint_dir(self._root, step))
+        else:
+            log.warning("[step=%d] local copy does not verify (%s); reading from %s", step, error, self._tier.url)
+            self.last_load = LoadStats()
 
     def _blocks(self, ckpt: Path, manifest: Manifest, opts: LoadOptions) -> Callable[..., None]:
         """``read_blocks`` for a local copy: the files it holds from disk, the others' (a node's copy: the
@@ -266,55 +298,33 @@ class CheckpointReader:
 
         return read
 
-    def _read_into(self, step: int, in_local: bool, in_remote: bool, into: Any,
-                   opts: LoadOptions) -> tuple[Any, bool]:
-        """``(the state, whether it was read from the remote)``."""
-        self.last_load = LoadStats()
-        if in_local:
-            ckpt = checkpoint_dir(self._root, step)
-            try:
-                manifest = read_manifest(ckpt)
-                self._manifest = manifest
-                return load_into(manifest, into, pool=self._pool, options=opts, where=str(ckpt), stats=self.last_load,
-                                 read_blocks=self._blocks(ckpt, manifest, opts)), False
-            except CorruptCheckpointError as e:
-                if not in_remote:
-                    raise
-                log.warning("[step=%d] local copy does not verify (%s); reading from %s", step, e, self._tier.url)
-                self.last_load = LoadStats()
-        assert self._tier is not None
-        tier = self._tier
+    def _local(self, step: int, into: Any, opts: LoadOptions) -> Any:
+        """The state from the local copy: ``into`` filled in place, or whole (a node's copy: this node's files
+        from disk, the others' streamed from the remote)."""
+        ckpt = checkpoint_dir(self._root, step)
+        manifest = read_manifest(ckpt)
+        self._manifest = manifest
+        if into is not None or manifest.elsewhere():
+            return load_into(manifest, {} if into is None else into, pool=self._pool, options=opts, where=str(ckpt),
+                             stats=self.last_load, read_blocks=self._blocks(ckpt, manifest, opts))
+        return load_checkpoint(ckpt, manifest, pool=self._pool, options=opts)
+
+    def _remote(self, step: int, into: Any, opts: LoadOptions) -> Any:
+        """The state from the remote: ``into`` filled by ranged reads, or streamed whole (a local copy left)."""
+        assert self._tier is not None and self._restore is not None
+        if into is None:
+            state, self._manifest = self._restore.stream(step, opts, self.last_load)
+            return state
+        tier, stats = self._tier, self.last_load
         manifest = tier.read_manifest(step)
         self._manifest = manifest
-        stats = self.last_load
 
         def remote_blocks(f: Any, first: int, views: list[memoryview]) -> None:
             tier.read_blocks(step, f, first, views, verify=opts.verify)
             stats.count_remote(sum(len(v) * v.itemsize for v in views), f.name)
 
         return load_into(manifest, into, pool=self._pool, options=opts, where=f"{tier.url}/{checkpoint_dirname(step)}",
-                         stats=stats, read_blocks=remote_blocks), True
-
-    def _read_step(self, step: int, in_local: bool, in_remote: bool, opts: LoadOptions) -> tuple[Any, bool]:
-        """``(the state, whether it was streamed from the remote)``."""
-        ckpt = checkpoint_dir(self._root, step)
-        self.last_load = LoadStats()
-        if in_local:
-            try:
-                manifest = read_manifest(ckpt)
-                self._manifest = manifest
-                if manifest.elsewhere():  # a node's copy: this node's files from disk, the others' streamed
-                    return load_into(manifest, {}, pool=self._pool, options=opts, where=str(ckpt),
-                                     stats=self.last_load, read_blocks=self._blocks(ckpt, manifest, opts)), False
-                return load_checkpoint(ckpt, manifest, pool=self._pool, options=opts), False
-            except CorruptCheckpointError as e:
-                if not in_remote:
-                    raise
-                log.warning("[step=%d] local copy does not verify (%s); downloading from %s", step, e, self._tier.url)
-                self._set_aside(ckpt)
-        assert self._restore is not None
-        state, self._manifest = self._restore.stream(step, opts, self.last_load)
-        return state, True
+                         stats=stats, read_blocks=remote_blocks)
 
     def wait_copies(self) -> None:
         """Wait until the local copies that streamed restores write are committed (``close()`` does)."""
@@ -371,46 +381,6 @@ class CheckpointReader:
     def _set_aside(self, ckpt: Path) -> None:
         """Move a copy that failed verification out of the way with one rename (then delete it)."""
         discard(self._root, ckpt)
-
-
-def agreed_load(reader: CheckpointReader, chan: Any, **kwargs: Any) -> Any:
-    """The newest checkpoint every rank can get, loaded on every rank (a collective call on ``chan``, the
-    training thread's channel: every rank makes it).
-
-    Each rank says which steps it can get (its node's ``local_dir`` or the remote); they take the newest
-    all have; each loads it (its own files from disk, what it lacks from the remote); if any rank cannot,
-    all move on to the next one, so every rank resumes from the same step.
-
-    Raises:
-        CheckpointNotFoundError: no step every rank can load (each rank's steps named).
-    """
-    _, local, remote = reader._candidates(None)  # listed once: each round loads from this listing
-    views = chan.all_gather(sorted(local | remote))
-    common = sorted(set.intersection(*(set(v) for v in views)), reverse=True)
-    for step in common:
-        state, error, mine = None, None, None
-        try:
-            state = reader._load_listed(step, ([step], local, remote), **kwargs)
-        except Exception as e:  # said to every rank first, so none waits for this one in the next round
-            mine = e
-            error = (isinstance(e, (CorruptCheckpointError, CheckpointNotFoundError)), f"{type(e).__name__}: {e}")
-        said = chan.all_gather(error)
-        failures = [f"rank {r}: {e[1]}" for r, e in enumerate(said) if e]
-        if not failures:
-            return state
-        if any(not e[0] for e in said if e):  # not a copy that fails: the same call fails on the next step too
-            if mine is not None:
-                raise mine
-            raise PersistError(f"the restore of step={step} failed on other ranks: {'; '.join(failures[:3])}")
-        log.warning("[step=%d] not every rank could load it (%s); trying the next older one", step,
-                    "; ".join(failures[:3]))
-    if any(views):
-        raise CheckpointNotFoundError(
-            "no checkpoint that every rank can load: the ranks can get steps "
-            + "; ".join(f"rank {r}: {v[-3:]}" for r, v in enumerate(views[:8]))
-            + " (a node's local_dir lost its files and there is no remote copy?)")
-    raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {reader.local_dir}"
-                                  + (f" nor {reader.remote_url}" if reader.remote_url else ""))
 
 
 def checkpoint_of(real: Path) -> Path:

@@ -1,26 +1,26 @@
-"""What a load reads: the byte ranges of a checkpoint that the caller's targets need, and nothing else.
+"""Shard bytes -> the state: the last phase of a load.
 
-:func:`load_into` fills targets in place — plain tensors, or ``DTensor`` s on any mesh (a job
-resumed on another number of ranks or another layout) — from a committed checkpoint: for each
-target it computes which saved chunks overlap the part this rank holds (:func:`overlap`), reads
-exactly those byte ranges (rounded out to whole checksum blocks, each verified), in parallel,
-per file in runs of adjacent blocks (:class:`~persist_core.planning.reads.ReadPlan`), and copies them
-into place. Tensors without a target are
-read whole. :func:`assemble` builds a sharded tensor whole from the entries a full load read.
+:func:`load_into` fills targets in place — plain tensors, or ``DTensor`` s on any mesh (a job resumed on
+another number of ranks or another layout): for each target it asks :mod:`~persist_core.load.plan` which
+byte ranges of the saved chunks the part this rank holds overlaps, requests exactly those of a
+:class:`~persist_core.load.blocks.ReadPlan` (whole checksum blocks, each verified, runs in parallel) and
+copies them into place; tensors without a target are read whole. :func:`iter_tensors` gives each tensor
+whole, one at a time (consolidation). :func:`load_checkpoint` rebuilds the state from shard files read
+whole (local, or streamed from the remote); :func:`assemble` builds a sharded tensor whole from its chunks.
 
-Who calls what: :class:`~persist_core.reader.CheckpointReader` calls :func:`load_into` with a
-``read_blocks`` for the tier the checkpoint is on (local ``pread`` or remote ranged reads);
-:func:`persist_core.tiers.shards.load_checkpoint` calls :func:`assemble` and :func:`per_rank_values`.
+Who calls what: :class:`~persist_core.load.reader.CheckpointReader` calls :func:`load_into` with a
+``read_blocks`` for the tier the checkpoint is on (local ``pread`` or remote ranged reads) and
+:func:`load_checkpoint`; :class:`~persist_core.load.remote.RemoteRestore` calls :func:`load_checkpoint` with
+the remote's reads; :mod:`~persist_core.load.consolidate` calls :func:`iter_tensors`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,69 +28,15 @@ import torch
 from persist_core import hostmem
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format import unpickle
-from persist_core.format.manifest import Manifest
-from persist_core.format.shard_file import OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, itemsize
-from persist_core.format.tree import flatten, is_dtensor, tensor_paths, unflatten
-from persist_core.planning.partition import contiguous_strides
-from persist_core.planning.reads import LoadStats, ReadBlocks, ReadPlan
+from persist_core.format.manifest import FileEntry, Manifest
+from persist_core.format.shard_file import (OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, itemsize,
+                                            whole_entry_mismatch)
+from persist_core.format.tree import flatten, tensor_paths, unflatten
+from persist_core.load.blocks import LoadStats, ReadBlocks, ReadPlan, bytes_of, read_shard
+from persist_core.load.plan import LoadOptions, chunk_read, saved_chunks, slices, target_box
+from persist_core.tiers.local import ShardFile
 
 log = logging.getLogger(__name__)
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the global tensor
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """How a load reads: verify checksums, the device for tensors read whole, whose ``PerRank`` values, and
-    whether non-tensor leaves are unpickled with the allowlist (``weights_only``, the default) or in full."""
-
-    verify: bool = True
-    map_location: Any = "cpu"
-    rank: int = 0
-    weights_only: bool = True
-
-
-def check_weights_only(value: Any) -> bool:
-    """``value`` if it is a bool; else a ConfigError (``weights_only="no"`` must not mean yes)."""
-    if not isinstance(value, bool):
-        raise ConfigError(f"weights_only={value!r} must be True (unpickle only the types training states hold) or "
-                          "False (full pickle, for checkpoints you trust)")
-    return value
-
-
-def overlap(a: Box, b: Box) -> Box | None:
-    """The intersection of two boxes, or ``None`` when they do not meet."""
-    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
-    hi = tuple(min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1]))
-    if any(h <= l_ for l_, h in zip(lo, hi)):
-        return None
-    return lo, tuple(h - l_ for l_, h in zip(lo, hi))
-
-
-def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(o - p, o - p + n) for o, n, p in zip(box[0], box[1], origin))
-
-
-def target_box(t: torch.Tensor) -> tuple[torch.Tensor, Box | None, tuple[int, ...]]:
-    """``(the local tensor to fill, its box in the global tensor or None, the global shape)``."""
-    if is_dtensor(t):
-        if t.device_mesh.get_coordinate() is None:
-            return t.to_local(), None, tuple(t.shape)
-        chunks = t.__create_chunk_list__()
-        local = t.to_local()
-        if len(chunks) != 1:
-            raise ConfigError(f"a DTensor target {tuple(t.placements)} holds {len(chunks)} boxes; redistribute it to "
-                              "Shard/Replicate placements to load into it")
-        return local.view(tuple(chunks[0].sizes)) if local.numel() else local, \
-            (tuple(chunks[0].offsets), tuple(chunks[0].sizes)), tuple(t.shape)
-    return t, ((0,) * t.dim(), tuple(t.shape)), tuple(t.shape)
-
-
-def _saved_chunks(rec: dict[str, Any]) -> list[dict[str, Any]]:
-    if "chunks" in rec:
-        return rec["chunks"]
-    return [{"file": rec["file"], "entry": rec["entry"], "offsets": [0] * len(rec["shape"]), "sizes": rec["shape"],
-             "offset": rec.get("offset", 0), "stride": rec.get("stride")}]
 
 
 def assemble(rec: dict[str, Any], entry_of: Callable[[dict[str, Any]], torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -103,7 +49,7 @@ def assemble(rec: dict[str, Any], entry_of: Callable[[dict[str, Any]], torch.Ten
             continue
         raw = entry_of(c)
         part = (raw.view(dtype) if dtype != torch.uint8 else raw).view(sizes)
-        full[_slices((tuple(c["offsets"]), sizes), (0,) * len(sizes))].copy_(part)
+        full[slices((tuple(c["offsets"]), sizes), (0,) * len(sizes))].copy_(part)
     return full
 
 
@@ -134,11 +80,6 @@ def _direct(dst: torch.Tensor, dtype: torch.dtype, span_is_box: bool) -> bool:
     """Whether the saved bytes can be read straight into ``dst``: same dtype, host memory, both sides one
     contiguous run of the same elements in the same order."""
     return span_is_box and dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous() and dst.numel() > 0
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable view of the bytes of the contiguous CPU tensor ``t`` (valid while ``t`` lives)."""
-    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
 
 
 def iter_tensors(manifest: Manifest, *, read_blocks: ReadBlocks, pool: Executor, where: str,
@@ -263,7 +204,7 @@ def _plan_tensor(plan: ReadPlan, path: str, rec: dict[str, Any], target: torch.T
     try:
         dtype = dtype_from_name(rec["dtype"])
         shape = tuple(int(n) for n in rec["shape"])
-        chunks = _saved_chunks(rec)
+        chunks = saved_chunks(rec)
     except CorruptCheckpointError:
         raise
     except Exception as e:  # a damaged record, however it fails
@@ -284,30 +225,20 @@ def _plan_tensor(plan: ReadPlan, path: str, rec: dict[str, Any], target: torch.T
         return result
     es = itemsize(dtype)
     for c in chunks:
-        c_box = (tuple(c["offsets"]), tuple(c["sizes"]))
-        if len(c_box[0]) != len(shape):
-            raise CorruptCheckpointError(f"{where}: a chunk of {path!r} has {len(c_box[0])} dimensions, the tensor "
-                                         f"{len(shape)}")
-        meet = overlap(box, c_box)
-        if meet is None:
+        r = chunk_read(box, c, len(shape), es, path, where)
+        if r is None:
             continue
         begin, entry_end = plan.entry(c["file"], c["entry"])
-        stride = c.get("stride")
-        begin += int(c.get("offset", 0))
-        c_strides = tuple(stride) if stride is not None else contiguous_strides(c_box[1])
-        rel = tuple(lo - o for lo, o in zip(meet[0], c_box[0]))
-        first = sum(r * s for r, s in zip(rel, c_strides))
-        last = sum((r + n - 1) * s for r, n, s in zip(rel, meet[1], c_strides))
-        dst = dest[_slices(meet, box[0])]
-        start, stop = begin + first * es, begin + (last + 1) * es
-        if stop > entry_end or start < begin:
+        dst = dest[slices(r.meet, box[0])]
+        start, stop = begin + r.start, begin + r.stop
+        if stop > entry_end or start < begin + r.low:
             raise CorruptCheckpointError(f"{where}: the record of {path!r} reaches past its entry {c['entry']!r}")
-        if _direct(dst, dtype, last - first + 1 == math.prod(meet[1])):  # the bytes are the target's, in order
-            plan.request(c["file"], start, stop, into=_bytes_of(dst))
+        if _direct(dst, dtype, r.in_order):  # the bytes are the target's, in order
+            plan.request(c["file"], start, stop, into=bytes_of(dst))
             continue
 
-        def done(mv: memoryview, dst: torch.Tensor = dst, sizes: tuple[int, ...] = meet[1],
-                 strides: tuple[int, ...] = c_strides) -> None:
+        def done(mv: memoryview, dst: torch.Tensor = dst, sizes: tuple[int, ...] = r.meet[1],
+                 strides: tuple[int, ...] = r.strides) -> None:
             flat = torch.frombuffer(bytearray(mv) if mv.readonly else mv, dtype=torch.uint8)
             src = (flat.view(dtype) if dtype != torch.uint8 else flat).as_strided(sizes, strides)
             with torch.no_grad():
@@ -315,3 +246,97 @@ def _plan_tensor(plan: ReadPlan, path: str, rec: dict[str, Any], target: torch.T
 
         plan.request(c["file"], start, stop, done)
     return result
+
+
+def _check_entry(rec: dict[str, Any], header_dtype: str | None, nbytes: int, dtype: torch.dtype) -> None:
+    """A record agrees with the shard entry that holds it: a whole-entry tensor has the entry's dtype and
+    exactly its bytes; a view into a shared entry stays inside it.
+
+    Raises:
+        RuntimeError: they disagree (the caller makes it a CorruptCheckpointError naming the record).
+    """
+    es = itemsize(dtype)
+    shape = rec["shape"]
+    if rec["stride"] is None:
+        problem = whole_entry_mismatch(header_dtype, nbytes, dtype, math.prod(shape))
+        if problem is not None:
+            raise RuntimeError(problem)
+        return
+    if math.prod(shape) == 0:
+        return
+    last = rec["offset"] // es + sum((n - 1) * st for n, st in zip(shape, rec["stride"]))
+    if (last + 1) * es > nbytes:
+        raise RuntimeError(f"the view ends at byte {(last + 1) * es}, past its shared entry's {nbytes}")
+
+
+def _read_shard(path: Path, fe: FileEntry, *, pool: Executor,
+                verify: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read one local shard file into one CPU byte tensor per entry, verifying chunk checksums; and the
+    safetensors dtype its header gives each entry."""
+    with ShardFile(path, fe) as file:
+        return read_shard(fe, head=file.head, fill=file.fill, pool=pool, verify=verify, where=str(path))
+
+
+def load_checkpoint(ckpt: Path | str, manifest: Manifest, *, pool: Executor, options: LoadOptions,
+                    shard: Callable[[FileEntry], tuple[dict[str, torch.Tensor], dict[str, str]]] | None = None) -> Any:
+    """Load and rebuild the state of the checkpoint directory ``ckpt``: sharded tensors whole.
+
+    Args:
+        ckpt: the committed checkpoint directory (or, with ``shard``, its name for messages).
+        manifest: its manifest (from :func:`read_manifest`).
+        pool: threads for parallel chunk reads.
+        options: verify checksums, the device for the tensors, whose ``PerRank`` values, how to unpickle.
+        shard: reads one file into its entries (:func:`read_shard`); default: from ``ckpt``.
+
+    Raises:
+        CorruptCheckpointError: a file or checksum does not verify (the message names the file).
+        UnsafeCheckpointError: a leaf names a type restricted unpickling does not load.
+    """
+    device = torch.device("cpu") if options.map_location is None else torch.device(options.map_location)
+    if shard is None:
+        def shard(f: FileEntry) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+            return _read_shard(Path(ckpt) / f.name, f, pool=pool, verify=options.verify)
+    shards = {f.name: shard(f) for f in manifest.files}
+    entries = {name: tensors for name, (tensors, _) in shards.items()}
+    header_dtypes = {name: dtypes for name, (_, dtypes) in shards.items()}
+    objects = []
+    for fname, begin, length in manifest.objects:
+        try:
+            blob = bytes_of(entries[fname][OBJECTS_ENTRY])[begin : begin + length]
+        except KeyError as e:
+            raise CorruptCheckpointError(f"{ckpt}: the manifest places a pickled leaf in {e}, which it lacks") from e
+        objects.append(unpickle.loads(blob, weights_only=options.weights_only, where=str(ckpt)))
+    per_rank = per_rank_values(manifest, options.rank, lambda f, b, n: bytes_of(entries[f][PER_RANK_ENTRY])[b : b + n],
+                               where=str(ckpt), weights_only=options.weights_only)
+    if device.type != "cpu":
+        entries = {f: {n: t.to(device) for n, t in es.items() if n not in (OBJECTS_ENTRY, PER_RANK_ENTRY)}
+                   for f, es in entries.items()}
+    tensors = []
+    for rec in manifest.tensors:
+        try:
+            if "chunks" in rec:  # sharded: the whole tensor from every rank's part
+                tensors.append(assemble(rec, lambda c: entries[c["file"]][c["entry"]], device))
+                continue
+            entry = entries[rec["file"]][rec["entry"]]
+            dtype = dtype_from_name(rec["dtype"])
+            shape = tuple(rec["shape"])
+            _check_entry(rec, header_dtypes[rec["file"]].get(rec["entry"]), entry.numel(), dtype)
+            if rec["stride"] is None:
+                t = (entry.view(dtype) if dtype != torch.uint8 else entry).view(shape)
+            else:
+                es = itemsize(dtype)
+                if rec["offset"] % es:
+                    raise RuntimeError(f"offset {rec['offset']} is not a multiple of {es}")
+                t = torch.empty(0, dtype=dtype, device=entry.device).set_(
+                    entry.untyped_storage(), rec["offset"] // es, shape, tuple(rec["stride"])
+                )
+        except Exception as e:  # any failure to rebuild from a record means the record is damaged
+            raise CorruptCheckpointError(f"{ckpt}: tensor record {rec} does not match its shard: {e}") from e
+        tensors.append(t)
+    try:
+        return unflatten(manifest.tree, tensors, objects, per_rank)
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:  # a tree that does not fit the records, however it fails
+        raise CorruptCheckpointError(f"{ckpt}: the manifest's tree does not match its tensors ({type(e).__name__}: "
+                                     f"{e})") from e

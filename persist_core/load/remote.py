@@ -1,4 +1,4 @@
-"""Bringing a checkpoint only the remote holds onto this machine, for :class:`~persist_core.reader.CheckpointReader`.
+"""Bringing a checkpoint only the remote holds onto this machine, for :class:`~persist_core.load.reader.CheckpointReader`.
 
 Two ways: :meth:`RemoteRestore.stream` reads it by ranged, verified requests straight into the state's tensors
 (no file written and read back first) and writes each run of blocks into a local copy, which a thread commits
@@ -24,12 +24,12 @@ from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
 from persist_core.layout import checkpoint_dirname
 from persist_core.ownership import claim_tmp
-from persist_core.planning.load import LoadOptions
-from persist_core.planning.reads import LoadStats
+from persist_core.load.assemble import load_checkpoint
+from persist_core.load.blocks import LoadStats, read_shard
+from persist_core.load.local_copy import LocalCopy
+from persist_core.load.plan import LoadOptions
 from persist_core.tiers.local import checkpoint_dir, read_manifest
-from persist_core.tiers.shards import load_checkpoint, read_shard
 from persist_core.tiers.remote import RemoteTier
-from persist_core.tiers.tee import LocalCopy
 
 log = logging.getLogger(__name__)
 

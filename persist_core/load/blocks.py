@@ -1,12 +1,16 @@
-"""How a load reads bytes: requested byte ranges of shard files merged into runs of adjacent checksum blocks,
-each run one verified read, the runs in parallel; and what the reads cost (:class:`LoadStats`).
+"""How a load reads and verifies bytes: runs of adjacent checksum blocks, each run one verified read, the runs
+in parallel; and what the reads cost (:class:`LoadStats`).
 
-:mod:`persist_core.planning.load` decides which ranges its targets need and requests them of a
-:class:`ReadPlan`; ``read_blocks`` is the tier's (local ``pread`` or remote ranged reads).
+Two shapes of read: a :class:`ReadPlan` takes requested byte ranges of shard files (the ranges
+:mod:`~persist_core.load.plan` computed for a load into targets) and merges them into runs;
+:func:`read_shard` reads one shard file whole into one byte tensor per entry (a whole load). The bytes
+come from the tier (``read_blocks``/``fill``: local ``preadv``, or the remote's ranged reads); what they
+mean is :mod:`~persist_core.load.assemble`'s.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -18,12 +22,18 @@ from persist_core import _knobs
 from persist_core.errors import CorruptCheckpointError
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.format.shard_file import entry_dtypes, parse_header, whole_entry_mismatch
+from persist_core.format.torch_zip import image_offset
 
 #: ``read_blocks(file, first, views)``: fill ``views`` — in file order, whole checksum blocks of ``file`` from
 #: block ``first`` on — with its bytes, and verify them
 ReadBlocks = Callable[[FileEntry, int, list[memoryview]], None]
 
 _HEADER_GUESS = 1 << 16
+
+
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable view of the bytes of the contiguous CPU tensor ``t`` (valid while ``t`` lives)."""
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
 
 
 @dataclass
@@ -179,3 +189,71 @@ class ReadPlan:
         for r, view in buffered:
             assert r.done is not None
             r.done(view)
+
+
+#: ``fill(blocks)``: read and (where they carry a checksum) verify a run of consecutive checksum blocks,
+#: each ``(views in file order, file offset, expected crc32c or None, block index)``
+Fill = Callable[[list[tuple[list[memoryview], int, int | None, int]]], None]
+
+
+def read_shard(fe: FileEntry, *, head: Callable[[int], bytes], fill: Fill, pool: Executor, verify: bool,
+               where: str, span_bytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """One shard file, wherever it is, into one CPU byte tensor per entry, every checksum block verified;
+    and the safetensors dtype its header gives each entry.
+
+    Args:
+        fe: the file's manifest entry.
+        head: the first ``n`` bytes of the file (its header).
+        fill: reads runs of blocks straight into the entries' memory (local ``preadv``, remote ranged reads).
+        pool: threads; runs of about one write's worth of blocks are read in parallel.
+        verify: check every block's crc32c.
+        where: the file's name, for messages.
+        span_bytes: about how many bytes one ``fill`` call reads (default: one write's worth).
+    """
+    prefix = head(1 << 16)
+    skip = image_offset(prefix)  # past the zip local header of a torch-loadable shard
+    if len(prefix) >= skip + 8 and skip + 8 + int.from_bytes(prefix[skip : skip + 8], "little") > len(prefix):
+        prefix = head(min(fe.size, skip + 8 + int.from_bytes(prefix[skip : skip + 8], "little")))
+    try:
+        data_start, entries = parse_header(prefix, file_size=fe.size)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{where}: {e}") from e
+    header_copy = bytearray(data_start)
+    # regions in file order: (file offset, memoryview to fill)
+    regions: list[tuple[int, memoryview]] = [(0, memoryview(header_copy))]
+    tensors: dict[str, torch.Tensor] = {}
+    for name, begin, end in entries:
+        if name.startswith("__pad__"):
+            regions.append((begin, memoryview(bytearray(end - begin))))
+        else:
+            t = tensors[name] = torch.empty(end - begin, dtype=torch.uint8)
+            if end > begin:
+                regions.append((begin, bytes_of(t)))
+
+    chunk = fe.chunk_bytes
+    n_chunks = -(-fe.size // chunk)
+    if verify and len(fe.chunks) != n_chunks:
+        raise CorruptCheckpointError(f"{where}: manifest lists {len(fe.chunks)} checksums for {n_chunks} chunks")
+    blocks = []
+    r = 0
+    for i in range(n_chunks):
+        lo, hi = i * chunk, min((i + 1) * chunk, fe.size)
+        views = []
+        while r < len(regions) and regions[r][0] < hi:
+            off, mv = regions[r]
+            a, b = max(lo, off) - off, min(hi, off + len(mv)) - off
+            views.append(mv[a:b])
+            if off + len(mv) <= hi:
+                r += 1
+            else:
+                break
+        blocks.append((views, lo, fe.chunks[i] if verify else None, i))
+    per = max(1, (span_bytes or _knobs.chunk_bytes()) // chunk)  # one job: about one write's worth of blocks
+    jobs = [pool.submit(fill, blocks[b : b + per]) for b in range(0, len(blocks), per)]
+    errors = [j.exception() for j in jobs]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    if bytes(header_copy) != prefix[:data_start]:
+        raise CorruptCheckpointError(f"{where}: header changed while reading")
+    return tensors, entry_dtypes(prefix)
