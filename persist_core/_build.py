@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from persist_core._knobs import check_callable
 from persist_core.config import Config
 from persist_core.distributed import Collectives, check_collectives
 from persist_core.errors import PersistError
@@ -58,6 +59,26 @@ class Parts:
     reader: CheckpointReader
     own_notice: PreemptionNotice | None  # the engine's own SIGTERM notice, put back at close
 
+    def summary(self) -> dict[str, float | int | None]:
+        """``CheckpointEngine.summary``: the history's, the overlapped saves, how far behind the remote is."""
+        summary = self.history.summary()
+        summary["overlapped_saves"] = self.overlap.runs
+        if self.pipeline.sync is not None:
+            summary.update(self.pipeline.sync.backlog())
+        return summary
+
+    def close(self) -> None:
+        """Put the signal back, stop the threads, release the tiers and the directory (after a drain)."""
+        if self.own_notice is not None:
+            self.own_notice.restore()
+        self.overlap.close()
+        self.pool.close()
+        self.pipeline.close()
+        if self.tier is not None:
+            self.tier.close()
+        self.reader.close()
+        self.dir_lock.release()
+
 
 def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall_clock: Clock,
           file_ops: FileOps | None, wait: Callable[[], None], on_loaded: Callable[[Manifest], None]) -> Parts:
@@ -67,6 +88,7 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     Raises:
         ConfigError / DirectoryInUseError: as :class:`~persist_core.engine.CheckpointEngine`.
     """
+    check_callable(clock=clock, wall_clock=wall_clock)
     root = config.local_dir
     coll = check_collectives(collectives)
     dir_lock = open_local_dir(root, rank=coll.rank)  # one writer per directory and rank

@@ -134,6 +134,17 @@ class Config:
         return self.replace(keep_local=policy, keep_remote=policy if self.remote_url is not None else None)
 
     @classmethod
+    def given(cls, local_dir: str | os.PathLike[str] | Config, keywords: dict[str, Any]) -> Config:
+        """What ``CheckpointEngine(local_dir, **keywords)`` was given: a whole config (then no keywords), or a
+        directory and options."""
+        if not isinstance(local_dir, Config):
+            return cls.of(local_dir, **keywords)
+        if keywords:
+            raise ConfigError(f"CheckpointEngine(config, {', '.join(keywords)}=...): the config holds every option; "
+                              "pass config.replace(...) instead")
+        return local_dir
+
+    @classmethod
     def of(cls, local_dir: str | os.PathLike[str], **keywords: Any) -> Config:
         """``Config(local_dir=local_dir, **keywords)``, an unknown keyword a ConfigError naming the known ones."""
         known = {f.name for f in dataclasses.fields(cls)}

@@ -1,16 +1,7 @@
-"""``CheckpointEngine``: the facade that wires staging, the writer, the upload queue, retention,
-save decisions and the reader for one ``local_dir`` (and its remote).
-
-Call order (one process):
-
-* ``save(state, step)`` — caller's thread: plan (:mod:`persist_core.planning`), copy into a
-  staging buffer (:mod:`persist_core.save.staging`), hand to the :class:`~persist_core.save.writer.Writer`,
-  return a :class:`SaveHandle`.
-* writer thread — write, commit (:mod:`persist_core.save.commit`), local retention
-  (:class:`~persist_core.policies.retention.Retainer`), then the upload queue (:mod:`persist_core.sync.queue`).
-* ``maybe_save`` / ``decide`` / ``should_save`` — the :class:`~persist_core.scheduler.SaveScheduler`.
-* ``wait()`` / ``close()`` — drain; a background failure is raised once (:class:`ErrorLedger`).
-* ``list()`` / ``load()`` — the :class:`~persist_core.load.reader.CheckpointReader`: committed only, verified.
+"""``CheckpointEngine``: the facade over one ``local_dir`` (and its remote). It holds no wiring
+(:func:`persist_core._build.build` makes the parts from a :class:`~persist_core.config.Config`): ``save`` is the
+save flow's (:mod:`persist_core.save`), ``maybe_save``/``decide`` the scheduler's, ``wait``/``close`` drain the
+pipeline and the sync side (:mod:`persist_core.sync`), ``list``/``load`` the load flow's (:mod:`persist_core.load`).
 """
 
 from __future__ import annotations
@@ -60,40 +51,21 @@ class CheckpointEngine:
             ``keep_remote`` (retention), ``save_policy`` (when :meth:`maybe_save` saves), ``preemption``,
             ``start_over``, ``torch_loadable``, ``replica_check``, ``write_threads``, ``chunk_bytes``,
             ``direct_io``, ``max_pending``, ``verify``, ``remote_timeout_s``, ``max_unsynced_bytes``, ``run_id``...
-        collectives: for a job of several processes, their collectives (:class:`TorchCollectives`): every rank
-            then calls ``save`` for the same steps in the same order and writes about ``1/world_size`` of a state
-            they all hold alike; rank 0 commits, applies retention and uploads. ``DTensor`` leaves (FSDP2, tensor
-            parallel) are saved sharded, and :meth:`load` with ``into=`` reshards them to any mesh. Plain tensors
-            are taken to be replicated and checked (``replica_check``); values that differ per rank on purpose go
-            in :class:`PerRank`.
-        clock: the monotonic clock decisions use (a fake one in tests).
-        wall_clock: the wall clock manifests record (``time.time``).
-        file_ops: the file system calls the writer makes (for fault injection in tests).
+        collectives: several processes' collectives (:class:`TorchCollectives`): every rank saves the same steps
+            and writes about ``1/world_size`` of a state they hold alike (``DTensor`` leaves sharded; values that
+            differ per rank on purpose in :class:`PerRank`); rank 0 commits, applies retention and uploads.
+        clock / wall_clock / file_ops: the monotonic clock decisions use, the time manifests record, the file
+            system calls the writer makes (fakes in tests).
 
     Raises:
         ConfigError: a bad argument, or ``local_dir`` cannot be created or written.
-        DirectoryInUseError: another live process writes ``local_dir`` for this rank (it names the
-            holder's host, pid and start time); the lock is held until :meth:`close`.
+        DirectoryInUseError: another live process writes ``local_dir`` for this rank (named); held until :meth:`close`.
     """
 
-    def __init__(
-        self,
-        local_dir: str | os.PathLike[str] | Config,
-        *,
-        collectives: Collectives | None = None,
-        clock: Clock = time.monotonic,
-        wall_clock: Clock = time.time,
-        file_ops: FileOps | None = None,
-        **keywords: Any,
-    ) -> None:
-        if isinstance(local_dir, Config):
-            if keywords:
-                raise ConfigError(f"CheckpointEngine(config, {', '.join(keywords)}=...): the config holds every option; "
-                                  "pass config.replace(...) instead")
-            config = local_dir
-        else:
-            config = Config.of(local_dir, **keywords)
-        _knobs.check_callable(clock=clock, wall_clock=wall_clock)
+    def __init__(self, local_dir: str | os.PathLike[str] | Config, *, collectives: Collectives | None = None,
+                 clock: Clock = time.monotonic, wall_clock: Clock = time.time, file_ops: FileOps | None = None,
+                 **keywords: Any) -> None:
+        config = Config.given(local_dir, keywords)
         self.config = config
         self._closed = False
         self._resumed: int | None = None
@@ -104,28 +76,17 @@ class CheckpointEngine:
         self._scheduler, self._reader, self._own_notice = p.scheduler, p.reader, p.own_notice
         close_at_exit(self)
 
-    # ------------------------------------------------------------------ save
-
     def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
-        """Snapshot ``state`` and write it in the background; returns once it is staged.
+        """Snapshot ``state`` (nested dicts / lists / tuples of tensors and picklable values) as ``step`` and write
+        it in the background; returns a handle once it is staged (the caller may then mutate ``state``).
 
-        After this returns the caller may mutate anything in ``state``.
-
-        Args:
-            state: nested dicts / lists / tuples of tensors (any device) and picklable values.
-            step: the training step, a non-negative int not saved before in ``local_dir`` — except the
-                step this run resumed from (:meth:`load`, :meth:`resume_from`): saving it again replaces
-                it atomically (the new checkpoint takes its name in one exchange; the old one is removed
-                after, and uploaded over on the remote), as a framework re-saving that step expects.
-            metadata: JSON-able values stored in the manifest.
-
-        Returns:
-            A handle to wait on; its ``stats`` tell the stall and the write speed.
+        ``step`` is a non-negative int not saved before in ``local_dir``, except the step this run resumed from
+        (saving it again replaces it atomically, as a framework re-saving that step expects).
 
         Raises:
-            ConfigError: a bad step; or this run loaded nothing and ``remote_url`` holds another run's committed
+            ConfigError: a bad step, or this run loaded nothing and ``remote_url`` holds another run's committed
                 checkpoints (resume with :meth:`load`, or pass ``start_over=True``).
-                StepExistsError: ``step`` is already committed or pending.
+            StepExistsError: ``step`` is already committed or pending.
             UnsupportedStateError: a leaf of ``state`` cannot be saved (its key path is named).
             PersistError: an earlier save failed in the background (raised once).
         """
@@ -133,26 +94,12 @@ class CheckpointEngine:
         return self._parts.saver.save(state, step, metadata=metadata, resumed_at=self.resumed_step)
 
     def guard(self, *optimizers: Any, step_hook: bool = True) -> Guard:
-        """Overlap the next saves with training: ``save()`` returns after copying only what the forward pass
-        may mutate (module buffers, counters, RNG states), the guarded optimizers' parameters and state are
-        copied in the background while the next forward and backward run, and each optimizer's next
-        ``step()`` waits for that copy (an ``optimizer.register_step_pre_hook``). The checkpoint is the state
-        at the moment of ``save()``. While a guarded ``step()`` runs, the background writes hold off (a step
-        post-hook gives them their turn back), so their checksums do not take the cores a CPU-side update
-        needs. ``handle.wait_staged()`` waits for the copy; ``guard(...).remove()`` (or
-        ``with engine.guard(opt):``) undoes it. Without a guard ``save()`` returns once everything is copied.
-
-        ``step_hook=False``: no step pre-hook; the caller calls :meth:`fence` itself before the update
-        (Lightning runs forward and backward *inside* ``optimizer.step(closure)``, so a pre-hook would
-        wait before the forward: its adapter fences from ``on_before_optimizer_step``).
-
-        Example::
-
-            engine.guard(optimizer)
-            for step in ...:
-                loss = model(batch).loss; loss.backward()
-                optimizer.step()                      # waits for the previous save's copy, if any
-                engine.save(state(), step=step)       # returns after the buffers are copied
+        """Overlap the next saves with training: ``save()`` returns after copying what the forward pass may
+        mutate; the optimizers' parameters and state are copied in the background during the next forward and
+        backward, and each optimizer's next ``step()`` waits for that copy (a step pre-hook; while the step runs
+        the background writes hold off). ``guard(...).remove()`` or ``with engine.guard(opt):`` undoes it.
+        ``step_hook=False``: the caller calls :meth:`fence` itself before the update (Lightning, whose
+        ``optimizer.step(closure)`` runs forward and backward inside). See the engine page of the docs.
         """
         if not optimizers or not all(hasattr(o, "register_step_pre_hook") for o in optimizers):
             raise ConfigError(f"guard({', '.join(type(o).__name__ for o in optimizers) or ''}) needs torch optimizers "
@@ -160,32 +107,21 @@ class CheckpointEngine:
         return self._overlap.guard(optimizers, self.fence if step_hook else None)
 
     def fence(self) -> float:
-        """Wait for the background copy of the last guarded save (before anything mutates the parameters or
-        optimizer state); the seconds waited. Guarded optimizers call it from their step pre-hook. From here to
-        the optimizer's step post-hook the background writes hold off (the update has the host's cores)."""
+        """Wait for the background copy of the last guarded save; the seconds waited. From here to the
+        optimizer's step post-hook the background writes hold off (the update has the host's cores)."""
         return self._overlap.before_update()
 
     def after_update(self) -> None:
-        """The guarded update is over: the background writes may use the cores again. The guard's step
-        post-hook calls it; call it yourself where the step a fence announced may not run (Lightning's
-        callback does at the end of each batch: a ``GradScaler`` skips the step when gradients overflow)."""
+        """The guarded update is over: the background writes may use the cores again (the guard's post-hook
+        calls it; call it where the announced step may not run, e.g. a ``GradScaler`` skipping it)."""
         self._overlap.turn.release()
 
     def maybe_save(self, make_state: Callable[[], Any], step: int, *,
                    metadata: dict[str, Any] | None = None) -> SaveHandle | None:
-        """Save if the save policy — or a preemption notice — says so; builds the state only then.
-
-        After a preemption notice the first call saves ``step`` (unless saved already), waits up to
-        ``preemption_grace_s`` for the commit and upload, and sets :attr:`preempted`. With several
-        processes every rank calls it at the same steps; rank 0's policy decides for all and a notice
-        on any rank counts for every rank (:meth:`decide`).
-
-        Returns:
-            The save's handle, or ``None`` when it did not save.
-
-        Raises:
-            ConfigError: no ``save_policy``; the ranks passed different steps, or their collectives
-                have no decision channel. Otherwise as :meth:`save`.
+        """Save if the save policy — or a preemption notice — says so (building the state only then); the
+        handle, or ``None``. After a notice the first call saves, waits up to ``preemption_grace_s`` for the
+        commit and upload and sets :attr:`preempted`. Every rank calls it at the same steps; rank 0's policy
+        decides for all (:meth:`decide`). Raises ``ConfigError`` without a ``save_policy``; otherwise as :meth:`save`.
         """
         decided, preempting = self.decide(step)
         handle = self.save(make_state(), step, metadata=metadata) if decided else None
@@ -199,11 +135,8 @@ class CheckpointEngine:
         return self._scheduler.decide(step)
 
     def should_save(self, step: int, *, policy: SavePolicy | None = None) -> bool:
-        """This process's decision alone (``policy``: an adapter's own instead of ``save_policy``).
-
-        Each call is a decision point; the gaps between them measure how much a running write slows
-        training (``summary()["write_slowdown"]``). Raises ``ConfigError`` without any policy.
-        """
+        """This process's decision alone (``policy``: an adapter's own instead of ``save_policy``); each call is
+        a decision point (the gaps measure how much a running write slows training)."""
         self._check_open()
         return self._scheduler.should_save(step, policy=policy)
 
@@ -228,33 +161,17 @@ class CheckpointEngine:
         return self._scheduler.context(step)
 
     def summary(self) -> dict[str, float | int | None]:
-        """How checkpointing went so far: saves, intervals, stall fraction, slowdown, upload lag.
-
-        Keys: ``saves``, ``interval_p50_s``/``interval_p90_s``/``interval_p50_steps`` (between saves' starts),
-        ``stall_p50_s`` and ``stall_fraction`` (what ``save()`` blocked, of the time since the engine started),
-        ``fence_wait_s`` (what guarded updates waited for background copies, all told: not in the stall),
-        ``overlapped_saves`` (saves whose copy ran in the background, behind :meth:`guard`),
-        ``save_p50_s`` (``save()`` to committed), ``write_slowdown`` (see :class:`DecisionContext`),
-        ``upload_lag_p50_s``; with a remote also ``remote_behind_steps``,
-        ``remote_behind_bytes``, ``oldest_unsynced_age_s`` and ``upload_failures`` (how far behind the
-        remote is). ``None`` where nothing is measured yet.
-        """
-        summary = self._history.summary()
-        summary["overlapped_saves"] = self._overlap.runs
-        if self._pipeline.sync is not None:
-            summary.update(self._pipeline.sync.backlog())
-        return summary
+        """How checkpointing went so far (``None`` where nothing is measured yet): ``saves``, intervals, the stall
+        (``stall_p50_s``, ``stall_fraction``), ``fence_wait_s``, ``overlapped_saves``, ``save_p50_s``,
+        ``write_slowdown``, ``upload_lag_p50_s``; with a remote, how far behind it is (``remote_behind_steps``,
+        ``remote_behind_bytes``, ``oldest_unsynced_age_s``, ``upload_failures``). The docs list each key."""
+        return self._parts.summary()
 
     def prune(self) -> None:
-        """Apply the retention policies to both tiers now (they also run after every commit and upload).
-
-        Call it when what a policy keeps changed in between (an adapter dropped a reference).
-        Pending and uploading checkpoints and the newest one are kept as always.
-        """
+        """Apply the retention policies to both tiers now (they also run after every commit and upload): when
+        what a policy keeps changed in between. Pending, uploading and the newest checkpoints are kept."""
         self._check_open()
         self._pipeline.prune()
-
-    # ------------------------------------------------------------------ drain
 
     def _check_open(self) -> None:
         if self._closed:
@@ -286,15 +203,7 @@ class CheckpointEngine:
             self.wait()
         finally:
             self._closed = True
-            if self._own_notice is not None:
-                self._own_notice.restore()
-            self._overlap.close()
-            self._pool.close()
-            self._pipeline.close()
-            if self._tier is not None:
-                self._tier.close()
-            self._reader.close()
-            self._parts.dir_lock.release()
+            self._parts.close()
 
     def __enter__(self) -> CheckpointEngine:
         return self
@@ -307,8 +216,6 @@ class CheckpointEngine:
             self.close()
         except PersistError as background:  # do not mask the body's exception; still report this one
             log.error("[rank=%d] background failure while leaving on %r: %s", self._coll.rank, exc, background)
-
-    # ------------------------------------------------------------------ read
 
     @property
     def local_dir(self) -> Path:
@@ -328,15 +235,10 @@ class CheckpointEngine:
         return self._reader.list(tier)
 
     def resume_from(self, step: int, *, from_remote: bool = False) -> None:
-        """Say that this run continues from committed checkpoint ``step`` (``load`` says so by itself).
-
-        A save past ``step`` while newer checkpoints are committed starts a new branch: those are set
-        aside on both tiers (kept, listed by :meth:`abandoned`, never pruned, never the latest).
-        ``from_remote``: it was downloaded (a fresh machine), so this run takes over the lease of the
-        run that wrote it on ``remote_url``.
-
-        Raises:
-            ConfigError: ``step`` is not a step committed on either tier (those that are are named).
+        """Say that this run continues from committed checkpoint ``step`` (``load`` says so by itself). A save
+        past it while newer ones are committed starts a branch: those are set aside on both tiers (kept, listed
+        by :meth:`abandoned`). ``from_remote``: it was downloaded, so this run takes over the remote's lease.
+        Raises ``ConfigError`` for a step committed on neither tier (naming those that are).
         """
         self._continue_from(_knobs.check_resume_step(step, self._reader), from_remote=from_remote)
 
@@ -359,22 +261,11 @@ class CheckpointEngine:
 
     def load(self, step: int | None = None, *, into: Any = None, map_location: Any = "cpu",
              verify: bool | None = None, weights_only: bool = True) -> Any:
-        """Load the newest committed checkpoint that verifies, or the one for ``step``.
-
-        The local copy is used when it is there and verifies; otherwise the remote copy is
-        streamed into the tensors (ranged reads, verified; a local copy is written alongside and committed
-        after the load, for the next restore), so a fresh machine with an empty
-        ``local_dir`` resumes with ``engine.load()`` alone. With ``into`` (targets on this run's
-        mesh, e.g. ``{"model": msd, "optim": osd}`` from ``get_state_dict``) each rank fills its
-        tensors and ``DTensor`` s in place, reading only the byte ranges they need (resharding to
-        any number of ranks). ``PerRank`` values come back to the rank that saved them. Non-tensor
-        leaves are unpickled with an allowlist of the types training states hold unless
-        ``weights_only=False`` (full pickle: for checkpoints you trust). Same as
-        :meth:`CheckpointReader.load`.
-
-        Raises:
-            CheckpointNotFoundError: nothing committed (for ``step``) on any tier.
-            CorruptCheckpointError: no copy of ``step`` verifies (names the file).
+        """Load the newest committed checkpoint that verifies, or the one for ``step``: the local copy when it
+        verifies, else the remote's (streamed, verified, and kept locally for the next restore), so a fresh
+        machine resumes with ``engine.load()`` alone. ``into``: targets on this run's mesh filled in place
+        (resharding). ``weights_only=False``: full pickle, for checkpoints you trust. As
+        :meth:`CheckpointReader.load`; raises ``CheckpointNotFoundError`` or ``CorruptCheckpointError``.
         """
         self._check_open()
         kwargs = dict(into=into, map_location=map_location, verify=verify, rank=self._coll.rank,
