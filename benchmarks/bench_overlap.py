@@ -104,7 +104,7 @@ def accel(args: argparse.Namespace) -> None:
                                        file_ops=ops[k])
                    for i, k in enumerate(kinds[:4])}
         engines["saving, no yield"]._overlap.turn.hold = lambda: None  # the writes run through the updates
-        engines[WHOLE]._writer._yielding = lambda: False  # a chunk in one pwrite: it runs on through a hold
+        engines[WHOLE]._overlap.turn.piece_bytes = lambda: None  # a chunk in one pwrite: it runs on through a hold
         floors = {RAW: RawWrites(Path(work) / "raw", nbytes, piece=YIELD_PIECE_BYTES),
                   RAW_WHOLE: RawWrites(Path(work) / "raw32", nbytes, piece=CHUNK),
                   SNAPSHOT: SnapshotFloor(Path(work) / "snap", saved),

@@ -92,22 +92,21 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     root = config.local_dir
     coll = check_collectives(collectives)
     dir_lock = open_local_dir(root, rank=coll.rank)  # one writer per directory and rank
+    overlap = Overlap(rank=coll.rank)  # its turn: the background I/O below holds off while a guarded update runs
     try:
-        tier = None if config.remote_url is None else RemoteTier(config.remote_url, config.storage_options)
+        tier = None if config.remote_url is None else RemoteTier(config.remote_url, config.storage_options,
+                                                                 turn=overlap.turn)
     except BaseException:
         dir_lock.release()
         raise
     ledger = ErrorLedger()
     history = SaveHistory(clock, prior=recent_costs(root))  # a restarted job: what saves cost
-    overlap = Overlap(rank=coll.rank)
-    if tier is not None:
-        tier.turn = overlap.turn.wait  # uploads, too, hold off while a guarded update runs
-    pool = StagingPool(config.max_pending, pin=torch.cuda.is_available(), turn=overlap.turn.wait)
+    pool = StagingPool(config.max_pending, pin=torch.cuda.is_available(), turn=overlap.turn)
     pipeline = Pipeline(root, pool=pool, coll=coll, ops=file_ops or OsFileOps(), ledger=ledger, settings=config,
                         tier=tier, keep_local=config.keep_local, keep_remote=config.keep_remote,
                         latest_step=lambda: saver.latest_step, remote_timeout_s=config.remote_timeout_s,
                         max_unsynced_bytes=config.max_unsynced_bytes, run_id=config.run_id,
-                        turn=overlap.turn.wait, yielding=lambda: overlap.active,
+                        turn=overlap.turn,
                         slowdown=history.meter.slowdown, start_over=config.start_over)
     writer = pipeline.writer
     saver = Saver(coll=coll, pool=pool, writer=writer, overlap=overlap, history=history, ledger=ledger,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from persist_core.config import Config
 from persist_core.distributed import Collectives, decision_channel
-from persist_core.fileio import FileOps, no_wait
+from persist_core.fileio import FileOps
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.history import HistoryLog
@@ -27,6 +27,7 @@ from persist_core.tiers.local import LocalTier
 from persist_core.tiers.remote import RemoteTier
 from persist_core.timeline import Timeline
 from persist_core.save.writer import Writer
+from persist_core.turn import NO_TURN, Turn
 
 
 class Pipeline:
@@ -51,7 +52,7 @@ class Pipeline:
                  settings: Config, tier: RemoteTier | None, keep_local: RetentionPolicy | None,
                  keep_remote: RetentionPolicy | None, latest_step: Callable[[], int], remote_timeout_s: float = 300.0,
                  max_unsynced_bytes: int | None = None, run_id: str | None = None,
-                 turn: Callable[[], None] = no_wait, yielding: Callable[[], bool] = lambda: False,
+                 turn: Turn = NO_TURN,
                  slowdown: Callable[[], float | None] = lambda: None, start_over: bool = False) -> None:
         self._root = root
         self._slowdown = slowdown  # recorded with each commit: a restarted job's decisions start from it
@@ -63,7 +64,7 @@ class Pipeline:
         self.writer = Writer(root, pool=pool, coll=coll, ops=ops, ledger=ledger, after_commit=self._after_commit,
                              write_threads=settings.write_threads, chunk_bytes=settings.chunk_bytes,
                              direct_io=settings.direct_io, on_nodes=lambda nodes: self.sync.on_nodes(nodes),
-                             turn=turn, yielding=yielding)
+                             turn=turn)
         local = LocalTier(root)
         self.local = Retainer(local, keep_local, protected=lambda: self.sync.protected())
         #: this rank's side of uploads (the queue on rank 0): the one object the remote goes through
@@ -91,7 +92,7 @@ class Pipeline:
         """Local retention, where this rank applies it: rank 0, and the leader of each other node (the same
         policy over the same committed steps, keeping what rank 0 says is not uploaded: the same steps go)."""
         if self._node_leader():
-            self._turn()  # deleting a checkpoint is kernel work on the cores a guarded update is using
+            self._turn.wait()  # deleting a checkpoint is kernel work on the cores a guarded update is using
             self.local.apply()
 
     def _after_commit(self, handle: SaveHandle, manifest: Manifest) -> None:

@@ -36,40 +36,10 @@ from typing import Any
 import torch
 
 from persist_core.handle import SaveHandle
+from persist_core.turn import Turn
 from persist_core.planning.save import EntryCopy
 
 log = logging.getLogger(__name__)
-
-
-class Turn:
-    """Whose turn the host is: the training's while a guarded update runs (:meth:`hold` to :meth:`release`),
-    the writers' otherwise. Writer threads call :meth:`wait` before each piece of host work; a hold that is
-    never released (an update that raised before its post-hook) ends by itself after ``max_hold_s``."""
-
-    def __init__(self, max_hold_s: float = 1.0) -> None:
-        self._open = threading.Event()
-        self._open.set()
-        self._until = 0.0
-        self.max_hold_s = max_hold_s
-        self.held_s = 0.0  # total time writers waited for updates (the price in D of not slowing them)
-        self._held_lock = threading.Lock()  # several writer threads add to held_s
-
-    def hold(self) -> None:
-        self._until = time.monotonic() + self.max_hold_s
-        self._open.clear()
-
-    def release(self) -> None:
-        self._open.set()
-
-    def wait(self) -> None:
-        if self._open.is_set():
-            return
-        t0 = time.monotonic()
-        left = self._until - t0
-        if left > 0:
-            self._open.wait(left)
-        with self._held_lock:
-            self.held_s += time.monotonic() - t0
 
 
 class Guard:
@@ -124,11 +94,13 @@ class Overlap:
         hooks += [opt.register_step_post_hook(post_hook) for opt in optimizers]
         with self._lock:
             self._optimizers.extend(optimizers)
+            self.turn.guarded = True
         return Guard(self, optimizers, hooks)
 
     def _drop(self, optimizers: tuple[Any, ...]) -> None:
         with self._lock:
             self._optimizers = [o for o in self._optimizers if not any(o is p for p in optimizers)]
+            self.turn.guarded = bool(self._optimizers)
         self.turn.release()  # no post-hook of theirs will end a hold now
 
     def deferral(self) -> Callable[[EntryCopy], bool] | None:

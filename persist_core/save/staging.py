@@ -35,8 +35,8 @@ import torch
 from persist_core import hostmem
 from persist_core._knobs import PAGE_BYTES
 from persist_core.errors import PersistError
-from persist_core.fileio import no_wait
 from persist_core.planning.save import EntryCopy, ShardPlan
+from persist_core.turn import NO_TURN, Turn
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class StagingPool:
         pin: pin buffers (page-locked) for fast, asynchronous device-to-host copies.
     """
 
-    def __init__(self, slots: int, *, pin: bool, turn: Callable[[], None] = no_wait) -> None:
+    def __init__(self, slots: int, *, pin: bool, turn: Turn = NO_TURN) -> None:
         self._free: list[StagingBuffer | None] = [None] * slots  # None: a slot not allocated yet
         self._writing: list[StagingBuffer] = []  # being written, with progress reported
         self._cond = threading.Condition()
@@ -149,7 +149,7 @@ class StagingPool:
                 if buf is None:
                     return
                 if not buf.pinned:  # pinning (cudaHostAlloc) faults its pages in already
-                    hostmem.populate(buf.tensor.data_ptr(), buf.capacity, turn=self._turn, stop=lambda: self._closed)
+                    hostmem.populate(buf.tensor.data_ptr(), buf.capacity, turn=self._turn.wait, stop=lambda: self._closed)
         finally:
             with self._cond:
                 self._warming = None

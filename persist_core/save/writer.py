@@ -24,12 +24,13 @@ from typing import Any
 from persist_core.save.commit import Nodes, commit_checkpoint, discover_nodes
 from persist_core.distributed import Collectives
 from persist_core.errors import PersistError, StepExistsError, WriteError
-from persist_core.fileio import CHECKSUM_ALGORITHM, YIELD_PIECE_BYTES, FileOps, no_wait, write_file
+from persist_core.fileio import CHECKSUM_ALGORITHM, FileOps, write_file
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.layout import shard_filename
 from persist_core.save.staging import StagingBuffer, StagingPool
 from persist_core.tiers.local import checkpoint_dir
+from persist_core.turn import NO_TURN, Turn
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +64,15 @@ class Writer:
         ledger: where failures go.
         after_commit: called after each successful commit.
         write_threads / chunk_bytes / direct_io: see :class:`CheckpointEngine`.
-        turn: blocks while a guarded update has the host; yielding: a guard is on (each chunk is then written
-            in pwrites of :data:`~persist_core.fileio.YIELD_PIECE_BYTES`, so that a hold stops the next one).
+        turn: whose turn the host is (:class:`~persist_core.turn.Turn`): the writes wait while a guarded update
+            has it, and go in pieces while a guard is on.
     """
 
     def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
                  after_commit: AfterCommit, write_threads: int, chunk_bytes: int, direct_io: str,
-                 on_nodes: Callable[[Nodes], None] | None = None, turn: Callable[[], None] = no_wait,
-                 yielding: Callable[[], bool] = lambda: False) -> None:
+                 on_nodes: Callable[[Nodes], None] | None = None, turn: Turn = NO_TURN) -> None:
         self._root = root
-        self._turn = turn  # blocks while a guarded update has the host (overlap.Turn.wait)
-        self._yielding = yielding  # a guard is on: updates may hold the writes (which then go in small pieces)
+        self._turn = turn
         #: which ranks share local_dir: found out at the first save (one process: itself alone)
         self.nodes: Nodes | None = None if coll.world_size > 1 else discover_nodes(root, coll)
         self._on_nodes = on_nodes  # called once on the writer thread when the ranks turn out to be on several nodes
@@ -203,8 +202,8 @@ class Writer:
             name = job.filename or shard_filename(self._coll.rank)
             written = write_file(tmp / name, buf.memoryview(handle.stats.nbytes), pool=self._io,
                                  chunk_bytes=self._chunk_bytes, direct_io=self._direct_io, ops=self._ops,
-                                 on_chunk=on_chunk, turn=self._turn,
-                                 piece_bytes=YIELD_PIECE_BYTES if self._yielding() else None)
+                                 on_chunk=on_chunk, turn=self._turn.wait,
+                                 piece_bytes=self._turn.piece_bytes())
             if not settled:  # "auto" found out what this file system takes; keep to it
                 self._direct_io = "on" if written.direct_io else "off"
             timing.update(write_s=time.perf_counter() - t0, direct_io=written.direct_io)

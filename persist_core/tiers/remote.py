@@ -34,9 +34,10 @@ from persist_core.layout import (
     parse_abandoned_dirname,
     parse_checkpoint_dirname,
 )
-from persist_core.fileio import fsync_dir, no_wait
+from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.tiers.tier import CheckpointInfo
+from persist_core.turn import NO_TURN, Turn
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class RemoteTier:
         ConfigError: unknown protocol or missing fsspec backend; the message names the URL and the fix.
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, turn: Turn = NO_TURN) -> None:
         self.url = _knobs.check_remote_url(url).rstrip("/")
         storage_options = _knobs.check_storage_options(storage_options)
         try:
@@ -81,9 +82,7 @@ class RemoteTier:
         self.concurrency = _knobs.remote_concurrency()
         self.retries = _knobs.remote_retries()
         self.backoff_s = _knobs.remote_backoff_s()
-        #: called by the upload threads before each piece they send: the engine gives its guarded update's turn,
-        #: so uploads hold off while an update runs on the host, as the local writes do
-        self.turn: Callable[[], None] = no_wait
+        self._turn = turn  # waited for before each piece an upload sends: they hold off while an update runs
         self._s3: S3Transfer | None = None
         if self._is_s3:
             try:
@@ -240,12 +239,12 @@ class RemoteTier:
 
     def _put(self, local: Path, target: str) -> None:
         if self._s3 is not None:
-            self._s3.put_file(local, target, turn=self.turn)
+            self._s3.put_file(local, target, turn=self._turn.wait)
         elif self._is_s3:
             self.fs.put_file(str(local), target, chunksize=self.part_bytes, max_concurrency=self.concurrency,
-                             callback=_Yielding(self.turn))
+                             callback=_Yielding(self._turn.wait))
         else:
-            self.fs.put_file(str(local), target, callback=_Yielding(self.turn))
+            self.fs.put_file(str(local), target, callback=_Yielding(self._turn.wait))
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         if self._s3 is not None:

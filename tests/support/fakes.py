@@ -120,7 +120,7 @@ def record_upload_turns(monkeypatch: Any) -> list[str]:
     the real turn is waited for as before."""
     import traceback
 
-    from persist_core.save.overlap import Turn
+    from persist_core.turn import Turn
 
     callers: list[str] = []
     wait = Turn.wait

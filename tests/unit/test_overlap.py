@@ -126,7 +126,7 @@ def test_a_guarded_saves_duration_counts_its_background_copy(tmp_path):
 
 
 def test_a_turn_holds_writers_until_released_and_a_forgotten_hold_ends_by_itself():
-    from persist_core.save.overlap import Turn
+    from persist_core.turn import Turn
 
     turn = Turn()
     turn.hold()
