@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from persist_core import hostmem
-from persist_core._knobs import PAGE_BYTES
 from persist_core.errors import PersistError
 from persist_core.planning.save import EntryCopy, ShardPlan
 from persist_core.turn import NO_TURN, Turn
+from persist_core.save.allocators import Allocator, HostAllocator
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +48,11 @@ _HEADROOM_ALIGN = 2 << 20  # a warmed buffer is rounded up to this, plus 1/64, s
 class StagingBuffer:
     """One reusable, page-aligned host byte buffer."""
 
-    def __init__(self, capacity: int, *, pin: bool) -> None:
-        if pin:
-            self.tensor = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)  # page-aligned
-        else:
-            raw = torch.empty(capacity + PAGE_BYTES, dtype=torch.uint8)
-            skew = -raw.data_ptr() % PAGE_BYTES
-            self.tensor = raw[skew : skew + capacity]
+    def __init__(self, capacity: int, *, pin: bool = False, allocator: Allocator | None = None) -> None:
+        allocator = allocator or HostAllocator(pin=pin)
+        self.tensor = allocator.allocate(capacity)
         self.capacity = capacity
-        self.pinned = pin
+        self.pinned = allocator.pinned
         self.layout: bytes | None = None  # the header of the plan whose padding this buffer holds zeroed
         # guarded by the pool's lock: bytes [0, freed) the previous save no longer needs; the
         # chunks written beyond that prefix; whether the next save has claimed the buffer
@@ -79,13 +75,15 @@ class StagingPool:
     Args:
         slots: how many checkpoints may be staged or writing at once.
         pin: pin buffers (page-locked) for fast, asynchronous device-to-host copies.
+        turn: the warm-up's page faults hold off while a guarded update has the host.
+        allocator: where the buffers come from (default: this process's memory, pinned if ``pin``).
     """
 
-    def __init__(self, slots: int, *, pin: bool, turn: Turn = NO_TURN) -> None:
+    def __init__(self, slots: int, *, pin: bool, turn: Turn = NO_TURN, allocator: Allocator | None = None) -> None:
         self._free: list[StagingBuffer | None] = [None] * slots  # None: a slot not allocated yet
         self._writing: list[StagingBuffer] = []  # being written, with progress reported
         self._cond = threading.Condition()
-        self._pin = pin
+        self._allocator = allocator or HostAllocator(pin=pin)
         self._turn = turn  # the warm-up's page faults hold off while a guarded update runs
         self._warming: threading.Thread | None = None
         self._closed = False
@@ -107,9 +105,9 @@ class StagingPool:
                 return buf, time.perf_counter() - t0
         waited = time.perf_counter() - t0
         if buf is None or buf.capacity < nbytes:
-            log.debug("allocating a %s staging buffer of %d bytes", "pinned" if self._pin else "host", nbytes)
+            log.debug("allocating a %s staging buffer of %d bytes", type(self._allocator).__name__, nbytes)
             buf = None  # let the old one go before allocating the new one
-            buf = StagingBuffer(nbytes, pin=self._pin)
+            buf = StagingBuffer(nbytes, allocator=self._allocator)
             self.warm(nbytes)  # the slots still unallocated, for the next saves (max_pending > 1)
         return buf, waited
 
@@ -139,7 +137,7 @@ class StagingPool:
                         return
                     self._free.remove(None)  # this slot is being allocated (acquire waits for it, or takes another)
                 try:
-                    buf: StagingBuffer | None = StagingBuffer(capacity, pin=self._pin)
+                    buf: StagingBuffer | None = StagingBuffer(capacity, allocator=self._allocator)
                 except BaseException as e:  # too little memory: the first save allocates as before
                     log.info("could not warm a staging buffer of %d bytes: %s", capacity, e)
                     buf = None
