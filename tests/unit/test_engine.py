@@ -74,9 +74,9 @@ def test_second_save_waits_for_the_write_and_reuses_the_buffer(ckpt_dir, monkeyp
     allocations = []
     original = StagingBuffer.__init__
 
-    def counting(self, capacity, *, pin):
+    def counting(self, capacity, **how):
         allocations.append(capacity)
-        original(self, capacity, pin=pin)
+        original(self, capacity, **how)
 
     monkeypatch.setattr(StagingBuffer, "__init__", counting)
     ops = GatedOps()
