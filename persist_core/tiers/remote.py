@@ -1,13 +1,9 @@
-"""The remote tier: any fsspec URL, uploads with the manifest last, verified ranged downloads.
+"""The remote tier: any fsspec URL, uploads with the manifest last, verified ranged reads and downloads.
 
-Who calls what: the engine builds one :class:`RemoteTier` at construction (which checks only what
-needs no network and no write: the URL parses and its fsspec backend is installed), its sync thread calls :meth:`RemoteTier.upload` for each committed local
-checkpoint and :meth:`RemoteTier.remove` for retention, and ``load()`` calls
-:meth:`RemoteTier.download` when the local tier lacks a good copy.
-
-Commit on an object store: every shard object is uploaded (multipart, concurrent parts on S3)
-and its size checked, then the manifest object is written. A prefix without a manifest is not a
-checkpoint, so a crash mid-upload leaves nothing visible.
+Commit on an object store: every shard object is uploaded (multipart on S3) and its size checked, then the
+manifest object is written: a prefix without a manifest is not a checkpoint, so a crash mid-upload leaves nothing
+visible. Building one checks only what needs no network (the URL parses, its backend is installed); the sync thread
+uploads and removes, loads read.
 """
 
 from __future__ import annotations
@@ -38,6 +34,7 @@ from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.tiers.tier import CheckpointInfo
 from persist_core.turn import NO_TURN, Turn
+from persist_core.tiers._fsspec import Yielding, with_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +61,7 @@ class RemoteTier:
         self.url = _knobs.check_remote_url(url).rstrip("/")
         storage_options = _knobs.check_storage_options(storage_options)
         try:
-            self.fs, root = fsspec.core.url_to_fs(self.url, **_with_timeouts(self.url, storage_options))
+            self.fs, root = fsspec.core.url_to_fs(self.url, **with_timeouts(self.url, storage_options))
         except ImportError as e:
             raise ConfigError(
                 f"remote_url={url!r} needs an fsspec backend that is not installed ({e}); "
@@ -242,9 +239,9 @@ class RemoteTier:
             self._s3.put_file(local, target, turn=self._turn.wait)
         elif self._is_s3:
             self.fs.put_file(str(local), target, chunksize=self.part_bytes, max_concurrency=self.concurrency,
-                             callback=_Yielding(self._turn.wait))
+                             callback=Yielding(self._turn.wait))
         else:
-            self.fs.put_file(str(local), target, callback=_Yielding(self._turn.wait))
+            self.fs.put_file(str(local), target, callback=Yielding(self._turn.wait))
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         if self._s3 is not None:
@@ -307,11 +304,8 @@ class RemoteTier:
     # ------------------------------------------------------------------ download
 
     def verify(self, step: int, progress: Callable[[int], None] | None = None) -> list[str]:
-        """Read every file of remote checkpoint ``step`` (ranged, parallel) and check each chunk's crc32c.
-
-        Returns:
-            The problems found (a missing or short file, a chunk that does not match).
-        """
+        """Read every file of remote checkpoint ``step`` (ranged, parallel), each chunk against its crc32c; the
+        problems found (a missing or short file, a chunk that does not match)."""
         try:
             manifest = self.read_manifest(step)
         except CorruptCheckpointError as e:
@@ -337,14 +331,9 @@ class RemoteTier:
         return sorted(problems)
 
     def download(self, step: int, tmp: Path, progress: Callable[[int], None] | None = None) -> Manifest:
-        """Download ``step`` into the empty directory ``tmp`` with parallel ranged reads; its manifest.
-
-        Each chunk's crc32c is checked as it arrives; the manifest is written last. The caller
-        renames the directory into place (or removes it, after a failure).
-
-        Raises:
-            CorruptCheckpointError: a chunk does not match its checksum.
-            RemoteError: the remote could not be read.
+        """Download ``step`` into the empty directory ``tmp`` with parallel ranged reads, each chunk checked as it
+        arrives, the manifest written last (the caller renames ``tmp`` into place); its manifest. Raises
+        ``CorruptCheckpointError`` for a chunk that does not match, ``RemoteError`` when the remote cannot be read.
         """
         manifest = self.read_manifest(step)
         prefix = self._path(checkpoint_dirname(step))
@@ -409,29 +398,3 @@ class RemoteTier:
             done += os.pwrite(fd, view[done:], start + done)
         if progress is not None:
             progress(len(view))
-
-
-class _Yielding(fsspec.callbacks.Callback):
-    """An fsspec progress callback that waits for ``turn`` at each piece a transfer reports."""
-
-    def __init__(self, turn: Callable[[], None]) -> None:
-        super().__init__()
-        self._turn = turn
-
-    def call(self, *args: Any, **kwargs: Any) -> None:
-        self._turn()
-
-
-def _with_timeouts(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    """``storage_options`` with bounded network waits for S3 (``PERSIST_REMOTE_IO_TIMEOUT_S``), unless given:
-    botocore's own 60 s per read, retried by botocore and s3fs, let one half-open connection hold an upload
-    for many minutes. (Their retry counts stay: they absorb stale pooled connections after an outage.)"""
-    options = dict(storage_options or {})
-    if url.split("://", 1)[0] not in ("s3", "s3a"):
-        return options
-    timeout = _knobs.remote_io_timeout_s()
-    config = dict(options.get("config_kwargs") or {})
-    config.setdefault("read_timeout", timeout)
-    config.setdefault("connect_timeout", max(1, timeout // 2))
-    options["config_kwargs"] = config
-    return options

@@ -1,0 +1,37 @@
+"""What the remote tier adds to fsspec: a progress callback that gives a guarded update its turn, and bounded
+network waits for S3."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import fsspec
+
+from persist_core import _knobs
+
+
+class Yielding(fsspec.callbacks.Callback):
+    """An fsspec progress callback that waits for ``turn`` at each piece a transfer reports."""
+
+    def __init__(self, turn: Callable[[], None]) -> None:
+        super().__init__()
+        self._turn = turn
+
+    def call(self, *args: Any, **kwargs: Any) -> None:
+        self._turn()
+
+
+def with_timeouts(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` with bounded network waits for S3 (``PERSIST_REMOTE_IO_TIMEOUT_S``), unless given:
+    botocore's own 60 s per read, retried by botocore and s3fs, let one half-open connection hold an upload
+    for many minutes. (Their retry counts stay: they absorb stale pooled connections after an outage.)"""
+    options = dict(storage_options or {})
+    if url.split("://", 1)[0] not in ("s3", "s3a"):
+        return options
+    timeout = _knobs.remote_io_timeout_s()
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("read_timeout", timeout)
+    config.setdefault("connect_timeout", max(1, timeout // 2))
+    options["config_kwargs"] = config
+    return options
