@@ -159,8 +159,10 @@ def test_a_remote_down_at_start_is_one_warning_counted_in_upload_failures_and_it
 
     caplog.set_level(logging.WARNING, logger="persist_core.sync")
     proxy.outage(True)
+    # the first save waits (up to remote_timeout_s) for the start-up listing to be tried: a loaded machine's
+    # failed listing can take seconds, and the count is read right after
     engine = CheckpointEngine(tmp_path / "a", remote_url=f"s3://{bucket}/run", storage_options=_options(proxy),
-                              remote_timeout_s=2)
+                              remote_timeout_s=30)
     engine.save(state_for(1), step=1).wait_local()
     assert engine.summary()["upload_failures"] >= 1  # the outage shows while it lasts
     assert [r for r in caplog.records if r.levelno == logging.WARNING and "listing" in r.getMessage()]
