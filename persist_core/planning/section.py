@@ -77,8 +77,8 @@ class DataSection:
                 entries[f"__pad__.{pads}"] = {"dtype": "U8", "shape": [start - pos], "data_offsets": [pos, start]}
                 pads += 1
                 if header:
-                    copies.append(EntryCopy(pos, start, bytes(start - pos - len(header)) + header, torch.uint8,
-                                            (start - pos,)))
+                    copies.append(_new(EntryCopy, (pos, start, bytes(start - pos - len(header)) + header, torch.uint8,
+                                                   (start - pos,), "")))
                     slots.append(None)
             pos = start + nbytes
             entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": [start, pos]}

@@ -27,6 +27,7 @@ from persist_core.planning.partition import contiguous_strides
 from persist_core.planning.section import DataSection
 
 log = logging.getLogger(__name__)
+_new = tuple.__new__  # a named tuple from its fields in order, without its __new__'s keyword handling
 
 TAIL_ENTRY = "__pad__.zip"  # the safetensors entry over the archive's tail
 
@@ -56,27 +57,28 @@ def storage_refs(flat: FlatState, items: list[Item], *, split: bool = False) -> 
     if split:
         return StorageRefs({}, {})
     keys = {item.name: str(k) for k, item in enumerate(i for i in items if i.name != OBJECTS_ENTRY)}
+    state_tensors = flat.tensors
     tensors: dict[int, TensorRef] = {}
     for item in items:
         if not item.members:  # pickled bytes: data.pkl holds those leaves itself
             continue
-        members = [(m, flat.tensors[m.index][1]) for m in item.members]
-        dtypes = {t.dtype for _, t in members}
-        dtype = next(iter(dtypes))
+        held = [state_tensors[m.index][1] for m in item.members]
+        dtype = held[0].dtype
         stype = storage_type(dtype)
-        if len(dtypes) != 1 or stype is None:
-            log.debug("state cannot be written in torch.save's zip layout (%s); writing safetensors only", dtypes)
+        if stype is None or any(t.dtype != dtype for t in held):
+            log.debug("state cannot be written in torch.save's zip layout (%s); writing safetensors only",
+                      {t.dtype for t in held})
             return None
-        size = members[0][1].element_size()
+        size = held[0].element_size()
         if item.nbytes % size:
             return None
         ref = StorageRef(keys[item.name], stype, item.nbytes // size)
-        for m, t in members:
-            if m.offset % size:
+        for (_, offset, stride), t in zip(item.members, held):
+            if offset % size:
                 return None
             shape = tuple(t.shape)
-            tensors[id(t)] = TensorRef(ref, m.offset // size, shape,
-                                       m.stride if m.stride is not None else contiguous_strides(shape))
+            tensors[id(t)] = _new(TensorRef, (ref, offset // size, shape,
+                                              stride if stride is not None else contiguous_strides(shape)))
     return StorageRefs(keys, tensors)
 
 

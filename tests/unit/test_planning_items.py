@@ -14,7 +14,7 @@ import torch
 from persist_core.format.shard_file import OBJECTS_ENTRY, PER_RANK_ENTRY
 from persist_core.format.torch_zip import SplitShard, local_header, record_name
 from persist_core.format.tree import PerRank, flatten
-from persist_core.planning.items import (BlobSlot, EntryNames, Member, SpanSlot, TensorSlot, blob_item, dtensor_item,
+from persist_core.planning.items import (BlobSlot, EntryNames, Member, SpanSlot, blob_item, dtensor_item,
                                          plain_item, plan_items, records, shared_item, spans)
 from persist_core.planning.partition import storage_groups
 from persist_core.planning.section import DataSection
@@ -39,7 +39,7 @@ def test_a_plain_tensor_is_an_entry_of_its_dtype_and_shape_holding_it_from_offse
     item = plain_item(flat, 1, EntryNames())
     assert (item.name, item.dtype, item.shape, item.nbytes) == ("w", "I16", (2, 3), 12)
     assert item.source is t and (item.view, item.view_shape) == (torch.int16, (2, 3))
-    assert item.slot == TensorSlot(1) and item.slot.take(flat) is t
+    assert item.slot == Member(1) and item.slot.take(flat) is t
     assert item.members == (Member(1, 0, None),)
 
 
@@ -139,7 +139,7 @@ def test_items_start_on_64_bytes_the_gaps_are_pad_entries_and_the_section_ends_o
     assert entries["e"]["data_offsets"] == [64, 64] and entries["b"]["data_offsets"] == [64, 128]
     assert entries["__pad__.1"]["data_offsets"] == [129, 4096]  # the last pad: to 4 KiB
     assert [(c.begin, c.end, c.name) for c in section.copies] == [(0, 12, "a"), (64, 128, "b"), (128, 129, "c")]
-    assert section.slots == [TensorSlot(0), TensorSlot(2), TensorSlot(3)]  # an empty tensor has no copy
+    assert section.slots == [Member(0), Member(2), Member(3)]  # an empty tensor has no copy
 
 
 def test_a_local_header_ends_the_pad_before_its_item_and_pushes_it_on_when_the_pad_is_short():
