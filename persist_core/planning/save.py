@@ -33,6 +33,8 @@ from persist_core.planning.section import DataSection, EntryCopy
 from persist_core.planning.sharding import Sharding, localize, replica_digests
 from persist_core.planning.torch_loadable import lay_out, storage_refs
 
+_new = tuple.__new__  # a named tuple from its fields in order, without its __new__'s keyword handling
+
 __all__ = ["EntryCopy", "PlanCache", "RankPlan", "ShardPlan", "plan_rank", "plan_shard"]
 
 
@@ -64,9 +66,9 @@ class ShardPlan:
     def rebind(self, flat: FlatState) -> ShardPlan:
         """This layout filled from ``flat``, a state of the same structure (:class:`PlanCache` decides that):
         the same header, records and offsets, each copy's source taken from ``flat``."""
-        return dataclasses.replace(self, copies=[c if s is None else EntryCopy(c.begin, c.end, s.take(flat), c.dtype,
-                                                                               c.shape, c.name)
-                                                 for c, s in zip(self.copies, self.slots)])
+        return dataclasses.replace(self, copies=[
+            c if s is None else _new(EntryCopy, (c.begin, c.end, s.take(flat), c.dtype, c.shape, c.name))
+            for c, s in zip(self.copies, self.slots)])
 
     def unbound(self) -> ShardPlan:
         """This layout without its sources (what a cache keeps: no tensor stays alive for it)."""
