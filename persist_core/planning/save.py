@@ -1,53 +1,41 @@
 """What one rank writes: the byte layout of its shard file and where each byte comes from.
 
-:func:`plan_shard` turns a flattened state (and, with several ranks, the owner of each storage
-group) into a :class:`ShardPlan`: the header bytes, the copies that fill the data section, and
-the manifest records. The staging copy (:mod:`persist_core.save.staging`) executes it.
+:func:`plan_rank` flattens a state and lays out this rank's shard of it (:class:`RankPlan`), reusing
+the layout of the last state of the same structure (:class:`PlanCache`). :func:`plan_shard` turns a
+flattened state (and, with several ranks, the owner of each storage group) into a
+:class:`ShardPlan`: the header bytes, the copies that fill the data section, and the manifest
+records. It runs in passes, each its own module:
+
+1. what the shard holds, one item per kind of leaf (:mod:`persist_core.planning.items`);
+2. where each item's bytes go (:mod:`persist_core.planning.section`), or, for a torch-loadable shard,
+   the same with the zip archive ``torch.load`` reads around them
+   (:mod:`persist_core.planning.torch_loadable`);
+3. the manifest records of the tensors the items hold (:func:`~persist_core.planning.items.records`).
+
+The staging copy (:mod:`persist_core.save.staging`) executes the plan. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
-
-from persist_core._knobs import ENTRY_ALIGN_BYTES, PAGE_BYTES
-from persist_core.format.shard_file import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    OBJECTS_ENTRY,
-    PER_RANK_ENTRY,
-    _RESERVED_PREFIXES,
-    dtype_name,
-    encode_header,
-    safetensors_dtype,
-)
 from persist_core.format.manifest import Manifest
-from persist_core.format.torch_zip import (HEADER_RECORD, Record, SplitShard, StorageRef, header_record, local_header,
-                                           pickle_state, record_name, storage_type, zip_tail)
 from persist_core.format.shape import Shape
+from persist_core.format.shard_file import dtype_name
+from persist_core.format.torch_zip import SplitShard
 from persist_core.format.tree import FlatState, flatten
 from persist_core.layout import shard_filename
-from persist_core.planning.partition import _span, assign_owners, contiguous_strides, storage_groups, structure_signature
+from persist_core.planning.items import Slot, plan_items, records, spans
+from persist_core.planning.partition import assign_owners, storage_groups, structure_signature
+from persist_core.planning.section import DataSection, EntryCopy
 from persist_core.planning.sharding import Sharding, localize, replica_digests
+from persist_core.planning.torch_loadable import lay_out, storage_refs
 
-log = logging.getLogger(__name__)
+_new = tuple.__new__  # a named tuple from its fields in order, without its __new__'s keyword handling
 
-
-class EntryCopy(NamedTuple):
-    """Copy ``source`` (viewed as ``dtype``/``shape``) into the data bytes ``[begin, end)``.
-
-    A named tuple, not a frozen dataclass: a cached plan makes one per tensor every save (0.3 us, not 2)."""
-
-    begin: int
-    end: int
-    source: torch.Tensor | bytes
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    name: str = ""  # the shard entry it fills (for messages)
+__all__ = ["EntryCopy", "PlanCache", "RankPlan", "ShardPlan", "plan_rank", "plan_shard"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +57,7 @@ class ShardPlan:
     records: list[dict[str, Any] | None]
     objects: list[tuple[int, int]]
     torch_zip: bool = False  # the file is also the zip archive torch.load reads (format/torch_zip.py)
-    slots: tuple[Any, ...] = ()  # per copy, where its source is in a flattened state (see rebind); None: bytes
+    slots: tuple[Slot | None, ...] = ()  # per copy, where its source is in a flattened state (see rebind); None: bytes
 
     @property
     def data_bytes(self) -> int:
@@ -78,27 +66,14 @@ class ShardPlan:
     def rebind(self, flat: FlatState) -> ShardPlan:
         """This layout filled from ``flat``, a state of the same structure (:class:`PlanCache` decides that):
         the same header, records and offsets, each copy's source taken from ``flat``."""
-        return dataclasses.replace(self, copies=[c if s is None else EntryCopy(c.begin, c.end, _source(flat, s), c.dtype,
-                                                                               c.shape, c.name)
-                                                 for c, s in zip(self.copies, self.slots)])
+        return dataclasses.replace(self, copies=[
+            c if s is None else _new(EntryCopy, (c.begin, c.end, s.take(flat), c.dtype, c.shape, c.name))
+            for c, s in zip(self.copies, self.slots)])
 
     def unbound(self) -> ShardPlan:
         """This layout without its sources (what a cache keeps: no tensor stays alive for it)."""
         return dataclasses.replace(self, copies=[c if s is None else c._replace(source=b"")
                                                  for c, s in zip(self.copies, self.slots)])
-
-
-def _source(flat: FlatState, slot: tuple[Any, ...]) -> torch.Tensor | bytes:
-    """The bytes a copy reads, by its slot: ``("tensor", i)``, ``("span", i, lo, n)`` (``n`` bytes at ``lo``
-    of tensor ``i``'s storage, which other tensors share), ``("per_rank",)`` or ``("objects",)``."""
-    kind = slot[0]
-    if kind == "tensor":
-        return flat.tensors[slot[1]][1]
-    if kind == "span":
-        first = flat.tensors[slot[1]][1]
-        return torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage(), slot[2],
-                                                                           (slot[3],), (1,))
-    return b"".join(flat.per_rank if kind == "per_rank" else flat.objects)
 
 
 def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners: list[int] | None = None,
@@ -115,165 +90,19 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
     """
     shardings = shardings or {}
     groups = storage_groups(flat, skip=shardings) if groups is None else groups
-
-    names: set[str] = set()
-
-    def unique(path: str, *, internal: bool = False) -> str:
-        base = path or "<root>"
-        if not internal and base.startswith(_RESERVED_PREFIXES):
-            base = "_" + base  # user keys never take an internal entry's name
-        name, n = base, 0
-        while name in names:
-            n += 1
-            name = f"{base}#{n}"
-        names.add(name)
-        return name
-
-    pending: list[tuple[str, str, list[int], int, Any, torch.dtype, tuple[int, ...], tuple[Any, ...]]] = []
-    records: list[dict[str, Any] | None] = [None for _ in flat.tensors]
-    for n_shared, idxs in enumerate(groups):
-        if owners is not None and owners[n_shared] != rank:
-            continue
-        if len(idxs) == 1:
-            path, t = flat.tensors[idxs[0]]
-            name = unique(path)
-            nbytes = t.numel() * t.element_size()
-            st = safetensors_dtype(t.dtype)
-            shape = list(t.shape) if st else [nbytes]
-            pending.append((name, st or "U8", shape, nbytes, t, t.dtype, tuple(t.shape), ("tensor", idxs[0])))
-            records[idxs[0]] = {"entry": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "stride": None, "offset": 0}
-            continue
-        spans = [_span(flat.tensors[i][1]) for i in idxs]
-        lo = min(b for b, _ in spans) // ENTRY_ALIGN_BYTES * ENTRY_ALIGN_BYTES
-        hi = max(e for _, e in spans)
-        slot = ("span", idxs[0], lo, hi - lo)
-        name = unique(f"__shared__.{n_shared}", internal=True)
-        pending.append((name, "U8", [hi - lo], hi - lo, _source(flat, slot), torch.uint8, (hi - lo,), slot))
-        for i, (b, _) in zip(idxs, spans):
-            t = flat.tensors[i][1]
-            records[i] = {"entry": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "stride": list(t.stride()), "offset": b - lo}
-
-    for i, sharding in shardings.items():
-        path, t = flat.tensors[i]
-        if not sharding.writes:
-            continue
-        name = unique(path)
-        nbytes = t.numel() * t.element_size()
-        st = safetensors_dtype(t.dtype)
-        pending.append((name, st or "U8", list(t.shape) if st else [nbytes], nbytes, t, t.dtype, tuple(t.shape),
-                        ("tensor", i)))
-        records[i] = {"entry": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "stride": None, "offset": 0}
-    if flat.per_rank:
-        blob = b"".join(flat.per_rank)
-        pending.append((PER_RANK_ENTRY, "U8", [len(blob)], len(blob), blob, torch.uint8, (len(blob),), ("per_rank",)))
-
-    objects: list[tuple[int, int]] = []
-    if flat.objects and rank == 0:
-        blob = b"".join(flat.objects)
-        pos = 0
-        for o in flat.objects:
-            objects.append((pos, len(o)))
-            pos += len(o)
-        pending.append((OBJECTS_ENTRY, "U8", [len(blob)], len(blob), blob, torch.uint8, (len(blob),), ("objects",)))
-
-    if torch_zip is None or (owners is not None and rank != 0) or shardings or flat.per_rank:
-        zipped = None
-    elif owners is not None:  # rank 0 of split writes: an archive whose data.pkl says where the state is
-        zipped = ({}, {})
+    items = plan_items(flat, groups, owners, rank, shardings)
+    section = DataSection()
+    refs = None
+    if torch_zip is not None and (owners is None or rank == 0) and not shardings and not flat.per_rank:
+        refs = storage_refs(flat, items, split=owners is not None)
+    if refs is None:
+        section.place(items)
+        header = section.close()
     else:
-        zipped = _zip_refs(flat, groups, pending, records)
-    header_entries: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)}}
-    copies: list[EntryCopy] = []
-    slots: list[tuple[Any, ...] | None] = []
-    pos = 0
-    n_pad = 0
-    zip_records: list[tuple[bytes, int, int]] = []  # (name, local header at, size), data-relative
-
-    def pad_to(align: int) -> None:
-        nonlocal pos, n_pad
-        gap = -pos % align
-        if gap:
-            header_entries[f"__pad__.{n_pad}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [pos, pos + gap]}
-            n_pad += 1
-            pos += gap
-
-    for name, st, shape, nbytes, source, dtype, tshape, slot in pending:
-        key = None if zipped is None else zipped[0].get(name)
-        if key is None:
-            pad_to(ENTRY_ALIGN_BYTES)
-        else:  # the record's local header ends the pad before it: the data stays where it would be
-            lh = local_header(record_name(key), nbytes)
-            start = pos + len(lh)
-            start += -start % ENTRY_ALIGN_BYTES
-            gap = start - pos
-            header_entries[f"__pad__.{n_pad}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [pos, start]}
-            n_pad += 1
-            copies.append(EntryCopy(pos, start, bytes(gap - len(lh)) + lh, torch.uint8, (gap,)))
-            slots.append(None)
-            zip_records.append((record_name(key), start - len(lh), nbytes))
-            pos = start
-        header_entries[name] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + nbytes]}
-        if nbytes:
-            copies.append(EntryCopy(pos, pos + nbytes, source, dtype, tshape, name))
-            slots.append(slot)
-        pos += nbytes
-    if zipped is None:
-        pad_to(PAGE_BYTES)
-        header = encode_header(header_entries)
-        return ShardPlan(header=header, file_bytes=len(header) + pos, copies=copies, records=records, objects=objects,
-                         slots=tuple(slots))
-
-    data_pkl = pickle_state(torch_zip, zipped[1])
-    header_len, tail, header = 2 * PAGE_BYTES, b"", b""
-    for _ in range(4):  # offsets in the tail are absolute; its length depends on them only past ZIP64's limits
-        st_len = header_len - PAGE_BYTES
-        placed = [Record(HEADER_RECORD, 0, st_len), *(Record(n, header_len + at, size) for n, at, size in zip_records)]
-        tail = zip_tail(placed, data_pkl, start=header_len + pos, align=PAGE_BYTES)
-        header_entries["__pad__.zip"] = {"dtype": "U8", "shape": [len(tail)], "data_offsets": [pos, pos + len(tail)]}
-        st_header = encode_header(header_entries)
-        header = header_record(len(st_header), PAGE_BYTES) + st_header
-        if len(header) == header_len:
-            break
-        header_len = len(header)
-    else:
-        raise AssertionError("the shard header did not settle")
-    copies.append(EntryCopy(pos, pos + len(tail), tail, torch.uint8, (len(tail),)))
-    slots.append(None)
-    pos += len(tail)
-    return ShardPlan(header=header, file_bytes=len(header) + pos, copies=copies, records=records, objects=objects,
-                     torch_zip=True, slots=tuple(slots))
-
-
-def _zip_refs(flat: FlatState, groups: list[list[int]], pending: list[tuple[Any, ...]],
-              records: list[dict[str, Any] | None]) -> tuple[dict[str, str], dict[int, Any]] | None:
-    """``({entry: storage key}, {id(tensor): (StorageRef, offset, shape, stride)})`` for ``data.pkl``,
-    or ``None`` when torch's format cannot say the state (a dtype without a torch storage type, a
-    storage group viewed as several dtypes)."""
-    keys = {p[0]: str(k) for k, p in enumerate(x for x in pending if x[0] != OBJECTS_ENTRY)}
-    sizes = {p[0]: p[3] for p in pending}
-    refs: dict[int, Any] = {}
-    for idxs in groups:
-        dtypes = {flat.tensors[i][1].dtype for i in idxs}
-        dtype = next(iter(dtypes))
-        stype = storage_type(dtype)
-        record = records[idxs[0]]
-        if len(dtypes) != 1 or stype is None or record is None:
-            log.debug("state cannot be written in torch.save's zip layout (%s); writing safetensors only", dtypes)
-            return None
-        size = flat.tensors[idxs[0]][1].element_size()
-        entry = record["entry"]
-        if sizes[entry] % size:
-            return None
-        ref = StorageRef(keys[entry], stype, sizes[entry] // size)
-        for i in idxs:
-            t, rec = flat.tensors[i][1], records[i]
-            assert rec is not None
-            stride = tuple(rec["stride"]) if rec["stride"] is not None else contiguous_strides(tuple(t.shape))
-            if rec["offset"] % size:
-                return None
-            refs[id(t)] = (ref, rec["offset"] // size, tuple(t.shape), stride)
-    return keys, refs
-
+        header = lay_out(section, items, refs, torch_zip)
+    return ShardPlan(header=header, file_bytes=len(header) + section.pos, copies=section.copies,
+                     records=records(flat, items), objects=spans(flat.objects) if flat.objects and rank == 0 else [],
+                     torch_zip=refs is not None, slots=tuple(section.slots))
 
 
 @dataclass(frozen=True)
@@ -303,7 +132,7 @@ class RankPlan:
                                            "sizes": list(sh.sizes)}]
             records[i] = {"dtype": dtype_name(self.flat.tensors[i][1].dtype), "shape": list(sh.shape),
                           "placements": sh.placements, "mesh": list(sh.mesh), "chunks": chunk}
-        per_rank = ((tuple((shard, b, n) for b, n in _spans(self.flat.per_rank)),) if self.flat.per_rank else ())
+        per_rank = ((tuple((shard, b, n) for b, n in spans(self.flat.per_rank)),) if self.flat.per_rank else ())
         return Manifest(step=step, time=time, world_size=1, tree=self.flat.tree, tensors=tuple(records),
                         objects=tuple((shard, b, n) for b, n in self.shard.objects), files=(),
                         metadata=dict(metadata or {}), per_rank=per_rank)
@@ -387,10 +216,3 @@ def plan_rank(state: Any, *, rank: int, world_size: int, torch_loadable: bool = 
     digests = replica_digests(flat, shardings, mode=replica_check, seed=seed) if world_size > 1 else []
     return RankPlan(flat=flat, shard=shard, signature=signature, rank=rank, shardings=shardings, digests=digests)
 
-
-def _spans(blobs: list[bytes]) -> list[tuple[int, int]]:
-    spans, pos = [], 0
-    for b in blobs:
-        spans.append((pos, len(b)))
-        pos += len(b)
-    return spans
