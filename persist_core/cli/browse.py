@@ -113,16 +113,15 @@ def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool, 
         if "tensor" in node:
             rec = m.tensors[node["tensor"]]
             n = 1
-            for d in rec["shape"]:
+            for d in rec.shape:
                 n *= d
-            size = n * torch.empty(0, dtype=dtype_from_name(rec["dtype"])).element_size()
-            sharded = "chunks" in rec
-            where = (f"sharded {rec.get('placements', '')} on mesh {tuple(rec.get('mesh', ()))}: "
-                     f"{len(rec['chunks'])} part(s) in {len({c['file'] for c in rec['chunks']})} file(s)"
-                     if sharded else rec["file"])
-            rows.append({"name": name, "dtype": rec["dtype"], "shape": rec["shape"], "file": where,
-                         "elements": n, "bytes": size, "value": None, "sharded": sharded,
-                         "placements": rec.get("placements"), "mesh": rec.get("mesh")})
+            size = n * torch.empty(0, dtype=dtype_from_name(rec.dtype)).element_size()
+            where = (f"sharded {rec.placements or ''} on mesh {tuple(rec.mesh or ())}: "
+                     f"{len(rec.chunks)} part(s) in {len(set(rec.files()))} file(s)" if rec.chunks is not None
+                     else rec.file)
+            rows.append({"name": name, "dtype": rec.dtype, "shape": list(rec.shape), "file": where,
+                         "elements": n, "bytes": size, "value": None, "sharded": rec.sharded,
+                         "placements": rec.placements, "mesh": None if rec.mesh is None else list(rec.mesh)})
         elif "per_rank" in node:
             rows.append({"name": name, "dtype": "per-rank", "shape": None, "file": f"one per rank ({len(m.per_rank)})",
                          "elements": None, "bytes": sum(r[node["per_rank"]][2] for r in m.per_rank), "value": None})

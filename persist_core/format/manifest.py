@@ -14,6 +14,7 @@ and nothing in it is trusted before that checks (a version 1 manifest has none a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import asdict, dataclass, field, replace
@@ -22,7 +23,10 @@ from typing import Any
 import crc32c
 
 from persist_core.errors import CorruptCheckpointError
+from persist_core.format.records import Chunk, TensorRecord, _whole
 from persist_core.format.shard_file import FORMAT_NAME, FORMAT_VERSION
+
+__all__ = ["Chunk", "FileEntry", "Manifest", "TensorRecord"]
 
 _CHECKSUM_KEY = "manifest_crc32c"
 _CHECKSUM_TAIL = re.compile(rb',"' + _CHECKSUM_KEY.encode() + rb'":(\d{1,10})\}$')
@@ -93,11 +97,8 @@ class Manifest:
         time: wall time (seconds since the epoch) of the save.
         world_size: how many ranks wrote files.
         tree: the JSON encoding of the state's structure.
-        tensors: per tensor of the tree: ``file``, ``entry``, ``dtype``, ``shape``, ``stride``,
-            ``offset`` and ``replicated`` (whether every rank held the same value); for a sharded
-            tensor (version 4) ``dtype``, its global ``shape``, ``placements``, ``mesh`` and ``chunks``:
-            ``{file, entry, offsets, sizes}`` per box some rank wrote (C-contiguous in its entry),
-            which tile the tensor.
+        tensors: per tensor of the tree, its :class:`TensorRecord` (plain, or sharded: the chunks
+            ranks wrote, which tile it).
         objects: per pickled leaf of the tree: ``[file, begin, length]`` in its ``__objects__`` entry.
         files: the shard files.
         metadata: the user's JSON-able metadata.
@@ -113,7 +114,7 @@ class Manifest:
     time: float
     world_size: int
     tree: Any
-    tensors: tuple[dict[str, Any], ...]
+    tensors: tuple[TensorRecord, ...]
     objects: tuple[tuple[str, int, int], ...]
     files: tuple[FileEntry, ...]
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -143,8 +144,10 @@ class Manifest:
         return replace(self, node=node)
 
     def to_bytes(self) -> bytes:
-        body = json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, **asdict(self)},
-                          separators=(",", ":")).encode()
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["tensors"] = [t.to_json() for t in self.tensors]
+        fields["files"] = [asdict(f) for f in self.files]
+        body = json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, **fields}, separators=(",", ":")).encode()
         return body[:-1] + f',"{_CHECKSUM_KEY}":{crc32c.crc32c(body)}}}'.encode()
 
     @classmethod
@@ -184,7 +187,7 @@ class Manifest:
                 time=float(body["time"]),
                 world_size=int(body["world_size"]),
                 tree=body["tree"],
-                tensors=tuple(body["tensors"]),
+                tensors=tuple(TensorRecord.parse(r, i, where) for i, r in enumerate(body["tensors"])),
                 objects=tuple((str(f), int(b), int(n)) for f, b, n in body["objects"]),
                 files=tuple(FileEntry(**{**f, "chunks": tuple(f["chunks"])}) for f in body["files"]),
                 metadata=dict(body.get("metadata") or {}),
@@ -222,29 +225,17 @@ def _check_places(m: Manifest, where: str) -> None:
             raise CorruptCheckpointError(f"{where}: its entry for {f.name!r} has impossible sizes or checksums")
     placed = [fname for fname, _, _ in m.objects] + [fname for rank in m.per_rank for fname, _, _ in rank]
     for rec in m.tensors:
-        if not isinstance(rec, dict):
-            raise CorruptCheckpointError(f"{where}: a tensor record is {type(rec).__name__}, not an object")
-        placed += [c.get("file") for c in rec["chunks"]] if "chunks" in rec else [rec.get("file")]
+        placed += rec.files()
     stray = [p for p in placed if p not in names]
     if stray:
         raise CorruptCheckpointError(f"{where} places bytes in {str(stray[0])[:80]!r}, a file it does not list: "
                                      "the manifest is corrupt or crafted")
 
 
-def _whole(v: Any, minimum: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
-
-
-def _ints(v: Any, n: int | None = None) -> bool:
-    return isinstance(v, list) and all(_whole(x) for x in v) and (n is None or len(v) == n)
-
-
 def _check_schema(m: Manifest, where: str) -> None:
     """Every field a reader uses has the type and range it must (a crafted manifest carrying its own
     checksum is corrupt here, by name, instead of crashing a reader with a raw error or loading wrong
     values); the tree is walked without recursion, whatever its depth."""
-    from persist_core.format.shard_file import dtype_from_name, itemsize
-
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: {what}; the manifest is corrupt or crafted")
 
@@ -295,45 +286,6 @@ def _check_schema(m: Manifest, where: str) -> None:
             raise bad(f"a tree node of unknown kind {kind!r}")
     if len(seen_tensors) != len(m.tensors):
         raise bad(f"the tree names {len(seen_tensors)} of its {len(m.tensors)} tensor records")
-    for i, rec in enumerate(m.tensors):
-        try:
-            dtype = dtype_from_name(rec["dtype"])
-        except (KeyError, TypeError):
-            raise bad(f"tensor record {i} has no valid dtype") from None
-        shape = rec.get("shape")
-        if not _ints(shape):
-            raise bad(f"tensor record {i} has shape {shape!r}")
-        if "chunks" in rec:
-            _check_chunks(rec, i, shape, bad)
-            continue
-        if not isinstance(rec.get("entry"), str) or not _whole(rec.get("offset", 0)):
-            raise bad(f"tensor record {i} has entry {rec.get('entry')!r} / offset {rec.get('offset')!r}")
-        stride = rec.get("stride")
-        if stride is not None and not _ints(stride, len(shape)):
-            raise bad(f"tensor record {i} has stride {stride!r} for shape {shape}")
-        size = itemsize(dtype)
-        if rec.get("offset", 0) % size:
-            raise bad(f"tensor record {i}'s offset {rec['offset']} is not a multiple of its {size}-byte elements")
-
-
-def _check_chunks(rec: dict[str, Any], i: int, shape: list[int], bad: Any) -> None:
-    import math
-
-    boxes = []
-    for c in rec["chunks"] if isinstance(rec["chunks"], list) else [None]:
-        if not isinstance(c, dict) or not isinstance(c.get("entry"), str) or not _ints(c.get("offsets"), len(shape)) \
-                or not _ints(c.get("sizes"), len(shape)) \
-                or any(o + n > d for o, n, d in zip(c["offsets"], c["sizes"], shape)):
-            raise bad(f"sharded tensor record {i} has a chunk {str(c)[:80]} outside its shape {shape}")
-        boxes.append((c["offsets"], c["sizes"]))
-    if sum(math.prod(n) for _, n in boxes) != math.prod(shape):
-        raise bad(f"sharded tensor record {i}'s chunks do not cover its {math.prod(shape)} elements")
-    for a in range(len(boxes)):  # equal total and no overlap: they tile it
-        for b in range(a + 1, len(boxes)):
-            (oa, na), (ob, nb) = boxes[a], boxes[b]
-            if all(max(x, y) < min(x + n, y + m) for x, n, y, m in zip(oa, na, ob, nb)) and math.prod(na) \
-                    and math.prod(nb):
-                raise bad(f"sharded tensor record {i} has overlapping chunks")
 
 
 def _checked(raw: bytes, *, where: str) -> bytes:

@@ -29,6 +29,7 @@ from persist_core import hostmem
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format import unpickle
 from persist_core.format.manifest import FileEntry, Manifest
+from persist_core.format.records import Chunk, TensorRecord
 from persist_core.format.shard_file import (OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, itemsize,
                                             whole_entry_mismatch)
 from persist_core.format.tree import flatten, tensor_paths, unflatten
@@ -39,17 +40,17 @@ from persist_core.tiers.local import ShardFile
 log = logging.getLogger(__name__)
 
 
-def assemble(rec: dict[str, Any], entry_of: Callable[[dict[str, Any]], torch.Tensor], device: torch.device) -> torch.Tensor:
+def assemble(rec: TensorRecord, entry_of: Callable[[Chunk], torch.Tensor], device: torch.device) -> torch.Tensor:
     """The whole tensor of a sharded record from the byte tensor of each chunk's entry."""
-    dtype = dtype_from_name(rec["dtype"])
-    full = torch.empty(tuple(rec["shape"]), dtype=dtype, device=device)
-    for c in rec["chunks"]:
-        sizes = tuple(c["sizes"])
+    dtype = dtype_from_name(rec.dtype)
+    full = torch.empty(rec.shape, dtype=dtype, device=device)
+    for c in rec.chunks or ():
+        sizes = c.sizes
         if math.prod(sizes) == 0:
             continue
         raw = entry_of(c)
         part = (raw.view(dtype) if dtype != torch.uint8 else raw).view(sizes)
-        full[slices((tuple(c["offsets"]), sizes), (0,) * len(sizes))].copy_(part)
+        full[slices((c.offsets, sizes), (0,) * len(sizes))].copy_(part)
     return full
 
 
@@ -197,13 +198,13 @@ def _objects_now(plan: ReadPlan, manifest: Manifest, weights_only: bool, where: 
     return out
 
 
-def _plan_tensor(plan: ReadPlan, path: str, rec: dict[str, Any], target: torch.Tensor | None, device: torch.device,
+def _plan_tensor(plan: ReadPlan, path: str, rec: TensorRecord, target: torch.Tensor | None, device: torch.device,
                  where: str) -> torch.Tensor:
     """Request the bytes ``target`` (or, without one, the whole saved tensor) needs; returns what the
     state will hold there."""
     try:
-        dtype = dtype_from_name(rec["dtype"])
-        shape = tuple(int(n) for n in rec["shape"])
+        dtype = dtype_from_name(rec.dtype)
+        shape = rec.shape
         chunks = saved_chunks(rec)
     except CorruptCheckpointError:
         raise
@@ -248,7 +249,7 @@ def _plan_tensor(plan: ReadPlan, path: str, rec: dict[str, Any], target: torch.T
     return result
 
 
-def _check_entry(rec: dict[str, Any], header_dtype: str | None, nbytes: int, dtype: torch.dtype) -> None:
+def _check_entry(rec: TensorRecord, header_dtype: str | None, nbytes: int, dtype: torch.dtype) -> None:
     """A record agrees with the shard entry that holds it: a whole-entry tensor has the entry's dtype and
     exactly its bytes; a view into a shared entry stays inside it.
 
@@ -256,15 +257,15 @@ def _check_entry(rec: dict[str, Any], header_dtype: str | None, nbytes: int, dty
         RuntimeError: they disagree (the caller makes it a CorruptCheckpointError naming the record).
     """
     es = itemsize(dtype)
-    shape = rec["shape"]
-    if rec["stride"] is None:
+    shape = rec.shape
+    if rec.stride is None:
         problem = whole_entry_mismatch(header_dtype, nbytes, dtype, math.prod(shape))
         if problem is not None:
             raise RuntimeError(problem)
         return
     if math.prod(shape) == 0:
         return
-    last = rec["offset"] // es + sum((n - 1) * st for n, st in zip(shape, rec["stride"]))
+    last = rec.offset // es + sum((n - 1) * st for n, st in zip(shape, rec.stride))
     if (last + 1) * es > nbytes:
         raise RuntimeError(f"the view ends at byte {(last + 1) * es}, past its shared entry's {nbytes}")
 
@@ -314,21 +315,21 @@ def load_checkpoint(ckpt: Path | str, manifest: Manifest, *, pool: Executor, opt
     tensors = []
     for rec in manifest.tensors:
         try:
-            if "chunks" in rec:  # sharded: the whole tensor from every rank's part
-                tensors.append(assemble(rec, lambda c: entries[c["file"]][c["entry"]], device))
+            if rec.sharded:  # the whole tensor from every rank's part
+                tensors.append(assemble(rec, lambda c: entries[c.file][c.entry], device))
                 continue
-            entry = entries[rec["file"]][rec["entry"]]
-            dtype = dtype_from_name(rec["dtype"])
-            shape = tuple(rec["shape"])
-            _check_entry(rec, header_dtypes[rec["file"]].get(rec["entry"]), entry.numel(), dtype)
-            if rec["stride"] is None:
+            entry = entries[rec.file][rec.entry]
+            dtype = dtype_from_name(rec.dtype)
+            shape = rec.shape
+            _check_entry(rec, header_dtypes[rec.file].get(rec.entry), entry.numel(), dtype)
+            if rec.stride is None:
                 t = (entry.view(dtype) if dtype != torch.uint8 else entry).view(shape)
             else:
                 es = itemsize(dtype)
-                if rec["offset"] % es:
-                    raise RuntimeError(f"offset {rec['offset']} is not a multiple of {es}")
+                if rec.offset % es:
+                    raise RuntimeError(f"offset {rec.offset} is not a multiple of {es}")
                 t = torch.empty(0, dtype=dtype, device=entry.device).set_(
-                    entry.untyped_storage(), rec["offset"] // es, shape, tuple(rec["stride"])
+                    entry.untyped_storage(), rec.offset // es, shape, rec.stride
                 )
         except Exception as e:  # any failure to rebuild from a record means the record is damaged
             raise CorruptCheckpointError(f"{ckpt}: tensor record {rec} does not match its shard: {e}") from e

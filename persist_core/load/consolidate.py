@@ -35,16 +35,16 @@ def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, l
     entries: dict[str, Any] = {}
     pos = 0
     for path, rec in zip(paths, m.tensors):
-        dtype = dtype_from_name(rec["dtype"])
+        dtype = dtype_from_name(rec.dtype)
         name = safetensors_dtype(dtype)
         if name is None:
-            raise ConfigError(f"state[{path!r}] is {rec['dtype']}, which safetensors has no name for; export it with "
+            raise ConfigError(f"state[{path!r}] is {rec.dtype}, which safetensors has no name for; export it with "
                               "--format torch")
         n = 1
-        for d in rec["shape"]:
+        for d in rec.shape:
             n *= d
         size = n * itemsize(dtype)
-        entries[path] = {"dtype": name, "shape": rec["shape"], "data_offsets": [pos, pos + size]}
+        entries[path] = {"dtype": name, "shape": list(rec.shape), "data_offsets": [pos, pos + size]}
         pos += size
     values, skipped = {}, []
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from persist_core.errors import ConfigError, CorruptCheckpointError
+from persist_core.format.records import TensorRecord
 from persist_core.format.tree import is_dtensor
 from persist_core.planning.partition import contiguous_strides
 
@@ -70,12 +71,13 @@ def target_box(t: torch.Tensor) -> tuple[torch.Tensor, Box | None, tuple[int, ..
     return t, ((0,) * t.dim(), tuple(t.shape)), tuple(t.shape)
 
 
-def saved_chunks(rec: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chunks a tensor record was saved as (a record that is not sharded: one chunk, the whole tensor)."""
-    if "chunks" in rec:
-        return rec["chunks"]
-    return [{"file": rec["file"], "entry": rec["entry"], "offsets": [0] * len(rec["shape"]), "sizes": rec["shape"],
-             "offset": rec.get("offset", 0), "stride": rec.get("stride")}]
+def saved_chunks(rec: TensorRecord) -> list[dict[str, Any]]:
+    """The chunks a tensor record was saved as, as the reads plan them (a record that is not sharded: one chunk,
+    the whole tensor, with its offset into the entry and its stride)."""
+    if rec.chunks is not None:
+        return [c.to_json() for c in rec.chunks]
+    return [{"file": rec.file, "entry": rec.entry, "offsets": [0] * len(rec.shape), "sizes": list(rec.shape),
+             "offset": rec.offset, "stride": None if rec.stride is None else list(rec.stride)}]
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from persist_core.format.manifest import Manifest
+from persist_core.format.records import Chunk, TensorRecord
 from persist_core.format.shape import Shape
 from persist_core.format.shard_file import dtype_name
 from persist_core.format.torch_zip import SplitShard
@@ -125,13 +126,17 @@ class RankPlan:
     def manifest(self, *, step: int, time: float, metadata: dict[str, Any] | None) -> Manifest:
         """This rank's manifest so far: records for the tensors it writes, no files yet (the commit adds them)."""
         shard = self.filename
-        records = [None if r is None else {"file": shard, **r, "replicated": True} for r in self.shard.records]
+        records: list[TensorRecord | None] = [
+            None if r is None else TensorRecord(dtype=r["dtype"], shape=tuple(r["shape"]), file=shard, entry=r["entry"],
+                                                stride=None if r["stride"] is None else tuple(r["stride"]),
+                                                offset=r["offset"], replicated=True)
+            for r in self.shard.records]
         for i, sh in self.shardings.items():  # a sharded tensor: its global shape and the chunks ranks add
             r = self.shard.records[i]
-            chunk = [] if r is None else [{"file": shard, "entry": r["entry"], "offsets": list(sh.offsets),
-                                           "sizes": list(sh.sizes)}]
-            records[i] = {"dtype": dtype_name(self.flat.tensors[i][1].dtype), "shape": list(sh.shape),
-                          "placements": sh.placements, "mesh": list(sh.mesh), "chunks": chunk}
+            chunk = () if r is None else (Chunk(file=shard, entry=r["entry"], offsets=tuple(sh.offsets),
+                                                sizes=tuple(sh.sizes)),)
+            records[i] = TensorRecord(dtype=dtype_name(self.flat.tensors[i][1].dtype), shape=tuple(sh.shape),
+                                      placements=sh.placements, mesh=tuple(sh.mesh), chunks=chunk)
         per_rank = ((tuple((shard, b, n) for b, n in spans(self.flat.per_rank)),) if self.flat.per_rank else ())
         return Manifest(step=step, time=time, world_size=1, tree=self.flat.tree, tensors=tuple(records),
                         objects=tuple((shard, b, n) for b, n in self.shard.objects), files=(),

@@ -312,24 +312,24 @@ def _replica_mismatches(base: Manifest, reports: list[Report]) -> list[str]:
 def _merge(base: Manifest, reports: list[Report]) -> Manifest:
     """Rank 0's manifest with every rank's file, the records of the tensors each wrote (the chunks of
     sharded ones from every rank) and each rank's PerRank values."""
-    tensors = [dict(t, chunks=list(t["chunks"])) if t is not None and "chunks" in t else t for t in base.tensors]
+    tensors = list(base.tensors)
     for rep in reports[1:]:
         for i, record in enumerate(rep.records or ()):
             if record is None:
                 continue
-            if "chunks" in record:
-                tensors[i]["chunks"] += record["chunks"]
+            if record.chunks is not None:
+                tensors[i] = dataclasses.replace(tensors[i], chunks=(*tensors[i].chunks, *record.chunks))
             else:
                 tensors[i] = record
     missing = [i for i, t in enumerate(tensors) if t is None]
     if missing:
         raise PersistError(f"no rank wrote tensors {missing[:5]} of the state")
     for i, t in enumerate(tensors):
-        if "chunks" in t and sum(math.prod(c["sizes"]) for c in t["chunks"]) != math.prod(t["shape"]):
-            held = sum(math.prod(c["sizes"]) for c in t["chunks"])
+        if t.chunks is not None and sum(math.prod(c.sizes) for c in t.chunks) != math.prod(t.shape):
+            held = sum(math.prod(c.sizes) for c in t.chunks)
             raise PersistError(
-                f"state[{tensor_paths(base.tree)[i]!r}] is sharded {t['placements']} over a mesh of {t['mesh']} but "
-                f"the ranks' parts hold {held} of its {math.prod(t['shape'])} elements: every rank of its mesh must "
+                f"state[{tensor_paths(base.tree)[i]!r}] is sharded {t.placements} over a mesh of {list(t.mesh or ())} "
+                f"but the ranks' parts hold {held} of its {math.prod(t.shape)} elements: every rank of its mesh must "
                 "save with one engine whose collectives span them (collectives=TorchCollectives.new_group())")
     return dataclasses.replace(base, world_size=len(reports), tensors=tuple(tensors),
                                files=tuple(rep.entry for rep in reports),

@@ -1,0 +1,136 @@
+"""The manifest's tensor records, typed: :class:`TensorRecord` (where one tensor of the state is) and :class:`Chunk`
+(one box of a sharded tensor). Parsed and checked once, when a manifest is read (:meth:`TensorRecord.parse`); written
+back as the same JSON, key for key (:meth:`TensorRecord.to_json`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from persist_core.errors import CorruptCheckpointError
+
+
+def _whole(v: Any, minimum: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+def _ints(v: Any, n: int | None = None) -> bool:
+    return isinstance(v, list) and all(_whole(x) for x in v) and (n is None or len(v) == n)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One box of a sharded tensor that some rank wrote, C-contiguous in entry ``entry`` of ``file`` (version 4)."""
+
+    file: str
+    entry: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "entry": self.entry, "offsets": list(self.offsets), "sizes": list(self.sizes)}
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one tensor of the state is.
+
+    A plain tensor (``chunks is None``): bytes from ``offset`` of entry ``entry`` of ``file``, laid out by ``stride``
+    (``None``: C-contiguous); ``replicated``: every rank held the same value (``None`` in manifests before it was
+    recorded). A sharded tensor (version 4): its global ``shape``, ``placements`` and ``mesh``, and the ``chunks``
+    ranks wrote, which tile it.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    file: str | None = None
+    entry: str | None = None
+    stride: tuple[int, ...] | None = None
+    offset: int = 0
+    replicated: bool | None = None
+    placements: Any = None
+    mesh: tuple[int, ...] | None = None
+    chunks: tuple[Chunk, ...] | None = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.chunks is not None
+
+    def files(self) -> list[str]:
+        """The files this record places bytes in."""
+        return [c.file for c in self.chunks] if self.chunks is not None else [self.file]  # type: ignore[list-item]
+
+    def as_chunks(self) -> list[Chunk]:
+        """The boxes holding the tensor: a plain tensor is one box, the whole of it."""
+        if self.chunks is not None:
+            return list(self.chunks)
+        return [Chunk(file=self.file, entry=self.entry, offsets=(0,) * len(self.shape), sizes=self.shape)]  # type: ignore[arg-type]
+
+    def to_json(self) -> dict[str, Any]:
+        if self.chunks is not None:
+            return {"dtype": self.dtype, "shape": list(self.shape), "placements": self.placements,
+                    "mesh": None if self.mesh is None else list(self.mesh), "chunks": [c.to_json() for c in self.chunks]}
+        out = {"file": self.file, "entry": self.entry, "dtype": self.dtype, "shape": list(self.shape),
+               "stride": None if self.stride is None else list(self.stride), "offset": self.offset}
+        if self.replicated is not None:
+            out["replicated"] = self.replicated
+        return out
+
+    @classmethod
+    def parse(cls, raw: Any, i: int, where: str) -> TensorRecord:
+        """Record ``i`` of the manifest read from ``where``, every field of the type and range a reader needs.
+
+        Raises:
+            CorruptCheckpointError: a field a reader uses is missing, of another type, or out of range (a crafted
+                manifest carrying its own checksum is corrupt here, by name).
+        """
+        from persist_core.format.shard_file import dtype_from_name, itemsize
+
+        def bad(what: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{where}: {what}; the manifest is corrupt or crafted")
+
+        if not isinstance(raw, dict):
+            raise CorruptCheckpointError(f"{where}: a tensor record is {type(raw).__name__}, not an object")
+        try:
+            dtype = dtype_from_name(raw["dtype"])
+        except (KeyError, TypeError):
+            raise bad(f"tensor record {i} has no valid dtype") from None
+        shape = raw.get("shape")
+        if not _ints(shape):
+            raise bad(f"tensor record {i} has shape {shape!r}")
+        if "chunks" in raw:
+            chunks = _chunks(raw["chunks"], i, shape, bad)
+            mesh = raw.get("mesh")
+            return cls(dtype=raw["dtype"], shape=tuple(shape), placements=raw.get("placements"),
+                       mesh=None if mesh is None else tuple(mesh), chunks=chunks)
+        entry, offset, stride = raw.get("entry"), raw.get("offset", 0), raw.get("stride")
+        if not isinstance(entry, str) or not _whole(offset):
+            raise bad(f"tensor record {i} has entry {entry!r} / offset {offset!r}")
+        if stride is not None and not _ints(stride, len(shape)):
+            raise bad(f"tensor record {i} has stride {stride!r} for shape {shape}")
+        size = itemsize(dtype)
+        if offset % size:
+            raise bad(f"tensor record {i}'s offset {offset} is not a multiple of its {size}-byte elements")
+        return cls(dtype=raw["dtype"], shape=tuple(shape), file=raw.get("file"), entry=entry,
+                   stride=None if stride is None else tuple(stride), offset=offset, replicated=raw.get("replicated"))
+
+
+def _chunks(raw: Any, i: int, shape: list[int], bad: Any) -> tuple[Chunk, ...]:
+    chunks = []
+    for c in raw if isinstance(raw, list) else [None]:
+        if not isinstance(c, dict) or not isinstance(c.get("entry"), str) or not _ints(c.get("offsets"), len(shape)) \
+                or not _ints(c.get("sizes"), len(shape)) \
+                or any(o + n > d for o, n, d in zip(c["offsets"], c["sizes"], shape)):
+            raise bad(f"sharded tensor record {i} has a chunk {str(c)[:80]} outside its shape {shape}")
+        chunks.append(Chunk(file=c.get("file"), entry=c["entry"], offsets=tuple(c["offsets"]), sizes=tuple(c["sizes"])))
+    boxes = [(c.offsets, c.sizes) for c in chunks]
+    if sum(math.prod(n) for _, n in boxes) != math.prod(shape):
+        raise bad(f"sharded tensor record {i}'s chunks do not cover its {math.prod(shape)} elements")
+    for a in range(len(boxes)):  # equal total and no overlap: they tile it
+        for b in range(a + 1, len(boxes)):
+            (oa, na), (ob, nb) = boxes[a], boxes[b]
+            if all(max(x, y) < min(x + n, y + m) for x, n, y, m in zip(oa, na, ob, nb)) and math.prod(na) \
+                    and math.prod(nb):
+                raise bad(f"sharded tensor record {i} has overlapping chunks")
+    return tuple(chunks)
