@@ -17,6 +17,7 @@ from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.layout import checkpoint_dirname, shard_filename
 from persist_core.save.commit import Nodes, commit_checkpoint, discover_nodes
 from persist_core.tiers.local import read_manifest
+from persist_core.format.records import Chunk, TensorRecord
 
 WAIT_S = 10.0
 
@@ -107,8 +108,8 @@ def base_for(rank: int, world: int, step: int, n_tensors: int | None = None, *, 
              time: float = 1.0) -> Manifest:
     n = n_tensors or world
     shard = shard_filename(rank)
-    records = tuple({"file": shard, "entry": f"t{i}", "dtype": "float32", "shape": [2], "stride": [1],
-                     "offset": 0, "replicated": False} if i % world == rank else None for i in range(n))
+    records = tuple(TensorRecord(file=shard, entry=f"t{i}", dtype="float32", shape=(2,), stride=(1,), offset=0,
+                                 replicated=False) if i % world == rank else None for i in range(n))
     return Manifest(step=step, time=time, world_size=1, tree=TREE_OF[n], tensors=records, objects=(), files=(),
                     per_rank=(((shard, 0, rank + 1),),) if per_rank else ())
 
@@ -184,7 +185,7 @@ def test_every_rank_succeeds_one_manifest_lists_every_rank_and_nothing_temporary
     assert committed == out[0]
     assert committed.world_size == world and committed.nodes == () and committed.node is None
     assert [f.rank for f in committed.files] == list(range(world))
-    assert [t["file"] for t in committed.tensors] == [shard_filename(i) for i in range(world)]  # merged
+    assert [t.file for t in committed.tensors] == [shard_filename(i) for i in range(world)]  # merged
     assert committed.per_rank == tuple(((shard_filename(r), 0, r + 1),) for r in range(world))
     for r in range(1, world):  # the others get their own base back
         assert out[r] == base_for(r, world, 7)
@@ -287,14 +288,14 @@ def test_ranks_that_disagree_commit_nothing_and_every_rank_is_told_why(tmp_path,
 def test_sharded_tensors_merge_every_ranks_chunks(tmp_path):
     def base(r: int) -> Manifest:
         b = base_for(r, 2, 7, n_tensors=1, per_rank=False)
-        rec = {"dtype": "float32", "shape": [4], "placements": ["S(0)"], "mesh": [2],
-               "chunks": [{"file": shard_filename(r), "entry": "t0", "offsets": [2 * r], "sizes": [2]}]}
+        rec = TensorRecord(dtype="float32", shape=(4,), placements=["S(0)"], mesh=(2,),
+                           chunks=(Chunk(file=shard_filename(r), entry="t0", offsets=(2 * r,), sizes=(2,)),))
         return Manifest(**{**vars(b), "tensors": (rec,)})
 
     out, _, _ = commit_all(tmp_path, 2, base=base)
     assert not any(isinstance(o, BaseException) for o in out), out
     (rec,) = read_manifest(tmp_path / checkpoint_dirname(7)).tensors
-    assert [(c["file"], c["offsets"]) for c in rec["chunks"]] == [(shard_filename(0), [0]), (shard_filename(1), [2])]
+    assert [(c.file, c.offsets) for c in rec.chunks] == [(shard_filename(0), (0,)), (shard_filename(1), (2,))]
 
 
 def test_a_rank_leaving_the_group_while_writing_commits_nothing(tmp_path):
