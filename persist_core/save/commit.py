@@ -273,6 +273,9 @@ def _commit_node(root: Path, name: str, manifest: Manifest, *, coll: Collectives
         except OSError as e:
             log.error("[step=%d] could not take back this node's copy %s after another node failed: %s",
                       manifest.step, final, e)
+    # every rank waits for its node's take-back: the temporary name holds the old copy until the leader has put it
+    # back, and the caller removes that name on every rank
+    coll.all_gather(None)
     return manifest, "; ".join(failures)
 
 

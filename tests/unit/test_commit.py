@@ -397,7 +397,8 @@ def test_a_node_that_cannot_commit_makes_the_others_take_theirs_back(tmp_path):
 
 def replacing_node_commit(tmp_path: Path, monkeypatch: Any, *, rank_1_first: bool) -> list[Path]:
     """Step 7 committed on both nodes (time 1.0), then re-saved (replace, time 2.0) with node 1's commit failing;
-    ``rank_1_first``: node 0's other rank ends its commit before rank 0 exchanges the old copy back."""
+    ``rank_1_first``: node 0's other rank is let go first (rank 0's take-back holds off half a second): it must
+    still wait for its leader's take-back before it removes the temporary name."""
     import persist_core.save.commit as commit
 
     roots = node_roots(tmp_path)
@@ -416,8 +417,8 @@ def replacing_node_commit(tmp_path: Path, monkeypatch: Any, *, rank_1_first: boo
                 rank_1_done.set()
 
     def exchange(new: Path, old: Path) -> None:  # rank 0 taking its copy back (commit_dir's own is not this one)
-        if rank_1_first:
-            assert rank_1_done.wait(WAIT_S)
+        if rank_1_first:  # give rank 1 every chance to remove the temporary name first: it must wait for this
+            assert not rank_1_done.wait(0.5), "rank 1 removed the temporary name before its leader's take-back"
         try:
             real_exchange(new, old)
         finally:
@@ -440,11 +441,6 @@ def test_a_failed_replacing_commit_puts_each_nodes_old_copy_back(tmp_path, monke
         assert leftovers(root) == []
 
 
-@pytest.mark.xfail(strict=True, reason="several nodes, replace=True, another node fails: the node leader's "
-                   "take-back exchanges its old copy back from the temporary name, but the node's other ranks "
-                   "rmtree that temporary name as soon as they learn the outcome; when they get there first the old "
-                   "committed copy is deleted (whole or in part) and the take-back fails (logged only): step-N is "
-                   "left holding the new copy every rank was told was not committed, or an emptied directory")
 def test_a_failed_replacing_commit_keeps_the_old_copy_whoever_cleans_up_first(tmp_path, monkeypatch):
     roots = replacing_node_commit(tmp_path, monkeypatch, rank_1_first=True)
     assert read_manifest(roots[0] / checkpoint_dirname(7)).time == 1.0
