@@ -127,6 +127,11 @@ class Manifest:
         """Total bytes of the shard files."""
         return sum(f.size for f in self.files)
 
+    def depends_on(self) -> set[int]:
+        """The committed checkpoints whose files hold bytes of this one (its chunks' references; none before
+        format version 6): retention keeps them while this one is kept."""
+        return {c.step for t in self.tensors for c in t.chunks or () if c.step is not None}
+
     def held(self) -> tuple[FileEntry, ...]:
         """The files this copy holds: every file, or (a node's copy) those its node's ranks wrote."""
         if self.node is None:
@@ -187,7 +192,7 @@ class Manifest:
                 time=float(body["time"]),
                 world_size=int(body["world_size"]),
                 tree=body["tree"],
-                tensors=tuple(TensorRecord.parse(r, i, where) for i, r in enumerate(body["tensors"])),
+                tensors=tuple(TensorRecord.parse(r, i, where, version) for i, r in enumerate(body["tensors"])),
                 objects=tuple((str(f), int(b), int(n)) for f, b, n in body["objects"]),
                 files=tuple(FileEntry(**{**f, "chunks": tuple(f["chunks"])}) for f in body["files"]),
                 metadata=dict(body.get("metadata") or {}),

@@ -19,17 +19,29 @@ def _ints(v: Any, n: int | None = None) -> bool:
     return isinstance(v, list) and all(_whole(x) for x in v) and (n is None or len(v) == n)
 
 
+#: the first format version whose chunks may name bytes in another checkpoint (incremental saves, issue 43)
+REFERENCES_VERSION = 6
+
+
 @dataclass(frozen=True)
 class Chunk:
-    """One box of a sharded tensor that some rank wrote, C-contiguous in entry ``entry`` of ``file`` (version 4)."""
+    """One box of a sharded tensor that some rank wrote, C-contiguous in entry ``entry`` of ``file`` (version 4).
+
+    ``step``: the committed checkpoint of this run whose ``file`` holds the bytes (a reference, from format
+    version 6 on: incremental saves write what did not change once); ``None``: this checkpoint's own file.
+    """
 
     file: str
     entry: str
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    step: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "entry": self.entry, "offsets": list(self.offsets), "sizes": list(self.sizes)}
+        out = {"file": self.file, "entry": self.entry, "offsets": list(self.offsets), "sizes": list(self.sizes)}
+        if self.step is not None:
+            out["step"] = self.step
+        return out
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,7 @@ class TensorRecord:
         return out
 
     @classmethod
-    def parse(cls, raw: Any, i: int, where: str) -> TensorRecord:
+    def parse(cls, raw: Any, i: int, where: str, version: int = REFERENCES_VERSION - 1) -> TensorRecord:
         """Record ``i`` of the manifest read from ``where``, every field of the type and range a reader needs.
 
         Raises:
@@ -100,7 +112,7 @@ class TensorRecord:
         if not _ints(shape):
             raise bad(f"tensor record {i} has shape {shape!r}")
         if "chunks" in raw:
-            chunks = _chunks(raw["chunks"], i, shape, bad)
+            chunks = _chunks(raw["chunks"], i, shape, bad, version)
             mesh = raw.get("mesh")
             return cls(dtype=raw["dtype"], shape=tuple(shape), placements=raw.get("placements"),
                        mesh=None if mesh is None else tuple(mesh), chunks=chunks)
@@ -116,14 +128,19 @@ class TensorRecord:
                    stride=None if stride is None else tuple(stride), offset=offset, replicated=raw.get("replicated"))
 
 
-def _chunks(raw: Any, i: int, shape: list[int], bad: Any) -> tuple[Chunk, ...]:
+def _chunks(raw: Any, i: int, shape: list[int], bad: Any, version: int) -> tuple[Chunk, ...]:
     chunks = []
     for c in raw if isinstance(raw, list) else [None]:
         if not isinstance(c, dict) or not isinstance(c.get("entry"), str) or not _ints(c.get("offsets"), len(shape)) \
                 or not _ints(c.get("sizes"), len(shape)) \
                 or any(o + n > d for o, n, d in zip(c["offsets"], c["sizes"], shape)):
             raise bad(f"sharded tensor record {i} has a chunk {str(c)[:80]} outside its shape {shape}")
-        chunks.append(Chunk(file=c.get("file"), entry=c["entry"], offsets=tuple(c["offsets"]), sizes=tuple(c["sizes"])))
+        step = c.get("step")
+        if step is not None and (version < REFERENCES_VERSION or not _whole(step)):
+            raise bad(f"sharded tensor record {i} has a chunk naming step {step!r}: references to another "
+                      f"checkpoint's bytes are format version {REFERENCES_VERSION} on, this manifest is {version}")
+        chunks.append(Chunk(file=c.get("file"), entry=c["entry"], offsets=tuple(c["offsets"]), sizes=tuple(c["sizes"]),
+                            step=step))
     boxes = [(c.offsets, c.sizes) for c in chunks]
     if sum(math.prod(n) for _, n in boxes) != math.prod(shape):
         raise bad(f"sharded tensor record {i}'s chunks do not cover its {math.prod(shape)} elements")

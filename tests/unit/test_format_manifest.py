@@ -89,3 +89,27 @@ def test_a_node_placement_that_does_not_fit_its_ranks_is_corrupt(nodes, node, pr
     bad = dataclasses.replace(good, nodes=tuple(tuple(n) for n in nodes), node=node)
     with pytest.raises(CorruptCheckpointError, match=problem):
         Manifest.from_bytes(bad.to_bytes(), where="m")
+
+
+def test_a_chunk_can_name_another_checkpoints_bytes_only_from_version_6():
+    """The seam of incremental saves (issue 43): a chunk record names the checkpoint holding its bytes, the manifest
+    says which checkpoints it depends on, and no version-5 manifest may carry such a reference."""
+    from persist_core.errors import CorruptCheckpointError
+    from persist_core.format.records import Chunk, TensorRecord
+
+    chunk = Chunk(file="rank-00000.safetensors", entry="w", offsets=(0,), sizes=(4,), step=30)
+    record = TensorRecord(dtype="float32", shape=(4,), placements="(Shard(dim=0),)", mesh=(1,), chunks=(chunk,))
+    raw = record.to_json()
+    assert raw["chunks"][0]["step"] == 30
+    assert TensorRecord.parse(raw, 0, "m", version=6) == record
+    with pytest.raises(CorruptCheckpointError, match="naming step 30.*version 6 on, this manifest is 5"):
+        TensorRecord.parse(raw, 0, "m", version=5)
+    own = Chunk(file="rank-00000.safetensors", entry="w", offsets=(0,), sizes=(4,))
+    assert "step" not in own.to_json()  # a chunk of this checkpoint's own: the JSON of version 5, unchanged
+    from persist_core.format.manifest import Manifest
+
+    def manifest(*chunks: Chunk) -> Manifest:
+        rec = TensorRecord(dtype="float32", shape=(4,), placements="(Shard(dim=0),)", mesh=(1,), chunks=chunks)
+        return Manifest(step=40, time=0.0, world_size=1, tree={"tensor": 0}, tensors=(rec,), objects=(), files=())
+
+    assert manifest(chunk).depends_on() == {30} and manifest(own).depends_on() == set()
