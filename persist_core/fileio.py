@@ -199,7 +199,7 @@ def commit_dir(tmp: Path, final: Path, manifest: bytes, *, ops: FileOps, replace
     left at ``tmp`` for the caller to remove (see :func:`exchange_dirs` for file systems without it).
 
     Raises:
-        OSError: any step failed; ``final`` then does not exist (or is not yet durable).
+        OSError: any step failed; ``final`` then names what it named before (nothing, or the old copy).
     """
     fd = ops.open(str(tmp / MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
@@ -211,11 +211,19 @@ def commit_dir(tmp: Path, final: Path, manifest: bytes, *, ops: FileOps, replace
     finally:
         ops.close(fd)
     fsync_dir(tmp)
-    if replace and os.path.lexists(final):
+    exchanged = replace and os.path.lexists(final)
+    if exchanged:
         exchange_dirs(tmp, final)
     else:
         os.rename(tmp, final)
-    fsync_dir(final.parent)
+    try:
+        fsync_dir(final.parent)
+    except OSError:  # not durable, so not committed: the names go back (the old copy, if any, to its own)
+        if exchanged:
+            exchange_dirs(tmp, final)
+        else:
+            os.rename(final, tmp)
+        raise
 
 
 _RENAME_EXCHANGE = 2

@@ -93,7 +93,7 @@ def discover_nodes(root: Path, coll: Collectives) -> Nodes:
         probe.write_bytes(b"")
     except OSError as e:
         error = f"rank {coll.rank} could not write {probe}: {e}"
-    coll.all_gather(error)  # every rank has written its probe (or failed to)
+    errors = [e for e in coll.all_gather(error) if e]  # every rank has written its probe (or failed to)
     try:
         seen = tuple(r for r in range(coll.world_size) if (root / node_probe_filename(token, r)).exists())
     except OSError:
@@ -103,7 +103,7 @@ def discover_nodes(root: Path, coll: Collectives) -> Nodes:
     problems = [f"rank {r} sees the probes of ranks {list(v)}" for r, v in enumerate(views)
                 if r not in v or any(views[o] != v for o in v)]
     if problems:
-        raise PersistError(f"the ranks' local_dir={str(root)!r} do not split into nodes: {'; '.join(problems[:4])}. "
+        raise PersistError(f"the ranks' local_dir={str(root)!r} do not split into nodes: {'; '.join(errors + problems[:4])}. "
                            "Give every node its own local_dir (node-local disks), or all ranks one shared directory")
     groups = tuple(sorted(set(views), key=lambda g: g[0]))
     return Nodes(groups=groups, mine=next(i for i, g in enumerate(groups) if coll.rank in g), rank=coll.rank)

@@ -346,8 +346,6 @@ def test_a_rank_that_cannot_write_its_probe_fails_discovery_on_every_rank(tmp_pa
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="discover_nodes gathers each rank's probe-write error and then drops it: the "
-                   "raised message says the views do not split, never why (the OSError of the failing rank)")
 def test_a_failing_probe_write_is_named_in_the_error(tmp_path):
     roots = [tmp_path, tmp_path / "missing"]
     out = run_ranks(World(2), lambda coll: discover_nodes(roots[coll.rank], coll))
@@ -446,9 +444,6 @@ def test_a_failed_replacing_commit_keeps_the_old_copy_whoever_cleans_up_first(tm
     assert read_manifest(roots[0] / checkpoint_dirname(7)).time == 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="commit_dir renames tmp to step-N and then fsyncs the parent; when that fsync "
-                   "fails rank 0 reports the commit as failed (every rank raises 'not committed') but step-N stays in "
-                   "place with a valid manifest")
 def test_a_commit_reported_failed_leaves_no_step_behind(tmp_path, monkeypatch):
     import persist_core.fileio as fileio
 
