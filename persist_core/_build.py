@@ -102,12 +102,8 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     ledger = ErrorLedger()
     history = SaveHistory(clock, prior=recent_costs(root))  # a restarted job: what saves cost
     pool = StagingPool(config.max_pending, pin=torch.cuda.is_available(), turn=overlap.turn)
-    pipeline = Pipeline(root, pool=pool, coll=coll, ops=file_ops or OsFileOps(), ledger=ledger, settings=config,
-                        tier=tier, keep_local=config.keep_local, keep_remote=config.keep_remote,
-                        latest_step=lambda: saver.latest_step, remote_timeout_s=config.remote_timeout_s,
-                        max_unsynced_bytes=config.max_unsynced_bytes, run_id=config.run_id,
-                        turn=overlap.turn,
-                        slowdown=history.meter.slowdown, start_over=config.start_over)
+    pipeline = Pipeline(config, pool=pool, coll=coll, ops=file_ops or OsFileOps(), ledger=ledger, tier=tier,
+                        latest_step=lambda: saver.latest_step, turn=overlap.turn, slowdown=history.meter.slowdown)
     writer = pipeline.writer
     saver = Saver(coll=coll, pool=pool, writer=writer, overlap=overlap, history=history, ledger=ledger,
                   wall_clock=wall_clock, torch_loadable=config.torch_loadable, replica_check=config.replica_check,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from persist_core.config import Config
 from persist_core.distributed import Collectives, decision_channel
@@ -20,7 +19,7 @@ from persist_core.fileio import FileOps
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.history import HistoryLog
-from persist_core.policies.retention import Retainer, RetentionPolicy
+from persist_core.policies.retention import Retainer
 from persist_core.save.staging import StagingPool
 from persist_core.sync import SyncJob, Syncer
 from persist_core.tiers.local import LocalTier
@@ -39,21 +38,18 @@ class Pipeline:
     rank 0 applies retention on the remote and uploads.
 
     Args:
-        root: ``local_dir``.
+        config: the engine's configuration (``local_dir``, how to write, retention, the remote's limits, ...).
         pool / coll / ops / ledger: as for :class:`Writer`.
-        settings: the engine's write settings.
         tier: the remote tier, or ``None``.
-        keep_local / keep_remote: the tiers' retention policies.
         latest_step: the newest step saved (for upload lag).
-        remote_timeout_s / max_unsynced_bytes / run_id / start_over: see :class:`CheckpointEngine`.
+        turn: the background I/O's turn (deletes wait for it too).
+        slowdown: what a running write costs training now (recorded with each commit).
     """
 
-    def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
-                 settings: Config, tier: RemoteTier | None, keep_local: RetentionPolicy | None,
-                 keep_remote: RetentionPolicy | None, latest_step: Callable[[], int], remote_timeout_s: float = 300.0,
-                 max_unsynced_bytes: int | None = None, run_id: str | None = None,
-                 turn: Turn = NO_TURN,
-                 slowdown: Callable[[], float | None] = lambda: None, start_over: bool = False) -> None:
+    def __init__(self, config: Config, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
+                 tier: RemoteTier | None, latest_step: Callable[[], int], turn: Turn = NO_TURN,
+                 slowdown: Callable[[], float | None] = lambda: None) -> None:
+        root = config.local_dir
         self._root = root
         self._slowdown = slowdown  # recorded with each commit: a restarted job's decisions start from it
         self._turn = turn
@@ -62,21 +58,23 @@ class Pipeline:
         self._coll = coll
         self.history = HistoryLog(root)  # what each save cost, for persist stats (rank 0 writes it)
         self.writer = Writer(root, pool=pool, coll=coll, ops=ops, ledger=ledger, after_commit=self._after_commit,
-                             write_threads=settings.write_threads, chunk_bytes=settings.chunk_bytes,
-                             direct_io=settings.direct_io, on_nodes=lambda nodes: self.sync.on_nodes(nodes),
+                             write_threads=config.write_threads, chunk_bytes=config.chunk_bytes,
+                             direct_io=config.direct_io, on_nodes=lambda nodes: self.sync.on_nodes(nodes),
                              turn=turn)
         local = LocalTier(root)
-        self.local = Retainer(local, keep_local, protected=lambda: self.sync.protected())
+        self.local = Retainer(local, config.keep_local, protected=lambda: self.sync.protected())
         #: this rank's side of uploads (the queue on rank 0): the one object the remote goes through
-        self.sync = Syncer(root, coll=coll, tier=tier, ledger=ledger, keep_remote=keep_remote, latest_step=latest_step,
+        self.sync = Syncer(root, coll=coll, tier=tier, ledger=ledger, keep_remote=config.keep_remote,
+                           latest_step=latest_step,
                            pending=self.writer.pending_steps, ours=self.writer.ours,
                            committed_steps=local.committed_steps, abandoned=local.abandoned_manifests,
                            node_leader=self._node_leader, after_upload=self._after_upload, retain=self.local.apply,
-                           remote_timeout_s=remote_timeout_s, max_unsynced_bytes=max_unsynced_bytes, run_id=run_id)
+                           remote_timeout_s=config.remote_timeout_s, max_unsynced_bytes=config.max_unsynced_bytes,
+                           run_id=config.run_id)
         chan = decision_channel(coll)
         agree = chan.broadcast if chan is not None and chan.world_size > 1 else (lambda refusal: refusal)
         self.timeline = Timeline(root, local, self.sync.queue, leader=leader, url=None if tier is None else tier.url,
-                                 start_over=start_over, listing_timeout_s=remote_timeout_s, agree=agree)
+                                 start_over=config.start_over, listing_timeout_s=config.remote_timeout_s, agree=agree)
         self.sync.start()  # now that local retention and the record can see it
 
     def adopt_remote_run(self) -> None:

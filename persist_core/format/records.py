@@ -73,12 +73,6 @@ class TensorRecord:
         """The files this record places bytes in."""
         return [c.file for c in self.chunks] if self.chunks is not None else [self.file]  # type: ignore[list-item]
 
-    def as_chunks(self) -> list[Chunk]:
-        """The boxes holding the tensor: a plain tensor is one box, the whole of it."""
-        if self.chunks is not None:
-            return list(self.chunks)
-        return [Chunk(file=self.file, entry=self.entry, offsets=(0,) * len(self.shape), sizes=self.shape)]  # type: ignore[arg-type]
-
     def to_json(self) -> dict[str, Any]:
         if self.chunks is not None:
             return {"dtype": self.dtype, "shape": list(self.shape), "placements": self.placements,
