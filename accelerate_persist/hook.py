@@ -39,6 +39,7 @@ from persist_core.layout import checkpoint_dirname
 from persist_core.links import Links
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistSession
+from persist_core.tiers.memory import memory_tier
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,11 @@ class PersistHook:
             on both tiers (kept, listed by ``persist ls``, never pruned) at the first save. Without it, the first
             ``save_state()`` of a run that resumed nothing there raises a ``ConfigError`` (resume with
             ``hook.resume()``).
+        memory_every_n_steps: keep a snapshot in host memory every this many optimizer steps (at
+            :meth:`maybe_save`): a restart on the same machine after a crash resumes from it with
+            :meth:`resume`, losing at most that many steps, without reading the disk. Without a
+            ``save_policy``, only ``save_state()`` writes to disk. One process for now (several: disk only).
+        memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist``).
     """
 
     def __init__(
@@ -122,13 +128,16 @@ class PersistHook:
         preemption_signals: tuple[int, ...] = (signal.SIGTERM,),
         overlap: bool = False,
         start_over: bool = False,
+        memory_every_n_steps: int | None = None,
+        memory_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        memory = memory_tier(memory_every_n_steps, memory_dir)
         self._options = Config.from_keywords(
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending,
             preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, save_policy=save_policy,
-            preemption_signals=preemption_signals, start_over=start_over)
+            preemption_signals=preemption_signals, start_over=start_over, memory=memory)
         if not isinstance(overlap, bool):
             raise ConfigError(f"overlap={overlap!r} must be True or False")
         self._overlap = overlap
@@ -307,11 +316,15 @@ class PersistHook:
             ConfigError: no ``save_policy`` was given.
         """
         engine = self._session_or_raise().open()
-        if self._options.save_policy is None:
-            raise ConfigError("maybe_save() needs PersistHook(save_policy=...), e.g. Continuous(min_interval_s=30)")
-        decision, preempting = engine.decide(self._optimizer_steps)  # agreed across processes
+        if self._options.save_policy is None and self._options.memory is None:
+            raise ConfigError("maybe_save() needs PersistHook(save_policy=...), e.g. Continuous(min_interval_s=30), "
+                              "or memory_every_n_steps=...")
+        step = self._optimizer_steps
+        decision, preempting = engine.decide(step)  # agreed across processes
         if decision:
             self._save_state()
+        elif self._options.memory is not None and self._options.memory.due(step) and not self._session.saved(step):
+            engine.maybe_snapshot(lambda: _state.capture(self._accelerator, optimizer_steps=step), step)
         if preempting:
             engine.finish_preemption()
         return decision
@@ -336,7 +349,7 @@ class PersistHook:
         self._session_or_raise().open().wait()
         self._report()
 
-    def close(self) -> None:
+    def close(self, *, _failed: bool = False) -> None:
         """Drain, then give the Accelerator back everything ``register`` changed. Idempotent.
 
         Its own ``save_state``/``load_state``/``end_training``, each optimizer's own ``step``, and
@@ -347,7 +360,7 @@ class PersistHook:
         session, acc = self._session, self._accelerator
         try:
             if session is not None:
-                session.close(sink=self._sink())
+                session.close(sink=self._sink(), failed=_failed)
         finally:
             if self._guard is not None:
                 self._guard.remove()
@@ -362,7 +375,7 @@ class PersistHook:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
+        self.close(_failed=exc is not None)  # a failed run keeps its memory snapshots for the restart
 
     def _end_training(self) -> None:
         self.wait()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from persist_core._knobs import check_callable
+from persist_core._knobs import check_callable, run_id_from_env
 from persist_core.config import Config
 from persist_core.distributed import Collectives, check_collectives
 from persist_core.errors import PersistError
@@ -29,9 +29,12 @@ from persist_core.policies.save import Clock
 from persist_core.preemption import PreemptionNotice, default_notice
 from persist_core.load.reader import CheckpointReader
 from persist_core.save.overlap import Overlap
+from persist_core.save.allocators import SlotAllocator
 from persist_core.save.saver import Saver
+from persist_core.save.snapshots import Snapshots
 from persist_core.save.staging import StagingPool
 from persist_core.scheduler import SaveScheduler
+from persist_core.sync.lease import local_run_id
 from persist_core.tiers.local import open_local_dir
 from persist_core.tiers.remote import RemoteTier
 
@@ -58,6 +61,7 @@ class Parts:
     scheduler: SaveScheduler
     reader: CheckpointReader
     own_notice: PreemptionNotice | None  # the engine's own SIGTERM notice, put back at close
+    snapshots: Snapshots | None = None  # the memory tier's save side
 
     def summary(self) -> dict[str, float | int | None]:
         """``CheckpointEngine.summary``: the history's, the overlapped saves, how far behind the remote is."""
@@ -67,12 +71,15 @@ class Parts:
             summary.update(self.pipeline.sync.backlog())
         return summary
 
-    def close(self) -> None:
-        """Put the signal back, stop the threads, release the tiers and the directory (after a drain)."""
+    def close(self, *, finished: bool = True) -> None:
+        """Put the signal back, stop the threads, release the tiers and the directory (after a drain);
+        ``finished``: the run ended well (its memory snapshots go; after a failure they stay for the restart)."""
         if self.own_notice is not None:
             self.own_notice.restore()
         self.overlap.close()
         self.pool.close()
+        if self.snapshots is not None:
+            self.snapshots.close(finished=finished)
         self.pipeline.close()
         if self.tier is not None:
             self.tier.close()
@@ -101,23 +108,50 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
         raise
     ledger = ErrorLedger()
     history = SaveHistory(clock, prior=recent_costs(root))  # a restarted job: what saves cost
-    pool = StagingPool(config.max_pending, pin=torch.cuda.is_available(), turn=overlap.turn)
+    snapshots = None if config.memory is None else _snapshots(config, root, coll)
+    if snapshots is None:
+        pool = StagingPool(config.max_pending, pin=torch.cuda.is_available(), turn=overlap.turn)
+    else:  # the staging buffers are the memory tier's slots: the newest snapshot's, one to fill, the writes'
+        pool = snapshots.pool = StagingPool(config.max_pending + 2, pin=False, turn=overlap.turn,
+                                            allocator=snapshots.allocator, reusing=snapshots.reusing)
     pipeline = Pipeline(config, pool=pool, coll=coll, ops=file_ops or OsFileOps(), ledger=ledger, tier=tier,
                         latest_step=lambda: saver.latest_step, turn=overlap.turn, slowdown=history.meter.slowdown)
     writer = pipeline.writer
     saver = Saver(coll=coll, pool=pool, writer=writer, overlap=overlap, history=history, ledger=ledger,
                   wall_clock=wall_clock, torch_loadable=config.torch_loadable, replica_check=config.replica_check,
-                  check_step=pipeline.timeline.check, check_backlog=pipeline.check_backlog)
+                  check_step=pipeline.timeline.check, check_backlog=pipeline.check_backlog, snapshots=snapshots)
     preemption = default_notice(config.save_policy) if config.preemption == "default" else config.preemption
     assert not isinstance(preemption, str)  # Config checked it
     scheduler = SaveScheduler(policy=config.save_policy, preemption=preemption, grace_s=config.preemption_grace_s,
                               coll=coll, history=history, clock=clock, in_flight=writer.in_flight,
                               known=lambda step: step in writer.pending_steps() or history.last_step() == step,
                               wait=wait)
-    reader = CheckpointReader(root, verify=config.verify, tier=tier, on_loaded=on_loaded)
+    scheduler.memory_only = snapshots is not None and config.save_policy is None
+    reader = CheckpointReader(root, verify=config.verify, tier=tier, on_loaded=on_loaded,
+                              memory=None if snapshots is None else snapshots.store)
     own_notice = preemption if preemption is not None and preemption.exit_after else None
     return Parts(root=root, coll=coll, dir_lock=dir_lock, tier=tier, ledger=ledger, history=history, overlap=overlap,
-                 pool=pool, pipeline=pipeline, saver=saver, scheduler=scheduler, reader=reader, own_notice=own_notice)
+                 pool=pool, pipeline=pipeline, saver=saver, scheduler=scheduler, reader=reader, own_notice=own_notice,
+                 snapshots=snapshots)
+
+
+def _snapshots(config: Config, root: Path, coll: Collectives) -> Snapshots | None:
+    """The memory tier's save side for ``config.memory`` (one process; several: disk only, said once)."""
+    assert config.memory is not None
+    if coll.world_size > 1:
+        log.warning("[rank=%d] the memory tier holds one process's snapshots for now; with %d processes this run "
+                    "saves to disk only", coll.rank, coll.world_size)
+        return None
+    store = config.memory.store(config.run_id or run_id_from_env() or local_run_id(root), coll.rank)
+
+    def full(why: str) -> None:
+        log.warning("[rank=%d] the memory tier has too little room (%s): saving to disk only; give %s more room "
+                    "(docker run --shm-size=...) or pass MemoryTier(memory_dir=...) a larger tmpfs", coll.rank, why,
+                    config.memory.base)
+
+    allocator = SlotAllocator(store.open_life, slots=config.max_pending + 2, free_bytes=store.free_bytes,
+                              pin=torch.cuda.is_available(), on_full=full)
+    return Snapshots(config.memory, store, allocator, chunk_bytes=config.chunk_bytes, rank=coll.rank)
 
 
 def close_at_exit(engine: CheckpointEngine) -> None:
@@ -134,7 +168,7 @@ def close_at_exit(engine: CheckpointEngine) -> None:
         live = ref()
         if live is not None and not live.closed:
             try:
-                live.close()
+                live._close(finished=False)  # not closed by the program: its memory snapshots stay
             except PersistError as e:
                 log.error("[rank=%d] at exit: %s", live.rank, e)
 

@@ -22,6 +22,7 @@ from persist_core.policies.anyof import policy_from_keywords
 from persist_core.policies.retention import RetentionPolicy, check_policy
 from persist_core.policies.save import SavePolicy, check_save_policy
 from persist_core.preemption import PreemptionNotice, check_grace
+from persist_core.tiers.memory import MemoryTier, check_memory
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +58,8 @@ class Config:
         replica_check: ``"sampled"``, ``"full"`` or ``"off"``: how ranks check the tensors they save as replicated.
         start_over: a run that resumes nothing sets every committed checkpoint of both tiers aside at its first
             save, instead of being refused beside another run's remote checkpoints.
+        memory: a :class:`~persist_core.tiers.memory.MemoryTier`: snapshots in host memory that outlives the
+            process (``maybe_save`` snapshots every ``every_n_steps``; loads read the freshest source first).
     """
 
     local_dir: Path
@@ -79,6 +82,7 @@ class Config:
     torch_loadable: bool = False
     replica_check: str = "sampled"
     start_over: bool = False
+    memory: MemoryTier | None = None
 
     def __post_init__(self) -> None:
         def resolved(name: str, value: Any) -> None:
@@ -113,6 +117,7 @@ class Config:
         _knobs.check_run_id(self.run_id)
         _knobs.check_remote(self.remote_url, self.storage_options)
         check_replica_mode(self.replica_check)
+        check_memory(self.memory)
         if self.remote_url is not None:
             _knobs.check_backend(self.remote_url)
 

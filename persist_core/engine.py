@@ -93,6 +93,30 @@ class CheckpointEngine:
         self._check_open()
         return self._parts.saver.save(state, step, metadata=metadata, resumed_at=self.resumed_step)
 
+    def snapshot(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> None:
+        """Copy ``state`` into the memory tier as ``step`` (nothing goes to disk); returns once it is copied. A
+        restart on this machine resumes from it (``load()`` reads the freshest source). :meth:`maybe_save` calls
+        it at the memory tier's steps; call it yourself to snapshot at steps of your choosing.
+
+        Raises:
+            ConfigError: the engine has no ``memory`` tier; a bad step or metadata.
+        """
+        self._check_open()
+        if self._parts.snapshots is None:
+            raise ConfigError("snapshot() needs CheckpointEngine(memory=MemoryTier(...)) (with one process)")
+        self._parts.saver.snapshot(state, step, metadata=metadata)
+
+    def maybe_snapshot(self, make_state: Callable[[], Any], step: int, *,
+                       metadata: dict[str, Any] | None = None) -> bool:
+        """:meth:`snapshot` if the memory tier is due at ``step`` (building the state only then); whether it did.
+        Without a memory tier (or once it ran out of room), nothing."""
+        self._check_open()
+        snapshots = self._parts.snapshots
+        if snapshots is None or not snapshots.due(step):
+            return False
+        self._parts.saver.snapshot(make_state(), step, metadata=metadata)
+        return True
+
     def guard(self, *optimizers: Any, step_hook: bool = True) -> Guard:
         """Overlap the next saves with training: ``save()`` returns after copying what the forward pass may
         mutate; the optimizers' parameters and state are copied in the background during the next forward and
@@ -119,12 +143,16 @@ class CheckpointEngine:
     def maybe_save(self, make_state: Callable[[], Any], step: int, *,
                    metadata: dict[str, Any] | None = None) -> SaveHandle | None:
         """Save if the save policy — or a preemption notice — says so (building the state only then); the
-        handle, or ``None``. After a notice the first call saves, waits up to ``preemption_grace_s`` for the
+        handle, or ``None``. With a ``memory`` tier, the steps it is due at (``every_n_steps``) are also snapshot
+        in memory (a step saved to disk is one already); without a ``save_policy`` only an explicit :meth:`save`
+        goes to disk. After a notice the first call saves, waits up to ``preemption_grace_s`` for the
         commit and upload and sets :attr:`preempted`. Every rank calls it at the same steps; rank 0's policy
         decides for all (:meth:`decide`). Raises ``ConfigError`` without a ``save_policy``; otherwise as :meth:`save`.
         """
         decided, preempting = self.decide(step)
         handle = self.save(make_state(), step, metadata=metadata) if decided else None
+        if not decided:  # a step saved to disk is a snapshot already
+            self.maybe_snapshot(make_state, step, metadata=metadata)
         if preempting:
             self.finish_preemption()
         return handle
@@ -178,7 +206,8 @@ class CheckpointEngine:
             raise PersistError(f"this CheckpointEngine on {self._root} is closed; create a new one")
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save is committed locally and, with a remote, uploaded.
+        """Block until every pending save is committed locally and, with a remote, uploaded (and every memory
+        snapshot taken is committed).
 
         Raises:
             TimeoutError: something is still pending after ``timeout`` seconds.
@@ -187,6 +216,8 @@ class CheckpointEngine:
         """
         _knobs.check_timeout(timeout)
         self._overlap.fence()
+        if self._parts.snapshots is not None:
+            self._parts.snapshots.wait()
         try:
             self._pipeline.drain(timeout)
         except RemoteError:
@@ -194,8 +225,13 @@ class CheckpointEngine:
             raise
         self._ledger.raise_first()
 
-    def close(self) -> None:
-        """Wait for pending saves, release threads; raises a background failure once. Idempotent."""
+    def close(self, *, keep_memory: bool = False) -> None:
+        """Wait for pending saves, release threads; raises a background failure once. Idempotent. The run is
+        over: its memory snapshots are removed, unless ``keep_memory`` (a run that failed: the restart reads
+        them; leaving a ``with`` block by an exception keeps them too)."""
+        self._close(finished=not keep_memory)
+
+    def _close(self, *, finished: bool) -> None:
         if self._closed:
             return
         self._pipeline.closing = True
@@ -203,7 +239,7 @@ class CheckpointEngine:
             self.wait()
         finally:
             self._closed = True
-            self._parts.close()
+            self._parts.close(finished=finished)
 
     def __enter__(self) -> CheckpointEngine:
         return self
@@ -213,7 +249,7 @@ class CheckpointEngine:
             self.close()
             return
         try:
-            self.close()
+            self._close(finished=False)  # the run failed: its memory snapshots stay for the restart
         except PersistError as background:  # do not mask the body's exception; still report this one
             log.error("[rank=%d] background failure while leaving on %r: %s", self._coll.rank, exc, background)
 

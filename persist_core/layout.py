@@ -203,3 +203,46 @@ def parse_abandoned_dirname(name: str) -> tuple[int, int] | None:
 def node_probe_filename(token: str, rank: int) -> str:
     """The file rank ``rank`` writes in ``local_dir`` so the ranks find out which of them share it."""
     return f"{NODE_PROBE_PREFIX}{token}-rank-{rank:05d}"
+
+
+# The memory tier (issue 42): snapshots in host shared memory that outlives the process::
+#
+#     memory_dir/                            /dev/shm/torch-persist by default
+#         <run-id>/rank-00000/               one rank's snapshots
+#             life-1a2b3c4d/                 one engine's (a process's) slots; flock-ed while it lives
+#                 slot-0  slot-1 ...         mapped staging buffers: a shard file image each
+#                 slot-0.json ...            a slot's commit record (its manifest), written after its bytes
+DEFAULT_MEMORY_DIR = "/dev/shm/torch-persist"
+_LIFE_RE = re.compile(r"life-([0-9a-f]{8,32})")
+_SLOT_RE = re.compile(r"slot-([0-9]{1,6})")
+SLOT_RECORD_SUFFIX = ".json"
+
+
+def memory_rank_dirname(rank: int) -> str:
+    """The directory of one rank's snapshots under ``memory_dir/<run-id>``."""
+    return f"rank-{rank:05d}"
+
+
+def life_dirname(token: str) -> str:
+    """The directory of one engine's slots (a lifetime of the process that mapped them)."""
+    name = f"life-{token}"
+    if _fullmatch(_LIFE_RE, name) is None:
+        raise ValueError(f"token={token!r} is not 8-32 hex digits")
+    return name
+
+
+def is_life_dirname(name: str) -> bool:
+    return _fullmatch(_LIFE_RE, name) is not None
+
+
+def slot_filename(index: int) -> str:
+    """A slot's mapped file; its commit record is this name + :data:`SLOT_RECORD_SUFFIX`."""
+    return f"slot-{index}"
+
+
+def parse_slot_record_name(name: str) -> str | None:
+    """The slot file a commit record ``slot-N.json`` belongs to, or ``None``."""
+    if not isinstance(name, str) or not name.endswith(SLOT_RECORD_SUFFIX):
+        return None
+    slot = name[: -len(SLOT_RECORD_SUFFIX)]
+    return slot if _fullmatch(_SLOT_RE, slot) is not None else None

@@ -51,6 +51,7 @@ class SaveScheduler:
         self._known = known
         self._wait = wait
         self._preempt_saved = False
+        self.memory_only = False  # no save_policy, a memory tier: maybe_save's disk decision is "no"
 
     def should_save(self, step: int, *, policy: SavePolicy | None = None) -> bool:
         """This process's decision alone; see :meth:`CheckpointEngine.should_save`."""
@@ -61,6 +62,8 @@ class SaveScheduler:
         if self.preemption_pending():
             return not known
         policy = policy or self._policy
+        if policy is None and self.memory_only:
+            return False  # a memory tier snapshots; disk saves are the explicit save() calls
         if policy is None:
             raise ConfigError("maybe_save() needs CheckpointEngine(save_policy=...), e.g. Continuous(min_interval_s=30)")
         return not known and bool(policy.should_save(self._history.context(step, writing)))

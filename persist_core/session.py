@@ -264,7 +264,7 @@ class PersistSession:
     # ---- the end
 
     def close(self, *, preempted: bool = False, sink: Sink | None = None,
-              announce: Callable[[str], None] | None = None) -> None:
+              announce: Callable[[str], None] | None = None, failed: bool = False) -> None:
         """Drain, prune, report each save, then the one summary line, and close; puts signal handlers
         back. Raises a failure once.
 
@@ -277,6 +277,7 @@ class PersistSession:
             sink: the adapter's loggers, for each save's stats.
             announce: where the summary goes (an adapter's console channel, e.g. Lightning's
                 rank-zero info); default: this module's log at INFO.
+            failed: the run ends by an exception: its memory snapshots stay for the restart.
         """
         engine, others = self._engine, list(self._others.values())
         self._engine, self._others = None, {}
@@ -302,7 +303,7 @@ class PersistSession:
                 engine.prune()
             finally:
                 summary = engine.summary()
-                engine.close()
+                engine.close(keep_memory=failed)
         finally:
             self.report(sink)
             if summary is not None:

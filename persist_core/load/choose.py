@@ -3,10 +3,8 @@ source to try it from, and (several ranks) the one step every rank loads.
 
 The restore-source order: a step is read from the first source in :data:`RESTORE_ORDER` that holds it;
 a copy that does not verify passes the load to the next source that holds it (the last one's failure is
-the load's). Today the sources are the local disk, then the remote. The memory tier (issue 42) puts this
-host's memory and a partner node's memory in front of them: one more name here, one more listing and one
-more read in the reader; :func:`agreed_load` still has every rank agree on one step first, whichever
-source each rank then reads it from.
+the load's). The sources are this host's memory (the memory tier, issue 42), the local disk, the remote;
+:func:`agreed_load` has every rank agree on one step first, whichever source each rank then reads it from.
 
 Pure but for :func:`agreed_load`, which makes the ranks' collective calls and the reader's reads.
 """
@@ -25,11 +23,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MEMORY = "memory"
 LOCAL = "local"
 REMOTE = "remote"
 
-#: Where a load looks for a step, first to last.
-RESTORE_ORDER: tuple[str, ...] = (LOCAL, REMOTE)
+#: Where a load looks for a step, first to last: this host's memory (a snapshot that outlived the process),
+#: the local disk, the remote.
+RESTORE_ORDER: tuple[str, ...] = (MEMORY, LOCAL, REMOTE)
 
 
 @dataclass(frozen=True)

@@ -25,14 +25,16 @@ from typing import Any, TypeVar
 
 from persist_core import _knobs
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RemoteError
-from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname, parse_shard_filename
+from persist_core.layout import RUN_ID_NAME, checkpoint_dirname, parse_checkpoint_dirname, parse_shard_filename
 from persist_core.ownership import discard
 from persist_core.format.manifest import Manifest
 from persist_core.load.assemble import load_checkpoint, load_into
 from persist_core.load.blocks import LoadStats
-from persist_core.load.choose import LOCAL, REMOTE, Listing
+from persist_core.load.choose import LOCAL, MEMORY, REMOTE, Listing
 from persist_core.load.plan import LoadOptions, check_weights_only
 from persist_core.load.remote import RemoteRestore
+from persist_core.sidefiles import read_side_file
+from persist_core.tiers.memory import MemoryStore, MemoryTier, check_memory
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_blocks, read_manifest
 from persist_core.tiers.tier import CheckpointInfo
@@ -60,6 +62,8 @@ class CheckpointReader:
         tier: an already open :class:`RemoteTier` to share (the engine passes its own).
         on_loaded: called with the manifest of each checkpoint a :meth:`load` returns (the engine warms
             its staging buffers for saves of that size).
+        memory: the run's :class:`~persist_core.tiers.memory.MemoryTier` (its snapshots are read first when
+            they are the freshest; the run is the one ``local_dir`` keeps the id of), or a store (the engine's).
 
     Raises:
         ConfigError: ``local_dir`` cannot be created, or the remote URL cannot be used.
@@ -74,6 +78,7 @@ class CheckpointReader:
         verify: bool = True,
         tier: RemoteTier | None = None,
         on_loaded: Callable[[Manifest], None] | None = None,
+        memory: MemoryTier | MemoryStore | None = None,
     ) -> None:
         self._root = Path(os.fspath(_knobs.check_local_dir(local_dir)).removeprefix("file://")).expanduser().absolute()
         if tier is None:
@@ -93,7 +98,11 @@ class CheckpointReader:
         self._on_loaded = on_loaded
         self._manifest: Manifest | None = None  # the manifest the last read went by
         # how each source in the restore-source order (load/choose.py) reads a step: (step, into, options) -> state
-        self._reads: dict[str, Callable[[int, Any, LoadOptions], Any]] = {LOCAL: self._local, REMOTE: self._remote}
+        self._reads: dict[str, Callable[[int, Any, LoadOptions], Any]] = {LOCAL: self._local, REMOTE: self._remote,
+                                                                           MEMORY: self._memory}
+        if not isinstance(memory, MemoryStore):
+            memory = _run_store(check_memory(memory), self._root)
+        self._memory_store = memory
 
     @property
     def local_dir(self) -> Path:
@@ -248,7 +257,8 @@ class CheckpointReader:
         local = set(committed_steps(self._root))
         remote = set(self._remote_or_nothing(self._tier.committed_steps, [])) if self._tier is not None else set()
         remote -= self._set_aside_here(remote - local)
-        return Listing.of(**{LOCAL: local, REMOTE: remote})
+        memory = self._memory_store.steps() if self._memory_store is not None else set()
+        return Listing.of(**{LOCAL: local, REMOTE: remote, MEMORY: memory})
 
     def _candidates(self, step: int | None) -> tuple[list[int], Listing]:
         """The steps to try, newest first (``[step]`` when given), and what each source holds."""
@@ -270,7 +280,11 @@ class CheckpointReader:
         raise CheckpointNotFoundError(f"no source holds step={step}")  # not reached: listed steps have one
 
     def _passed_over(self, source: str, step: int, error: CorruptCheckpointError, *, whole: bool) -> None:
-        """``source``'s copy of ``step`` did not verify; the next source (the remote) is read instead."""
+        """``source``'s copy of ``step`` did not verify; the next source (the disk, the remote) is read instead."""
+        if source == MEMORY:
+            log.warning("[step=%d] the memory snapshot does not verify (%s); reading the next copy", step, error)
+            self.last_load = LoadStats()
+            return
         assert source == LOCAL and self._tier is not None
         if whole:
             log.warning("[step=%d] local copy does not verify (%s); downloading from %s", step, error, self._tier.url)
@@ -308,6 +322,23 @@ class CheckpointReader:
             return load_into(manifest, {} if into is None else into, pool=self._pool, options=opts, where=str(ckpt),
                              stats=self.last_load, read_blocks=self._blocks(ckpt, manifest, opts))
         return load_checkpoint(ckpt, manifest, pool=self._pool, options=opts)
+
+    def _memory(self, step: int, into: Any, opts: LoadOptions) -> Any:
+        """The state from a memory snapshot (the newest slot holding ``step`` whose bytes verify)."""
+        assert self._memory_store is not None
+        slots = [s for s in self._memory_store.snapshots() if s.step == step]
+        for i, snap in enumerate(slots):
+            self._manifest = snap.manifest
+            try:
+                return load_into(snap.manifest, {} if into is None else into, pool=self._pool, options=opts,
+                                 where=str(snap.path), stats=self.last_load,
+                                 read_blocks=lambda f, first, views, p=snap.path: read_blocks(
+                                     p, f, first, views, verify=opts.verify))
+            except CorruptCheckpointError:
+                if i + 1 == len(slots):
+                    raise
+                self.last_load = LoadStats()
+        raise CorruptCheckpointError(f"no memory snapshot of step={step} is left in {self._memory_store.root}")
 
     def _remote(self, step: int, into: Any, opts: LoadOptions) -> Any:
         """The state from the remote: ``into`` filled by ranged reads, or streamed whole (a local copy left)."""
@@ -381,6 +412,22 @@ class CheckpointReader:
     def _set_aside(self, ckpt: Path) -> None:
         """Move a copy that failed verification out of the way with one rename (then delete it)."""
         discard(self._root, ckpt)
+
+
+def _run_store(memory: MemoryTier | None, root: Path) -> MemoryStore | None:
+    """The snapshots of the run ``root`` keeps the id of (the launcher's id first, as the engine takes it)."""
+    if memory is None:
+        return None
+    run_id = _knobs.run_id_from_env()
+    if run_id is None:
+        try:
+            run_id = read_side_file(root / RUN_ID_NAME).decode().strip() or None
+        except (OSError, UnicodeDecodeError, ConfigError):
+            run_id = None
+    if run_id is None:
+        log.info("no run id in %s: no memory snapshots to read", root)
+        return None
+    return memory.store(run_id, 0)
 
 
 def checkpoint_of(real: Path) -> Path:

@@ -8,15 +8,20 @@ mappings, filled by the staging copy itself."""
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 import mmap
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from persist_core._knobs import PAGE_BYTES
 from persist_core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class Allocator(Protocol):
@@ -59,6 +64,7 @@ class FileAllocator:
         self._prefix = prefix
         self._numbers = itertools.count()
         self.paths: list[Path] = []
+        self._path_of: dict[int, Path] = {}
 
     def allocate(self, capacity: int) -> torch.Tensor:
         path = self.directory / f"{self._prefix}{next(self._numbers)}"
@@ -74,4 +80,76 @@ class FileAllocator:
         finally:
             os.close(fd)
         self.paths.append(path)
-        return torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive; page-aligned
+        tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive; page-aligned
+        self._path_of[tensor.data_ptr()] = path
+        return tensor
+
+    def path_of(self, tensor: torch.Tensor) -> Path | None:
+        """The file ``tensor`` (a buffer this allocator made) is mapped from, or ``None``."""
+        return self._path_of.get(tensor.data_ptr())
+
+    def discard(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is no longer used (a larger buffer replaces it): its file goes (the mapping, with the tensor)."""
+        path = self._path_of.pop(tensor.data_ptr(), None)
+        if path is not None:
+            path.unlink(missing_ok=True)
+            self.paths.remove(path)
+
+
+class SlotAllocator:
+    """The memory tier's staging buffers: mapped from files under ``directory()`` (a :class:`FileAllocator`) while
+    the memory tier has room, from this process's memory once it has not (``on_full`` is called once, with the
+    reason: the engine warns and goes on saving to disk only).
+
+    Args:
+        directory: makes (once) and returns the directory of the slots (the memory store's ``open_life``).
+        slots: how many buffers the pool holds (the budget is that many of the first size asked for).
+        free_bytes: the room left where the slots go.
+        pin: for the buffers from this process's memory.
+    """
+
+    def __init__(self, directory: Callable[[], Path], *, slots: int, free_bytes: Callable[[], int], pin: bool,
+                 on_full: Callable[[str], None]) -> None:
+        self._directory, self._slots, self._free_bytes, self._on_full = directory, slots, free_bytes, on_full
+        self._files: FileAllocator | None = None
+        self._host = HostAllocator(pin=pin)
+        self._pin = pin
+        self.full = False
+        self.pinned = False
+        self._lock = threading.Lock()
+
+    def allocate(self, capacity: int) -> torch.Tensor:
+        with self._lock:  # a save's thread and the warm-up's may allocate at once
+            return self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> torch.Tensor:
+        if not self.full:
+            try:
+                if self._files is None:
+                    self._files = FileAllocator(self._directory())
+                    need = self._slots * capacity
+                    if need > self._free_bytes():
+                        raise ConfigError(f"{self._files.directory} has {self._free_bytes()} bytes free, the memory "
+                                          f"tier needs {need} ({self._slots} slots of {capacity} bytes)")
+                tensor = self._files.allocate(capacity)
+                if self._pin:
+                    self._register(tensor)
+                return tensor
+            except (ConfigError, OSError) as e:
+                self.full = True
+                self._on_full(str(e))
+        return self._host.allocate(capacity)
+
+    def _register(self, tensor: torch.Tensor) -> None:
+        """Page-lock a mapped slot for the device's copies (``cudaHostRegister``), as pinned buffers are."""
+        rc = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+        if int(rc) != 0:
+            log.info("cudaHostRegister of a memory-tier slot failed (%s): its device copies are not pinned", rc)
+
+    def path_of(self, tensor: torch.Tensor) -> Path | None:
+        return None if self._files is None else self._files.path_of(tensor)
+
+    def discard(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            if self._files is not None:
+                self._files.discard(tensor)

@@ -18,6 +18,7 @@ from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import SaveHistory
 from persist_core.planning.save import PlanCache, plan_rank
 from persist_core.save.overlap import Overlap
+from persist_core.save.snapshots import Snapshots
 from persist_core.save.staging import StagingPool, stage_into
 from persist_core.save.writer import WriteJob, Writer
 
@@ -38,16 +39,18 @@ class Saver:
         torch_loadable / replica_check: see :class:`~persist_core.config.Config`.
         check_step: ``(step, resumed_at)``: raises for a step this run may not save (the timeline's refusals).
         check_backlog: ``(step, nbytes)``: raises when the bytes not yet uploaded would pass their limit.
+        snapshots: the memory tier's save side, or ``None``: each staged step is also a snapshot in memory.
     """
 
     def __init__(self, *, coll: Collectives, pool: StagingPool, writer: Writer, overlap: Overlap,
                  history: SaveHistory, ledger: ErrorLedger, wall_clock: Callable[[], float], torch_loadable: bool,
                  replica_check: str, check_step: Callable[[int, int | None], None],
-                 check_backlog: Callable[[int, int], None]) -> None:
+                 check_backlog: Callable[[int, int], None], snapshots: Snapshots | None = None) -> None:
         self._coll, self._pool, self._writer, self._overlap = coll, pool, writer, overlap
         self._history, self._ledger, self._wall_clock = history, ledger, wall_clock
         self._torch_loadable, self._replica_check = torch_loadable, replica_check
         self._check_step, self._check_backlog = check_step, check_backlog
+        self._snapshots = snapshots
         self._plans = PlanCache()  # the same structure every save: laid out once
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.latest_step = -1  # the newest step saved (the upload lag counts from it)
@@ -61,6 +64,8 @@ class Saver:
         _knobs.check_metadata(metadata)
         self._check_step(step, resumed_at)
         replace = step == resumed_at  # the step resumed from, saved again (Lightning does, with accumulation)
+        if self._snapshots is not None:
+            self._snapshots.wait()  # the previous snapshot is committed before this one may take a slot
         self._writer.reserve(step, replace=replace)
         try:
             plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size,
@@ -78,17 +83,39 @@ class Saver:
         self._history.add(decided_at, step, handle)
         job = WriteJob(handle=handle, buf=staged.buf, base=base, staged_at=staged.done_at, signature=plan.signature,
                        replace=replace, filename=plan.filename, digests=tuple(plan.digests))
+        plan_bytes = plan.shard.file_bytes
         del plan  # the writer needs only the staged bytes (and the deferred copy its sources), not the tensors
         handle._update(stall_s=time.perf_counter() - t0)
         # training goes on from here: a guarded save's background copy is part of what slows it (and of D)
         self._history.meter.staged(step, self._history.now())
         if staged.later is None:
+            if self._snapshots is not None:  # before the writer may release it: the slot stays a snapshot
+                self._snapshots.taken(staged.buf, base, plan_bytes, job.filename)
             self._writer.submit(job)
         else:
             self._overlap.run(handle, lambda: self._writer.submit_after(job, staged.later))
         log.debug("[rank=%d][step=%d] staged %d bytes in %.3f s", self._coll.rank, step, handle.stats.nbytes,
                   handle.stats.staging_s)
         return handle
+
+    def snapshot(self, state: Any, step: int, *, metadata: dict[str, Any] | None) -> None:
+        """Stage ``state`` as ``step`` into a slot of the memory tier, and nothing more (no disk): the copy
+        runs on the caller's thread; the slot's record is written in the background."""
+        assert self._snapshots is not None
+        self._overlap.fence()
+        self._ledger.raise_first()
+        step = _knobs.check_step(step)
+        _knobs.check_metadata(metadata)
+        plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size,
+                         torch_loadable=self._torch_loadable, replica_check=self._replica_check, seed=step,
+                         cache=self._plans)
+        self._snapshots.wait()  # the previous snapshot is committed before this one may take a slot
+        staged = stage_into(self._pool, plan.shard, self._streams, claim=False)
+        try:
+            self._snapshots.taken(staged.buf, plan.manifest(step=step, time=self._wall_clock(), metadata=metadata),
+                                  plan.shard.file_bytes, plan.filename)
+        finally:
+            self._pool.release(staged.buf)  # free again, but kept while it is a snapshot
 
     def warm(self, manifest: Manifest) -> None:
         """A load returned ``manifest``'s checkpoint: the next saves will be about as large, so the staging buffers

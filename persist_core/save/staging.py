@@ -59,6 +59,7 @@ class StagingBuffer:
         self._freed: float = _ALL
         self._done: dict[int, int] = {}
         self._claimed = False
+        self._kept = 0  # held by the memory tier (a snapshot it keeps, or one it is committing): never handed out
 
     def memoryview(self, nbytes: int) -> memoryview:
         """A writable view of the first ``nbytes`` (no copy); valid while this buffer lives."""
@@ -77,10 +78,13 @@ class StagingPool:
         pin: pin buffers (page-locked) for fast, asynchronous device-to-host copies.
         turn: the warm-up's page faults hold off while a guarded update has the host.
         allocator: where the buffers come from (default: this process's memory, pinned if ``pin``).
+        reusing: called with a buffer about to be overwritten by a save (the memory tier drops its record first).
     """
 
-    def __init__(self, slots: int, *, pin: bool, turn: Turn = NO_TURN, allocator: Allocator | None = None) -> None:
+    def __init__(self, slots: int, *, pin: bool, turn: Turn = NO_TURN, allocator: Allocator | None = None,
+                 reusing: Callable[[StagingBuffer], None] | None = None) -> None:
         self._free: list[StagingBuffer | None] = [None] * slots  # None: a slot not allocated yet
+        self._reusing = reusing
         self._writing: list[StagingBuffer] = []  # being written, with progress reported
         self._cond = threading.Condition()
         self._allocator = allocator or HostAllocator(pin=pin)
@@ -88,24 +92,32 @@ class StagingPool:
         self._warming: threading.Thread | None = None
         self._closed = False
 
-    def acquire(self, nbytes: int) -> tuple[StagingBuffer, float]:
+    def acquire(self, nbytes: int, *, claim: bool = True) -> tuple[StagingBuffer, float]:
         """A buffer of at least ``nbytes`` and the seconds spent waiting for it.
 
-        A free buffer when there is one; else one still being written (claimed, so only one save
-        follows each write), whose bytes :meth:`wait_free` hands over as they are written.
+        A free buffer when there is one (never one the memory tier keeps); else (``claim``) one still being
+        written (claimed, so only one save follows each write), whose bytes :meth:`wait_free` hands over as they
+        are written.
         """
         t0 = time.perf_counter()
         with self._cond:
-            self._cond.wait_for(lambda: bool(self._free) or self._claimable(nbytes) is not None)
-            if self._free:
-                buf = self._free.pop()
+            self._cond.wait_for(lambda: self._usable() is not None
+                                or (claim and self._claimable(nbytes) is not None))
+            i = self._usable()
+            if i is not None:
+                buf = self._free.pop(i)
             else:
                 buf = self._claimable(nbytes)
                 buf._claimed = True
+                self._reuse(buf)
                 return buf, time.perf_counter() - t0
         waited = time.perf_counter() - t0
+        if buf is not None:
+            self._reuse(buf)
         if buf is None or buf.capacity < nbytes:
             log.debug("allocating a %s staging buffer of %d bytes", type(self._allocator).__name__, nbytes)
+            if buf is not None and hasattr(self._allocator, "discard"):
+                self._allocator.discard(buf.tensor)  # a mapped file: its room goes back
             buf = None  # let the old one go before allocating the new one
             buf = StagingBuffer(nbytes, allocator=self._allocator)
             self.warm(nbytes)  # the slots still unallocated, for the next saves (max_pending > 1)
@@ -161,7 +173,26 @@ class StagingPool:
             warming.join()
 
     def _claimable(self, nbytes: int) -> StagingBuffer | None:
-        return next((b for b in self._writing if not b._claimed and b.capacity >= nbytes), None)
+        return next((b for b in self._writing if not b._claimed and not b._kept and b.capacity >= nbytes), None)
+
+    def _usable(self) -> int | None:
+        """The index in the free list of the buffer to hand out (the last one not kept), or ``None``."""
+        return next((i for i in range(len(self._free) - 1, -1, -1)
+                     if self._free[i] is None or not self._free[i]._kept), None)
+
+    def _reuse(self, buf: StagingBuffer) -> None:
+        if self._reusing is not None:
+            self._reusing(buf)
+
+    def keep(self, buf: StagingBuffer) -> None:
+        """The memory tier holds ``buf`` (a snapshot): no save overwrites it until :meth:`unkeep`."""
+        with self._cond:
+            buf._kept += 1
+
+    def unkeep(self, buf: StagingBuffer) -> None:
+        with self._cond:
+            buf._kept -= 1
+            self._cond.notify_all()
 
     def wait_free(self, buf: StagingBuffer, end: int) -> float:
         """Block until bytes ``[0, end)`` of ``buf`` may be overwritten; returns the seconds waited."""
@@ -353,13 +384,13 @@ class Staged:
 
 
 def stage_into(pool: StagingPool, plan: ShardPlan, streams: dict[torch.device, torch.cuda.Stream],
-               defer: Callable[[EntryCopy], bool] | None = None) -> Staged:
-    """Take a buffer from ``pool`` (waiting if all are busy) and copy ``plan`` into it (but the copies
-    ``defer`` picks: :attr:`Staged.later` makes those).
+               defer: Callable[[EntryCopy], bool] | None = None, *, claim: bool = True) -> Staged:
+    """Take a buffer from ``pool`` (waiting if all are busy; ``claim``: or one being written) and copy ``plan``
+    into it (but the copies ``defer`` picks: :attr:`Staged.later` makes those).
 
     On any failure the buffer goes back to the pool before the exception propagates.
     """
-    buf, waited = pool.acquire(plan.file_bytes)
+    buf, waited = pool.acquire(plan.file_bytes, claim=claim)
     try:
         t1 = time.perf_counter()
         behind, later = stage(plan, buf, streams, lambda end: pool.wait_free(buf, end), defer=defer)

@@ -1,0 +1,118 @@
+"""The memory tier's save side (issue 42): which steps it snapshots, and each snapshot's commit record.
+
+A snapshot is a staged shard image in a slot of the staging pool (buffers mapped from files in shared memory,
+:class:`~persist_core.save.allocators.SlotAllocator`): the copy a disk save makes anyway, so a step that also goes
+to disk costs nothing more. Who calls what: ``save()`` and the memory-only ``snapshot()`` (training thread, the
+:class:`~persist_core.save.saver.Saver`) call :meth:`Snapshots.taken` once a slot holds a step's bytes; the pool
+calls :meth:`Snapshots.reusing` before a slot is overwritten (its record goes first). On a thread of its own,
+:meth:`Snapshots._commit` checksums the slot and writes its record, then lets the previous snapshot's slot go: the
+newest committed snapshot's slot is kept (the pool hands it to no save) until a newer one is committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import crc32c
+
+from persist_core.fileio import CHECKSUM_ALGORITHM, checksum_block
+from persist_core.format.manifest import FileEntry, Manifest
+from persist_core.save.allocators import SlotAllocator
+from persist_core.save.staging import StagingBuffer, StagingPool
+from persist_core.tiers.memory import MemoryStore, MemoryTier
+
+log = logging.getLogger(__name__)
+
+
+class Snapshots:
+    """One engine's snapshots in memory.
+
+    Args:
+        tier: what the user configured (``every_n_steps``, ``memory_dir``).
+        store: this rank's snapshots on it.
+        allocator: the pool's allocator (its buffers' files are the slots).
+        chunk_bytes: the engine's write size (the checksum blocks are the disk's).
+        rank: this process's rank (its file entry).
+    """
+
+    def __init__(self, tier: MemoryTier, store: MemoryStore, allocator: SlotAllocator, *, chunk_bytes: int,
+                 rank: int) -> None:
+        self.tier, self.store, self.allocator = tier, store, allocator
+        self._block = checksum_block(chunk_bytes)
+        self._rank = rank
+        self.pool: StagingPool | None = None  # set once the pool exists (it calls reusing)
+        self._lock = threading.Lock()
+        self._newest: StagingBuffer | None = None  # the newest committed snapshot's slot (kept)
+        self._newest_step = -1
+        self._committed = 0
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="persist-memory")
+        self._last: Future[None] | None = None  # the last commit submitted
+
+    @property
+    def active(self) -> bool:
+        """Snapshots are kept in memory (not given up for lack of room)."""
+        return not self.allocator.full
+
+    def due(self, step: int) -> bool:
+        return self.active and self.tier.due(step)
+
+    def reusing(self, buf: StagingBuffer) -> None:
+        """Pool (a save's thread): ``buf`` is about to be overwritten; its record goes first."""
+        path = self.allocator.path_of(buf.tensor)
+        if path is not None:
+            self.store.drop(path)
+
+    def taken(self, buf: StagingBuffer, base: Manifest, nbytes: int, filename: str) -> None:
+        """Training thread: ``buf`` holds the shard image (``nbytes``, named ``filename``) of ``base``'s step; it
+        is kept from here and committed in the background."""
+        path = self.allocator.path_of(buf.tensor)
+        if path is None or self.pool is None:
+            return  # a buffer from this process's memory: the memory tier ran out of room
+        self.pool.keep(buf)
+        self._last = self._thread.submit(self._commit, buf, path, base, nbytes, filename)
+
+    def _commit(self, buf: StagingBuffer, path: Path, base: Manifest, nbytes: int, filename: str) -> None:
+        assert self.pool is not None
+        try:
+            view = buf.memoryview(nbytes)
+            crc = tuple(crc32c.crc32c(view[o : o + self._block]) for o in range(0, nbytes, self._block))
+            entry = FileEntry(name=filename, rank=self._rank, size=nbytes, checksum=CHECKSUM_ALGORITHM,
+                              chunk_bytes=self._block, chunks=crc)
+            self.store.commit(path, dataclasses.replace(base, files=(entry,)))
+        except BaseException as e:  # the previous snapshot stays the newest
+            log.warning("[rank=%d][step=%d] the memory snapshot was not committed: %s", self._rank, base.step, e)
+            self.pool.unkeep(buf)
+            return
+        with self._lock:
+            previous, self._newest = self._newest, buf
+            self._newest_step = base.step
+            self._committed += 1
+            first = self._committed == 1
+        if previous is not None:
+            self.pool.unkeep(previous)
+        if first:  # a restart read what it needed by now: the killed process's slots go
+            self.store.remove_other_lives()
+        log.debug("[rank=%d][step=%d] memory snapshot committed in %s", self._rank, base.step, path)
+
+    def wait(self) -> None:
+        """Until the snapshots taken so far are committed. A save calls it before it stages: the step before it
+        is committed by then (at most one step is lost: the one whose record a kill interrupts), and the newest
+        committed slot and the one to fill are all the memory tier needs beside the disk writes."""
+        last = self._last
+        if last is not None:
+            last.result()
+
+    @property
+    def newest_step(self) -> int:
+        """The newest committed snapshot's step (-1: none yet)."""
+        with self._lock:
+            return self._newest_step
+
+    def close(self, *, finished: bool) -> None:
+        """Stop the commit thread; ``finished``: the run ended well, its snapshots go (a crash keeps them)."""
+        self._thread.shutdown(wait=True)
+        self.store.close(remove=finished)

@@ -1,0 +1,199 @@
+"""The memory tier (issue 42, one node): snapshots in shared memory that outlive the process, read first on restore.
+
+Users' scenarios: a plain loop calling ``maybe_save`` every step; a SIGKILL and a restart on the same machine (at
+most one step lost, nothing read from the disk); a torn snapshot; a tmpfs too small; the run's end."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from persist_core import (CheckpointEngine, CheckpointReader, ConfigError, EveryNSteps, KeepLastN, MemoryTier)
+from tests.support.memory_child import state_for as child_state
+from tests.support.states import assert_state_equal, state_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _memory(tmp_path: Path, n: int = 1) -> MemoryTier:
+    return MemoryTier(every_n_steps=n, memory_dir=tmp_path / "shm")
+
+
+def _slots(tmp_path: Path) -> list[Path]:
+    return sorted(p for p in (tmp_path / "shm").rglob("slot-*") if not p.name.endswith(".json"))
+
+
+def test_maybe_save_snapshots_every_step_and_saves_to_disk_by_policy(tmp_path):
+    memory = _memory(tmp_path)
+    with CheckpointEngine(tmp_path / "ckpt", memory=memory, save_policy=EveryNSteps(5)) as engine:
+        for step in range(1, 13):
+            engine.maybe_save(lambda: state_for(step), step)
+        engine.wait()
+        assert [c.step for c in engine.list()] == [5, 10]  # the policy's steps alone go to disk
+        assert_state_equal(engine.load(), state_for(12))  # the freshest source: memory
+        assert engine.resumed_step == 12
+        for p in _slots(tmp_path):  # the slots are the user's alone
+            assert stat.S_IMODE(p.stat().st_mode) == 0o600
+            assert stat.S_IMODE(p.parent.stat().st_mode) == 0o700
+        assert len(_slots(tmp_path)) <= 1 + 2  # max_pending + 2: the newest snapshot, one to fill, one write
+
+
+def test_without_a_save_policy_only_explicit_saves_go_to_disk(tmp_path):
+    with CheckpointEngine(tmp_path / "ckpt", memory=_memory(tmp_path, n=2)) as engine:
+        for step in range(1, 8):
+            assert engine.maybe_save(lambda: state_for(step), step) is None
+        engine.save(state_for(7), 7).wait()
+        assert [c.step for c in engine.list()] == [7]
+    with pytest.raises(ConfigError, match="save_policy"):  # without a memory tier, as before
+        with CheckpointEngine(tmp_path / "other") as engine:
+            engine.maybe_save(lambda: state_for(1), 1)
+
+
+def test_a_reader_of_the_same_directory_reads_the_snapshot_a_crashed_engine_left(tmp_path):
+    memory = _memory(tmp_path, n=3)
+    engine = CheckpointEngine(tmp_path / "ckpt", memory=memory, save_policy=EveryNSteps(4))
+    try:
+        with engine:
+            for step in range(1, 11):
+                engine.maybe_save(lambda: state_for(step), step)
+            raise RuntimeError("CUDA error: an illegal memory access")
+    except RuntimeError:
+        pass
+    with CheckpointReader(tmp_path / "ckpt", memory=memory) as reader:
+        assert_state_equal(reader.load(), state_for(9))  # every 3rd step in memory; disk has 4 and 8
+        assert reader.loaded_step == 9
+        assert_state_equal(reader.load(8), state_for(8))
+    with CheckpointReader(tmp_path / "ckpt") as reader:  # without the memory tier: the disk's newest
+        assert reader.load()["step"] == 8
+
+
+def test_a_finished_run_removes_its_snapshots(tmp_path):
+    with CheckpointEngine(tmp_path / "ckpt", memory=_memory(tmp_path)) as engine:
+        for step in range(1, 4):
+            engine.maybe_save(lambda: state_for(step), step)
+        engine.wait()
+        assert _slots(tmp_path)
+    assert not _slots(tmp_path)
+    assert not any((tmp_path / "shm").iterdir())  # nor the run's directories
+
+
+def test_a_torn_snapshot_falls_back_to_the_older_slot_then_to_disk(tmp_path, caplog):
+    memory = _memory(tmp_path)
+    engine = CheckpointEngine(tmp_path / "ckpt", memory=memory)
+    engine.save(state_for(1), 1)
+    for step in range(2, 5):
+        engine.maybe_save(lambda: state_for(step), step)
+    engine.wait()
+    engine._close(finished=False)  # as a crash leaves them
+    records = {p: p.read_bytes() for p in (tmp_path / "shm").rglob("slot-*.json")}
+    newest = max(records, key=lambda p: b'"step":4' in records[p])
+    slot = newest.with_suffix("")
+    with open(slot, "r+b") as f:  # a byte of the newest snapshot flipped
+        f.seek(4096)
+        b = f.read(1)
+        f.seek(4096)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with caplog.at_level(logging.WARNING), CheckpointReader(tmp_path / "ckpt", memory=memory) as reader:
+        assert_state_equal(reader.load(), state_for(3))
+        assert "step=4" in caplog.text
+        for other in (tmp_path / "shm").rglob("slot-*.json"):
+            if other != newest:
+                other.with_suffix("").write_bytes(b"\0" * 8192)  # every other slot torn too
+        assert_state_equal(reader.load(), state_for(1))  # the disk's
+
+
+def test_a_tmpfs_too_small_warns_once_and_saves_to_disk(tmp_path, monkeypatch, caplog):
+    from persist_core.tiers import memory as memory_mod
+
+    monkeypatch.setattr(memory_mod.MemoryStore, "free_bytes", lambda self: 4096)
+    with caplog.at_level(logging.WARNING), CheckpointEngine(tmp_path / "ckpt", memory=_memory(tmp_path),
+                                                            save_policy=EveryNSteps(2)) as engine:
+        for step in range(1, 7):
+            engine.maybe_save(lambda: state_for(step), step)
+        engine.wait()
+        assert [c.step for c in engine.list()] == [2, 4, 6]
+        assert_state_equal(engine.load(), state_for(6))
+    assert caplog.text.count("too little room") == 1
+    assert "shm-size" in caplog.text
+    assert not _slots(tmp_path)
+
+
+def test_a_link_planted_for_the_rank_directory_is_never_followed(tmp_path, caplog):
+    memory = _memory(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with CheckpointEngine(tmp_path / "ckpt", run_id="run-x", memory=memory) as engine:
+        (tmp_path / "shm" / "run-x").mkdir(parents=True)
+        (tmp_path / "shm" / "run-x" / "rank-00000").symlink_to(elsewhere)
+        with caplog.at_level(logging.WARNING):
+            engine.save(state_for(1), 1).wait()
+        assert "symbolic link" in caplog.text
+    assert list(elsewhere.iterdir()) == []
+    assert CheckpointReader(tmp_path / "ckpt").load()["step"] == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1"])
+def test_bad_every_n_steps_is_refused(bad):
+    with pytest.raises(ConfigError, match="every_n_steps"):
+        MemoryTier(every_n_steps=bad)
+
+
+def test_a_memory_option_that_is_not_a_memory_tier_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="MemoryTier"):
+        CheckpointEngine(tmp_path / "ckpt", memory=1)
+    with pytest.raises(ConfigError, match="memory_dir"):
+        MemoryTier(memory_dir=3)
+
+
+def test_retention_of_the_disk_leaves_the_snapshots_alone(tmp_path):
+    with CheckpointEngine(tmp_path / "ckpt", memory=_memory(tmp_path), save_policy=EveryNSteps(2),
+                          keep_local=KeepLastN(1)) as engine:
+        for step in range(1, 8):
+            engine.maybe_save(lambda: state_for(step), step)
+        engine.wait()
+        assert [c.step for c in engine.list()] == [6]
+        assert engine.load()["step"] == 7
+
+
+def _kill_after(local_dir: Path, memory_dir: Path, lines: int) -> tuple[int, int]:
+    """Run the child until its ``lines``-th step returned, SIGKILL it; ``(resumed, last step returned)``."""
+    child = subprocess.Popen([sys.executable, "-m", "tests.support.memory_child", str(local_dir), str(memory_dir), "5"],
+                             cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        resumed = int(child.stdout.readline().split()[1])
+        last = resumed
+        for _ in range(lines):
+            line = child.stdout.readline()
+            assert line.startswith("step "), f"child died early: {line!r}"
+            last = int(line.split()[1])
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+        child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+    return resumed, last
+
+
+@pytest.mark.slow
+def test_sigkill_loses_at_most_one_step_and_the_restart_reads_no_disk(tmp_path):
+    local_dir, memory_dir = tmp_path / "ckpt", tmp_path / "shm"
+    memory = MemoryTier(memory_dir=memory_dir)
+    expected_resume = -1
+    for lines in (7, 4, 9):  # kill, restart on the same machine, kill again ...
+        resumed, last = _kill_after(local_dir, memory_dir, lines)
+        assert resumed == expected_resume
+        with CheckpointReader(local_dir, memory=memory) as reader:
+            state = reader.load()
+            assert state["step"] >= last - 1, (state["step"], last)  # lose at most one step
+            assert_state_equal(state, child_state(state["step"]))
+            disk = [c.step for c in reader.list()]
+            assert not disk or state["step"] > max(disk) or state["step"] % 5 == 0  # from memory, not the disk
+        expected_resume = state["step"]
+        assert len({p.parent for p in _slots(tmp_path)}) <= 2  # the killed process's slots, and at most one older
