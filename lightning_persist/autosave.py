@@ -11,12 +11,15 @@ the commit and upload within the grace period.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
 from persist_core.policies import SavePolicy, check_save_policy
+
+log = logging.getLogger(__name__)
 
 
 class PersistAutoSave(Callback):
@@ -28,16 +31,18 @@ class PersistAutoSave(Callback):
         filename: the name of the link to the newest autosaved checkpoint.
     """
 
-    def __init__(self, io: Any, policy: SavePolicy, filename: str = "autosave.ckpt") -> None:
+    def __init__(self, io: Any, policy: SavePolicy | None, filename: str = "autosave.ckpt") -> None:
         self._io = io
-        self._policy = check_save_policy(policy)
+        self._policy = None if policy is None else check_save_policy(policy)
         self._filename = filename
         self.saved_steps: list[int] = []
+        self.snapshot_steps: list[int] = []  # steps kept in memory only (memory_every_n_steps)
+        self._said_ranks = False
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         step = trainer.global_step
         decision = False
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self._policy is not None:
             decision = not self._io._session.saved(step) and self._io._get_engine().should_save(step, policy=self._policy)
         decision = trainer.strategy.broadcast(decision, src=0)
         # SIGTERM on any rank: every rank saves this step (Lightning then stops; teardown flushes)
@@ -46,6 +51,20 @@ class PersistAutoSave(Callback):
         if decision:
             trainer.save_checkpoint(os.path.join(str(self._io.local_dir), self._filename))
             self.saved_steps.append(step)
+        elif self._io._session.options.memory is not None and not self._io._session.saved(step):
+            self._snapshot(trainer, step)
+
+    def _snapshot(self, trainer: Any, step: int) -> None:
+        """The state Lightning would save at ``step``, into the memory tier (one process for now)."""
+        if trainer.world_size > 1:
+            if not self._said_ranks:
+                log.warning("the memory tier holds one process's snapshots for now; with %d processes this run saves "
+                            "to disk only", trainer.world_size)
+                self._said_ranks = True
+            return
+        engine = self._io._get_engine()
+        if engine.maybe_snapshot(lambda: trainer._checkpoint_connector.dump_checkpoint(weights_only=False), step):
+            self.snapshot_steps.append(step)
 
 
 class PersistOverlap(Callback):

@@ -41,6 +41,7 @@ from persist_core.links import Links
 from persist_core.load.reader import checkpoint_of
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistSession
+from persist_core.tiers.memory import memory_tier
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,11 @@ class PersistCheckpointIO(CheckpointIO):
             on both tiers (kept, listed by ``persist ls``, never pruned) at the first save. Without it, a ``fit``
             that resumes nothing there is refused before its first batch (resume with
             ``ckpt_path=io.latest_path()``: on a fresh machine Lightning's ``"last"`` finds no local file).
+        memory_every_n_steps: with ``io.autosave(...)``, keep a snapshot in host memory every this many steps: a
+            restart on the same machine after a crash resumes from it (``ckpt_path=io.latest_path()`` names it),
+            losing at most that many steps, without reading the disk. ``last.ckpt`` and ``ModelCheckpoint``'s
+            files keep naming disk checkpoints. One process for now (with several: disk only).
+        memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist``).
 
     Raises:
         ConfigError: a bad argument, an unwritable ``local_dir`` or an unusable ``remote_url``
@@ -132,6 +138,8 @@ class PersistCheckpointIO(CheckpointIO):
         remote_timeout_s: float = 300.0,
         exit_after_sigterm: bool = True,
         start_over: bool = False,
+        memory_every_n_steps: int | None = None,
+        memory_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         self._exit_after_sigterm = exit_after_sigterm
@@ -141,7 +149,7 @@ class PersistCheckpointIO(CheckpointIO):
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending, write_threads=write_threads,
             preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, torch_loadable=True,
-            start_over=start_over)
+            start_over=start_over, memory=memory_tier(memory_every_n_steps, memory_dir))
         # ModelCheckpoint decides which paths exist: with no retention policy, what they link to is what stays
         self._links = Links(options.local_dir, file_name=shard_filename(0, torch_zip=True), retain_only_linked=True)
         self._session = PersistSession(
@@ -232,6 +240,9 @@ class PersistCheckpointIO(CheckpointIO):
                                weights_only=restricted(weights_only))
 
         text = os.fspath(path)
+        in_memory = self._get_reader().memory_step(text)
+        if in_memory is not None:  # io.latest_path() named a memory snapshot
+            return read(self._get_reader(), in_memory)
         agreed = self._agreed_step(text)
         if agreed is not None:  # several ranks: every one loads the step rank 0's path names, from its own tiers
             return read(self._reader_of(agreed[0]), agreed[1])
@@ -335,21 +346,27 @@ class PersistCheckpointIO(CheckpointIO):
         """
         trainer = self._trainer(refuse=False)
         preempted = bool(getattr(trainer, "received_sigterm", False))
+        failed = preempted or bool(getattr(trainer, "interrupted", False))  # the memory snapshots stay for a restart
         try:
-            self._session.close(preempted=preempted, sink=loggers_sink(trainer), announce=rank_zero_info)
+            self._session.close(preempted=preempted, sink=loggers_sink(trainer), announce=rank_zero_info,
+                                failed=failed)
             self._links.sweep()
             self._links.raise_errors()
         finally:
             if preempted and self._exit_after_sigterm:
                 exit_as_sigterm()
 
-    def autosave(self, policy: SavePolicy, filename: str = "autosave.ckpt") -> Callback:
-        """A callback that saves when ``policy`` says so (and at a SIGTERM), through this plugin.
+    def autosave(self, policy: SavePolicy | None, filename: str = "autosave.ckpt") -> Callback:
+        """A callback that saves when ``policy`` says so (and at a SIGTERM), through this plugin; with
+        ``memory_every_n_steps``, it also snapshots in memory at those steps (``policy=None``: memory only).
 
         Example: ``Trainer(plugins=[io], callbacks=[io.autosave(Continuous(min_interval_s=30))])``.
         The newest autosave is ``local_dir/autosave.ckpt``; retention (``keep_last`` ...) decides
         what else stays.
         """
+        if policy is None and self._session.options.memory is None:
+            raise ConfigError("io.autosave(None) saves nothing: pass a policy (Continuous(min_interval_s=30)) or "
+                              "PersistCheckpointIO(memory_every_n_steps=1)")
         from lightning_persist.autosave import PersistAutoSave
 
         return PersistAutoSave(self, policy, filename)
@@ -375,7 +392,9 @@ class PersistCheckpointIO(CheckpointIO):
         ``local_dir/weights-only``, and never the latest: they cannot resume training.
 
         A local ``step-N`` directory when ``local_dir`` has one, else the ``remote_url`` URL of
-        the newest remote checkpoint (downloaded when loaded), else ``None`` (a first run).
+        the newest remote checkpoint (downloaded when loaded), else ``None`` (a first run). With
+        ``memory_every_n_steps``, the newest memory snapshot's slot when it is newer than those (this plugin's
+        ``load_checkpoint`` reads it).
         """
         info = self._get_reader().latest()
         return None if info is None else info.path

@@ -254,6 +254,8 @@ def check_resume_step(value: object, reader: Any) -> int:
     if step == reader.loaded_step:
         return step
     steps = [c.step for c in reader.list("local")]
+    if step in reader.memory_steps():  # a snapshot in memory (the memory tier)
+        return step
     if step not in steps and reader.remote_url is not None:
         steps = sorted({c.step for c in reader.list("all")})
     if step not in steps:

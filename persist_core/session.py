@@ -161,6 +161,7 @@ class PersistSession:
         if self._reader is None:
             o = self.options
             self._reader = CheckpointReader(o.local_dir, remote_url=o.remote_url, storage_options=o.storage_options,
+                                            memory=o.memory,
                                             verify=o.verify)
         return self._reader
 

@@ -160,12 +160,30 @@ class CheckpointReader:
         return found
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest committed checkpoint: the local copy when there is one, else the remote's."""
+        """The newest committed checkpoint: the local copy when there is one, else the remote's; with a memory
+        tier, its newest snapshot when that is newer still (``tier="memory"``, ``path`` its slot, which
+        :meth:`step_of` and ``load`` understand)."""
         newest: dict[int, CheckpointInfo] = {}
         for info in self.list("all" if self._tier is not None else "local"):
             if info.step not in newest or info.tier == "local":
                 newest[info.step] = info
+        snaps = self._memory_store.snapshots() if self._memory_store is not None else []
+        if snaps and (not newest or snaps[0].step > max(newest)):
+            s = snaps[0]
+            return CheckpointInfo(step=s.step, time=s.manifest.time, nbytes=s.manifest.nbytes, path=str(s.path),
+                                  tier=MEMORY)
         return newest[max(newest)] if newest else None
+
+    def memory_steps(self) -> set[int]:
+        """The steps of the memory snapshots this reader can read (none without a memory tier)."""
+        return set() if self._memory_store is None else self._memory_store.steps()
+
+    def memory_step(self, path: str | os.PathLike[str]) -> int | None:
+        """The step of the memory snapshot whose slot ``path`` names (as :meth:`latest` gives it), or ``None``."""
+        if self._memory_store is None:
+            return None
+        real = os.path.realpath(path)
+        return next((s.step for s in self._memory_store.snapshots() if os.path.realpath(s.path) == real), None)
 
     def step_of(self, path: str | os.PathLike[str]) -> int:
         """The step of a checkpoint named by its local directory, a link to it (or to its single
@@ -175,6 +193,9 @@ class CheckpointReader:
             CheckpointNotFoundError: ``path`` does not name a checkpoint of this reader's tiers.
         """
         text = os.fspath(path).rstrip("/")
+        in_memory = self.memory_step(text)
+        if in_memory is not None:
+            return in_memory
         if self._tier is not None and text.startswith(self._tier.url + "/"):
             step = parse_checkpoint_dirname(text[len(self._tier.url) + 1 :])
         else:
@@ -257,8 +278,7 @@ class CheckpointReader:
         local = set(committed_steps(self._root))
         remote = set(self._remote_or_nothing(self._tier.committed_steps, [])) if self._tier is not None else set()
         remote -= self._set_aside_here(remote - local)
-        memory = self._memory_store.steps() if self._memory_store is not None else set()
-        return Listing.of(**{LOCAL: local, REMOTE: remote, MEMORY: memory})
+        return Listing.of(**{LOCAL: local, REMOTE: remote, MEMORY: self.memory_steps()})
 
     def _candidates(self, step: int | None) -> tuple[list[int], Listing]:
         """The steps to try, newest first (``[step]`` when given), and what each source holds."""

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from lightning.pytorch.callbacks import Callback
 
 from accelerate_persist import PersistHook
+from lightning_persist import PersistCheckpointIO
 from persist_core import ConfigError
 from tests.support.accelerate_app import build, fresh_accelerator, train, weights
+from lightning.pytorch import Trainer
+
+from tests.support.lightning_app import Net, checkpoint_callback, linked, make_trainer
+from tests.support.lightning_app import weights as lightning_weights
 from tests.support.states import assert_state_equal
 
 
@@ -40,3 +46,40 @@ def test_accelerate_memory_options_are_checked(tmp_path):
         PersistHook(local_dir=tmp_path, memory_every_n_steps=0)
     with pytest.raises(ConfigError, match="memory_dir"):
         PersistHook(local_dir=tmp_path, memory_dir=tmp_path / "shm")
+
+
+class _CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+def test_lightning_restart_resumes_from_the_memory_snapshot_through_latest_path(tmp_path):
+    straight = Net()
+    make_trainer(PersistCheckpointIO(local_dir=tmp_path / "a"), tmp_path / "a", 9).fit(straight)
+
+    d = tmp_path / "b"
+    options = dict(local_dir=d, memory_every_n_steps=1, memory_dir=tmp_path / "shm")
+    io = PersistCheckpointIO(**options)
+    autosave = io.autosave(None)  # memory only; ModelCheckpoint writes to disk every 4 steps
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        _trainer(io, d, [autosave, _CrashAt(6)]).fit(Net())
+    assert autosave.snapshot_steps == [1, 2, 3, 4, 5, 6]  # ModelCheckpoint (it runs last) wrote 4 to disk
+    assert (d / "last.ckpt").exists() and linked(d / "last.ckpt") == "step-000000000004"  # disk names stay disk
+
+    io = PersistCheckpointIO(**options)  # a restarted process
+    path = io.latest_path()
+    assert path is not None and str(tmp_path / "shm") in path  # the freshest source: memory, step 6
+    resumed = Net()
+    _trainer(io, d, [io.autosave(None)]).fit(resumed, ckpt_path=path)
+    assert_state_equal(lightning_weights(resumed), lightning_weights(straight))
+    assert not list((tmp_path / "shm").rglob("slot-*"))  # the finished run's snapshots are gone
+
+
+def _trainer(io, d, callbacks):
+    return Trainer(max_steps=9, plugins=[io], callbacks=[checkpoint_callback(d, every_n_train_steps=4), *callbacks],
+                   accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
