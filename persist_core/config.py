@@ -57,6 +57,9 @@ class Config:
         replica_check: ``"sampled"``, ``"full"`` or ``"off"``: how ranks check the tensors they save as replicated.
         start_over: a run that resumes nothing sets every committed checkpoint of both tiers aside at its first
             save, instead of being refused beside another run's remote checkpoints.
+        incremental: a save references the tensors whose bytes equal those of the newest committed checkpoint
+            (proven by a 128-bit hash) instead of writing them again (local tier, one writing rank).
+        full_every: with ``incremental``, a full checkpoint at least every this many saves.
     """
 
     local_dir: Path
@@ -79,6 +82,8 @@ class Config:
     torch_loadable: bool = False
     replica_check: str = "sampled"
     start_over: bool = False
+    incremental: bool = False
+    full_every: int = 10
 
     def __post_init__(self) -> None:
         def resolved(name: str, value: Any) -> None:
@@ -113,6 +118,7 @@ class Config:
         _knobs.check_run_id(self.run_id)
         _knobs.check_remote(self.remote_url, self.storage_options)
         check_replica_mode(self.replica_check)
+        _knobs.check_incremental(self)
         if self.remote_url is not None:
             _knobs.check_backend(self.remote_url)
 

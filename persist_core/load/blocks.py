@@ -113,6 +113,10 @@ class ReadPlan:
         if problem is not None:
             raise CorruptCheckpointError(f"{where}: entry {name!r} of {fname}: {problem}")
 
+    def dtypes(self, fname: str) -> dict[str, str]:
+        """The safetensors dtype of each entry of ``fname`` (its header read by :meth:`entry` before)."""
+        return dict(self._headers[fname][1])
+
     def _file(self, fname: str) -> FileEntry:
         try:
             return self._files[fname]

@@ -1,0 +1,194 @@
+"""Incremental saves on the local tier (issue 43, step a): what did not change since the newest committed checkpoint
+is referenced, not written again; every step loads bit-exact, every byte verified; a full checkpoint comes every
+``full_every`` saves; retention keeps what a kept checkpoint references; a corrupt referenced file makes its
+dependents corrupt and the load falls back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from persist_core import CheckpointEngine, CheckpointReader, ConfigError, CorruptCheckpointError, KeepLastN
+from persist_core.format.manifest import Manifest
+from tests.support.states import assert_state_equal
+
+BASE = 1 << 19  # float32 elements of the frozen base: 2 MiB
+SHARD = "rank-00000.safetensors"
+
+
+def _state(step: int, base: torch.Tensor) -> dict:
+    """A frozen base and a small trainable adapter with Adam-like state, the adapter's bytes saying the step."""
+    g = torch.Generator().manual_seed(step)
+    adapter = torch.randn(64, 16, generator=g)
+    encoder = torch.arange(1 << 16, dtype=torch.float64)  # frozen, alone in its storage: a plain entry
+    return {"model": {"base.weight": base, "tied": base[:8], "encoder": encoder, "adapter": adapter},
+            "optim": {"exp_avg": adapter * 0.1, "exp_avg_sq": adapter * adapter, "lr": 1e-3}, "step": step}
+
+
+def _frozen() -> torch.Tensor:
+    return torch.randn(BASE, generator=torch.Generator().manual_seed(1234))
+
+
+def _ckpt(root: Path, step: int) -> Path:
+    return root / f"step-{step:012d}"
+
+
+def _manifest(root: Path, step: int) -> Manifest:
+    return Manifest.from_bytes((_ckpt(root, step) / "manifest.json").read_bytes(), where="m")
+
+
+def _shard_bytes(root: Path, step: int) -> int:
+    return (_ckpt(root, step) / SHARD).stat().st_size
+
+
+def _engine(root: Path, **options) -> CheckpointEngine:
+    return CheckpointEngine(root, incremental=True, direct_io="off", **options)
+
+
+def test_unchanged_tensors_are_referenced_every_step_loads_bit_exact_and_a_full_save_comes_every_full_every(tmp_path):
+    base = _frozen()
+    states = {step: _state(step, base) for step in range(1, 8)}
+    with _engine(tmp_path, full_every=4) as engine:
+        for step, state in states.items():
+            engine.save(state, step=step).wait()
+        for step, state in states.items():
+            assert_state_equal(engine.load(step=step), state)
+    full = {1, 5}  # the first, then every 4th save
+    for step in states:
+        m = _manifest(tmp_path, step)
+        if step in full:
+            assert _shard_bytes(tmp_path, step) > 4 * BASE
+            assert m.depends_on() == set()
+            assert json.loads((_ckpt(tmp_path, step) / "manifest.json").read_bytes())["version"] == 5
+        else:  # the adapter, its optimizer state and the pickled leaves, the header: far below the base
+            assert _shard_bytes(tmp_path, step) < 64 * 1024, step
+            assert m.depends_on() == {1 if step < 5 else 5}
+            assert json.loads((_ckpt(tmp_path, step) / "manifest.json").read_bytes())["version"] == 6
+    with CheckpointReader(tmp_path) as reader:  # a fresh reader, whole and into targets
+        for step, state in states.items():
+            assert_state_equal(reader.load(step=step), state)
+        into = _state(0, torch.zeros(BASE))
+        into["model"]["tied"] = torch.zeros(8)
+        into["model"]["encoder"] = torch.zeros(1 << 16, dtype=torch.float64)
+        loaded = reader.load(step=3, into=into)
+        assert_state_equal(loaded, states[3])
+        assert loaded["model"]["base.weight"] is into["model"]["base.weight"]
+        assert reader.last_load.needed_bytes < reader.last_load.read_bytes + 1  # each byte read once
+        assert reader.last_load.read_bytes < 4 * BASE + 8 * (1 << 16) + 4 * (256 << 10) + 64 * 1024
+
+
+def test_aliasing_survives_a_referencing_checkpoint(tmp_path):
+    base = _frozen()
+    with _engine(tmp_path) as engine:
+        engine.save(_state(1, base), step=1).wait()
+        engine.save(_state(2, base), step=2).wait()
+    loaded = CheckpointReader(tmp_path).load(step=2)
+    tied, full = loaded["model"]["tied"], loaded["model"]["base.weight"]
+    assert tied.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("how", ["data", "numpy"])
+def test_a_change_that_bumps_no_version_counter_is_written(tmp_path, how):
+    base = _frozen()
+    with _engine(tmp_path) as engine:
+        engine.save(_state(1, base), step=1).wait()
+        version = base._version
+        if how == "data":
+            base.data[7] = 42.0
+        else:
+            base.numpy()[7] = 42.0
+        assert base._version == version
+        engine.save(_state(2, base), step=2).wait()
+        assert _shard_bytes(tmp_path, 2) > 4 * BASE
+        assert_state_equal(engine.load(step=2), _state(2, base))
+        assert engine.load(step=2)["model"]["base.weight"][7] == 42.0
+
+
+def test_a_restarted_engine_references_the_newest_committed_checkpoint(tmp_path):
+    base = _frozen()
+    with _engine(tmp_path) as engine:
+        engine.save(_state(1, base), step=1).wait()
+    with _engine(tmp_path) as engine:
+        engine.load()
+        engine.save(_state(2, base), step=2).wait()
+        engine.save(_state(3, base), step=3).wait()
+    assert _shard_bytes(tmp_path, 2) < 64 * 1024 and _shard_bytes(tmp_path, 3) < 64 * 1024
+    assert _manifest(tmp_path, 3).depends_on() == {1}  # depth 1: the checkpoint holding the bytes
+    assert_state_equal(CheckpointReader(tmp_path).load(), _state(3, base))
+
+
+def test_retention_keeps_what_a_kept_checkpoint_references(tmp_path):
+    base = _frozen()
+    with _engine(tmp_path, full_every=3, keep_local=KeepLastN(1)) as engine:
+        for step in (1, 2, 3):
+            engine.save(_state(step, base), step=step).wait()
+        assert [c.step for c in engine.list()] == [1, 3]  # 1 is referenced by 3 (counted by no keep_last)
+        engine.save(_state(4, base), step=4).wait()  # full
+        assert [c.step for c in engine.list()] == [4]
+        engine.save(_state(5, base), step=5).wait()
+        assert [c.step for c in engine.list()] == [4, 5]
+        assert_state_equal(engine.load(), _state(5, base))
+
+
+def test_a_corrupt_referenced_file_makes_its_dependents_corrupt_and_the_load_falls_back(tmp_path):
+    base = _frozen()
+    with _engine(tmp_path, full_every=2) as engine:
+        for step in (1, 2, 3, 4):  # 1 full, 2 -> 1, 3 full, 4 -> 3
+            engine.save(_state(step, base), step=step).wait()
+    assert _manifest(tmp_path, 4).depends_on() == {3}
+    shard = _ckpt(tmp_path, 3) / SHARD
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # in the base's bytes, which step 4 references
+    shard.write_bytes(bytes(raw))
+    with CheckpointReader(tmp_path) as reader:
+        with pytest.raises(CorruptCheckpointError):
+            reader.load(step=4)
+        assert_state_equal(reader.load(), _state(2, base))
+        assert reader.loaded_step == 2
+
+
+def test_a_missing_referenced_checkpoint_makes_its_dependent_corrupt(tmp_path):
+    import shutil
+
+    base = _frozen()
+    with _engine(tmp_path) as engine:
+        engine.save(_state(1, base), step=1).wait()
+        engine.save(_state(2, base), step=2).wait()
+    shutil.rmtree(_ckpt(tmp_path, 1))
+    with pytest.raises(CorruptCheckpointError, match="step 1"):
+        CheckpointReader(tmp_path).load(step=2)
+
+
+def test_incremental_is_off_by_default_and_writes_no_hashes(tmp_path):
+    base = _frozen()
+    with CheckpointEngine(tmp_path, direct_io="off") as engine:
+        engine.save(_state(1, base), step=1).wait()
+        engine.save(_state(2, base), step=2).wait()
+    assert _shard_bytes(tmp_path, 2) > 4 * BASE
+    assert b'"hash"' not in (_ckpt(tmp_path, 2) / "manifest.json").read_bytes()
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"full_every": 0}, "full_every=0"),
+    ({"full_every": 2.5}, "full_every=2.5"),
+    ({"full_every": True}, "full_every=True"),
+    ({"incremental": "yes"}, "incremental='yes'"),
+    ({"incremental": True, "torch_loadable": True}, "torch_loadable=True"),
+    ({"incremental": True, "remote_url": "memory://inc-bucket/run"}, "remote_url"),
+])
+def test_what_step_a_does_not_take_is_a_config_error_naming_the_value(tmp_path, options, match):
+    with pytest.raises(ConfigError, match=match):
+        CheckpointEngine(tmp_path, **options)
+
+
+def test_several_ranks_are_refused_with_incremental(tmp_path):
+    from persist_core.distributed import SingleProcess
+
+    class TwoRanks(SingleProcess):
+        world_size = 2
+
+    with pytest.raises(ConfigError, match="world_size=2"):
+        CheckpointEngine(tmp_path, incremental=True, collectives=TwoRanks())
