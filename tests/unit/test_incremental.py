@@ -192,3 +192,97 @@ def test_several_ranks_are_refused_with_incremental(tmp_path):
 
     with pytest.raises(ConfigError, match="world_size=2"):
         CheckpointEngine(tmp_path, incremental=True, collectives=TwoRanks())
+
+
+def test_a_referencing_shard_is_a_safetensors_file_of_the_changed_tensors_only(tmp_path):
+    from safetensors import safe_open
+
+    base = _frozen()
+    with _engine(tmp_path) as engine:
+        engine.save(_state(1, base), step=1).wait()
+        engine.save(_state(2, base), step=2).wait()
+    with safe_open(str(_ckpt(tmp_path, 2) / SHARD), framework="pt") as f:
+        names = {k for k in f.keys() if not k.startswith("__pad__")}
+        assert names == {"model/adapter", "optim/exp_avg", "optim/exp_avg_sq"}
+        assert f.get_tensor("model/adapter").equal(_state(2, base)["model"]["adapter"])
+
+
+def test_a_guarded_save_is_incremental_too(tmp_path):
+    base = _frozen()
+    adapter = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(adapter.parameters(), lr=0.1, momentum=0.9)
+
+    def state(step):
+        return {"model": {"base": base, **adapter.state_dict()}, "optim": opt.state_dict(), "step": step}
+
+    want = {}
+    with _engine(tmp_path) as engine, engine.guard(opt):
+        for step in (1, 2, 3):
+            adapter(torch.ones(2, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            engine.save(state(step), step=step)
+            want[step] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in adapter.state_dict().items()}
+        engine.wait()
+        for step in (1, 2, 3):
+            got = engine.load(step=step)
+            assert_state_equal(got["model"], {"base": base, **want[step]})
+    assert _shard_bytes(tmp_path, 3) < 64 * 1024 and _manifest(tmp_path, 3).depends_on() == {1}
+
+
+def test_a_run_resumed_from_an_older_step_references_what_it_resumed_from(tmp_path):
+    base = _frozen()
+    with _engine(tmp_path) as engine:
+        for step in (1, 2, 3, 4):
+            engine.save(_state(step, base), step=step).wait()
+    changed = base.clone()
+    changed[0] = -1.0
+    with _engine(tmp_path) as engine:
+        engine.load(step=2)
+        engine.save(_state(3, changed), step=3).wait()  # sets 3 and 4 aside
+        engine.save(_state(4, changed), step=4).wait()
+        assert [c.step for c in engine.list()] == [1, 2, 3, 4]
+        assert_state_equal(engine.load(step=4), _state(4, changed))
+        assert_state_equal(engine.load(step=2), _state(2, base))
+    assert _manifest(tmp_path, 4).depends_on() == {1, 3}  # the encoder from 1, the changed base from 3
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda r: r.pop("hash"), "without the hash"),
+    (lambda r: r.update(step=9), "not an older checkpoint"),
+    (lambda r: r.update(hash="xyz"), "not 32 hex digits"),
+    (lambda r: r.update(file="../../etc/passwd"), "not an older checkpoint's shard"),
+])
+def test_a_crafted_reference_is_corrupt(tmp_path, change, match):
+    base = _frozen()
+    with _engine(tmp_path) as engine:
+        engine.save(_state(1, base), step=1).wait()
+        engine.save(_state(2, base), step=2).wait()
+    body = _body(tmp_path, 2)
+    change(next(r for r in body["tensors"] if "step" in r))
+    body["step"] = 5
+    with pytest.raises(CorruptCheckpointError, match=match):
+        Manifest.from_bytes(_signed(body), where="m")
+
+
+def _body(root: Path, step: int) -> dict:
+    raw = (_ckpt(root, step) / "manifest.json").read_bytes()
+    return json.loads(raw.rsplit(b',"manifest_crc32c"', 1)[0] + b"}")
+
+
+def _signed(body: dict) -> bytes:
+    import crc32c
+
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    return raw[:-1] + f',"manifest_crc32c":{crc32c.crc32c(raw)}}}'.encode()
+
+
+def test_a_version_5_manifest_naming_a_step_is_corrupt(tmp_path):
+    base = _frozen()
+    with _engine(tmp_path) as engine:
+        engine.save(_state(1, base), step=1).wait()
+        engine.save(_state(2, base), step=2).wait()
+    body = _body(tmp_path, 2)
+    body["version"] = 5
+    with pytest.raises(CorruptCheckpointError, match="version 6 on, this manifest is 5"):
+        Manifest.from_bytes(_signed(body), where="m")
