@@ -8,8 +8,9 @@ commit failed. Local retention reads :meth:`Incremental.planned` (from any threa
 written references are protected from the moment it decides to reference them.
 
 Equality is proven by a 128-bit content hash (xxh3-128) of each whole entry's staged bytes, never by version
-counters (writes through ``.data`` or a numpy view do not bump them): on 2 cores here xxh3-128 runs at ~16 GB/s,
-against ~10 GB/s for the staging copy it follows, so it adds well under the copy's time, off the training thread.
+counters (writes through ``.data`` or a numpy view do not bump them). On 2 cores here xxh3-128 hashed a 420 MB
+frozen base in 25 ms on one thread (16.8 GB/s), a third of the ``copy_`` that staged it (73 ms), and 13-16 ms on the
+writer's two I/O threads; it runs off the training thread, before the write.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import ctypes
 import logging
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import replace
 from pathlib import Path
 
@@ -60,15 +63,26 @@ class Incremental:
         with self._lock:
             return set(self._planned)
 
-    def prepare(self, base: Manifest, buf: StagingBuffer, nbytes: int) -> tuple[Manifest, int]:
+    def prepare(self, base: Manifest, buf: StagingBuffer, nbytes: int, *, pool: Executor | None = None,
+                turn: Callable[[], None] = lambda: None) -> tuple[Manifest, int]:
         """Hash the ``nbytes`` staged in ``buf`` for ``base.step``, reference what did not change, and compact the
-        buffer in place to the shard that is written; returns the manifest so far and the shard's size."""
+        buffer in place to the shard that is written; returns the manifest so far and the shard's size.
+
+        ``pool``: threads hashing the entries in parallel (the writer's I/O threads: xxh3 releases the GIL; 2
+        threads hashed 420 MB in 13-16 ms here against 23-28 ms on one); ``turn``: waited for before each entry (a
+        guarded update has the cores)."""
         t0 = time.perf_counter()
         view = buf.memoryview(nbytes)
         header = bytes(view[: 8 + int.from_bytes(view[:8], "little")])
         spans = {name: (b, e) for name, b, e in parse_header(header, file_size=nbytes)[1]}
-        entries = {r.entry for r in base.tensors if hashable(r) and r.entry in spans}  # type: ignore[union-attr]
-        hashes = {e: xxhash.xxh3_128_hexdigest(view[slice(*spans[e])]) for e in entries}
+        entries = sorted({r.entry for r in base.tensors if hashable(r) and r.entry in spans},  # type: ignore[misc]
+                         key=lambda e: spans[e][0] - spans[e][1])  # the largest first: the threads end together
+
+        def digest(entry: str) -> tuple[str, str]:
+            turn()
+            return entry, xxhash.xxh3_128_hexdigest(view[slice(*spans[entry])])
+
+        hashes = dict(pool.map(digest, entries) if pool is not None else map(digest, entries))
         self.hash_s += time.perf_counter() - t0
         previous, since_full = self._previous(base.step)
         missing = frozenset(s for s in (previous.depends_on() if previous is not None else ())

@@ -228,7 +228,8 @@ class Writer:
         base = job.base
         if self._incremental is not None:
             try:  # what did not change is referenced; the buffer then holds only the rest
-                base, nbytes = self._incremental.prepare(job.base, buf, handle.stats.nbytes)
+                base, nbytes = self._incremental.prepare(job.base, buf, handle.stats.nbytes, pool=self._io,
+                                                              turn=self._turn.wait)
             except BaseException:
                 self._pool.release(buf)
                 self._incremental.settle(None)
