@@ -286,3 +286,23 @@ def test_a_version_5_manifest_naming_a_step_is_corrupt(tmp_path):
     body["version"] = 5
     with pytest.raises(CorruptCheckpointError, match="version 6 on, this manifest is 5"):
         Manifest.from_bytes(_signed(body), where="m")
+
+
+def test_persist_rm_and_gc_refuse_to_remove_a_referenced_checkpoint_naming_its_dependents(tmp_path):
+    from click.testing import CliRunner
+
+    from persist_core.cli import main
+
+    base = _frozen()
+    with _engine(tmp_path, full_every=3) as engine:
+        for step in (1, 2, 3, 4, 5):  # 1 full, 2 and 3 -> 1, 4 full, 5 -> 4
+            engine.save(_state(step, base), step=step).wait()
+    refused = CliRunner().invoke(main, ["rm", str(tmp_path), "--step", "1"])
+    assert refused.exit_code != 0 and "step 1 by step(s) [2, 3]" in refused.output
+    assert CliRunner().invoke(main, ["rm", str(tmp_path), "--step", "1", "--step", "2", "--step", "3"]).exit_code == 0
+    gc = CliRunner().invoke(main, ["gc", str(tmp_path), "--keep-last", "1", "--json"])
+    assert gc.exit_code == 0, gc.output
+    report = json.loads(gc.output)
+    assert report["removed"] == [] and {"step": 4, "why": "referenced by step(s) [5] (incremental checkpoints)"} in \
+        report["kept"]
+    assert_state_equal(CheckpointReader(tmp_path).load(), _state(5, base))
