@@ -66,7 +66,8 @@ class Pipeline:
                              turn=turn, incremental=self.incremental)
         local = LocalTier(root)
         planned = self.incremental.planned if self.incremental is not None else set
-        self.local = Retainer(local, config.keep_local, protected=lambda: self.sync.protected(), depended_on=planned,
+        self.local = Retainer(local, config.keep_local, protected=lambda: self.sync.protected(),
+                              depended_on=lambda: planned() | local.abandoned_depend_on(),
                               dependencies=local.depends_on)
         #: this rank's side of uploads (the queue on rank 0): the one object the remote goes through
         self.sync = Syncer(root, coll=coll, tier=tier, ledger=ledger, keep_remote=config.keep_remote,

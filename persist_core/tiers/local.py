@@ -287,6 +287,10 @@ class LocalTier:
         fsync_dir(self.root)
         log.info("[step=%d] set aside in %s: the run resumed from step %d and saved past it", step, self.root, at)
 
+    def abandoned_depend_on(self) -> set[int]:
+        """The live checkpoints that the set-aside ones reference (incremental saves): kept while they are."""
+        return {dep for _, _, m, _ in self.abandoned_manifests() for dep in m.depends_on()}
+
     def abandoned(self) -> list[CheckpointInfo]:
         """Checkpoints set aside when a run resumed from an older one, oldest first (kept, never pruned)."""
         return [CheckpointInfo(step=step, time=m.time, nbytes=m.nbytes, path=path)

@@ -306,3 +306,20 @@ def test_persist_rm_and_gc_refuse_to_remove_a_referenced_checkpoint_naming_its_d
     assert report["removed"] == [] and {"step": 4, "why": "referenced by step(s) [5] (incremental checkpoints)"} in \
         report["kept"]
     assert_state_equal(CheckpointReader(tmp_path).load(), _state(5, base))
+
+
+def test_what_a_set_aside_branch_references_is_kept(tmp_path):
+    base = _frozen()
+    with _engine(tmp_path, keep_local=KeepLastN(1)) as engine:
+        for step in (1, 2, 3):  # 2 and 3 reference 1
+            engine.save(_state(step, base), step=step).wait()
+    changed = base.clone()
+    changed[0] = -1.0
+    with _engine(tmp_path, full_every=2, keep_local=KeepLastN(1)) as engine:
+        engine.load(step=1)
+        for step in (2, 3, 4):  # replaces 2, sets the old 3 aside; full_every=2: 2 -> 1 (the encoder), 3 full, 4 -> 3
+            engine.save(_state(step, changed), step=step).wait()
+        assert _manifest(tmp_path, 4).depends_on() == {3}
+        assert [c.step for c in engine.list()] == [1, 3, 4]  # 1 only because the set-aside 3 references it
+        aside = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("abandoned-"))
+        assert len(aside) == 1
