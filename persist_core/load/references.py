@@ -102,3 +102,14 @@ def referenced_file(names: set[str], read_own: ReadBlocks, read_other: Callable[
             read_own(f, first, views)
 
     return read
+
+
+def split_name(name: str) -> tuple[int, str]:
+    """``(step, file)`` of a referenced file's name in a resolved manifest (``step-N/<file>``)."""
+    from persist_core.layout import parse_checkpoint_dirname
+
+    head, _, fname = name.partition("/")
+    step = parse_checkpoint_dirname(head)
+    if step is None:
+        raise CorruptCheckpointError(f"{name!r} is not a referenced file's name")
+    return step, fname

@@ -323,3 +323,22 @@ def test_what_a_set_aside_branch_references_is_kept(tmp_path):
         assert [c.step for c in engine.list()] == [1, 3, 4]  # 1 only because the set-aside 3 references it
         aside = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("abandoned-"))
         assert len(aside) == 1
+
+
+def test_persist_export_follows_references(tmp_path):
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from persist_core.cli import main
+
+    base = _frozen()
+    with _engine(tmp_path / "ckpt") as engine:
+        engine.save(_state(1, base), step=1).wait()
+        engine.save(_state(2, base), step=2).wait()
+    out = tmp_path / "model.safetensors"
+    done = CliRunner().invoke(main, ["export", str(tmp_path / "ckpt"), "--step", "2", "--format", "safetensors",
+                                     "--to", str(out)])
+    assert done.exit_code == 0, done.output
+    got = load_file(str(out))
+    assert got["model/base.weight"].equal(base) and got["model/encoder"].equal(_state(2, base)["model"]["encoder"])
+    assert got["model/adapter"].equal(_state(2, base)["model"]["adapter"])
