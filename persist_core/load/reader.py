@@ -28,11 +28,11 @@ from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptChe
 from persist_core.layout import checkpoint_dirname, parse_checkpoint_dirname, parse_shard_filename
 from persist_core.ownership import discard
 from persist_core.format.manifest import Manifest
-from persist_core.load.assemble import _read_shard, load_checkpoint, load_into
+from persist_core.load.assemble import load_checkpoint, load_into
 from persist_core.load.blocks import LoadStats
 from persist_core.load.choose import LOCAL, REMOTE, Listing
 from persist_core.load.plan import LoadOptions, check_weights_only
-from persist_core.load.references import read_referenced, referenced_file, resolve
+from persist_core.load.references import load_referencing
 from persist_core.load.remote import RemoteRestore
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_blocks, read_manifest
@@ -313,25 +313,10 @@ class CheckpointReader:
         return load_checkpoint(ckpt, manifest, pool=self._pool, options=opts)
 
     def _local_referencing(self, ckpt: Path, manifest: Manifest, into: Any, opts: LoadOptions) -> Any:
-        """The state of a local incremental checkpoint: its own files, and the bytes it references in older
-        checkpoints of ``local_dir`` read from their files (verified by those files' checksums, each byte once)."""
-        resolved, names = resolve(manifest, lambda s: read_manifest(checkpoint_dir(self._root, s)), where=str(ckpt))
-        self._manifest = resolved  # the files it reads: the next saves' size (the warm-up)
-        root = self._root
-        read = referenced_file(names, self._blocks(ckpt, manifest, opts),
-                               lambda name, f, first, views: read_blocks(root / name, f, first, views,
-                                                                         verify=opts.verify))
-        if into is not None:
-            return load_into(resolved, into, pool=self._pool, options=opts, where=str(ckpt), stats=self.last_load,
-                             read_blocks=read)
-        others = read_referenced(resolved, names, read_blocks=read, pool=self._pool, stats=self.last_load)
-
-        def shard(f: Any) -> Any:
-            if f.name in others:
-                return others[f.name]
-            return _read_shard(ckpt / f.name, f, pool=self._pool, verify=opts.verify)
-
-        return load_checkpoint(ckpt, resolved, pool=self._pool, options=opts, shard=shard)
+        """The state of a local incremental checkpoint (:func:`~persist_core.load.references.load_referencing`)."""
+        state, self._manifest = load_referencing(self._root, ckpt, manifest, into, options=opts, pool=self._pool,
+                                                 stats=self.last_load, read_own=self._blocks(ckpt, manifest, opts))
+        return state
 
     def _remote(self, step: int, into: Any, opts: LoadOptions) -> Any:
         """The state from the remote: ``into`` filled by ranged reads, or streamed whole (a local copy left)."""

@@ -7,9 +7,10 @@ referenced manifest's :class:`~persist_core.format.manifest.FileEntry` (its size
 plans (:mod:`~persist_core.load.blocks`) and the assembly (:mod:`~persist_core.load.assemble`) work unchanged.
 :func:`read_referenced` reads the referenced entries for a whole load (the own files are read whole as always).
 
-Who calls what: :class:`~persist_core.load.reader.CheckpointReader` calls :func:`resolve` for a local checkpoint whose
-manifest depends on others, then :func:`~persist_core.load.assemble.load_into` (into targets) or
-:func:`read_referenced` and :func:`~persist_core.load.assemble.load_checkpoint` (whole).
+Who calls what: :class:`~persist_core.load.reader.CheckpointReader` calls :func:`load_referencing` for a local
+checkpoint whose manifest depends on others (:func:`resolve`, then :func:`~persist_core.load.assemble.load_into` into
+targets, or :func:`read_referenced` and :func:`~persist_core.load.assemble.load_checkpoint` whole);
+:mod:`~persist_core.load.consolidate` calls :func:`resolve` and :func:`split_name` (any tier).
 """
 
 from __future__ import annotations
@@ -17,13 +18,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.layout import checkpoint_dirname
+from persist_core.load.assemble import _read_shard, load_checkpoint, load_into
 from persist_core.load.blocks import LoadStats, ReadBlocks, ReadPlan, bytes_of
+from persist_core.load.plan import LoadOptions
+from persist_core.tiers.local import checkpoint_dir, read_blocks, read_manifest
 
 
 def resolve(manifest: Manifest, manifest_of: Callable[[int], Manifest], *, where: str) -> tuple[Manifest, set[str]]:
@@ -113,3 +119,29 @@ def split_name(name: str) -> tuple[int, str]:
     if step is None:
         raise CorruptCheckpointError(f"{name!r} is not a referenced file's name")
     return step, fname
+
+
+def load_referencing(root: Path, ckpt: Path, manifest: Manifest, into: Any, *, options: LoadOptions, pool: Executor,
+                     stats: LoadStats, read_own: ReadBlocks) -> tuple[Any, Manifest]:
+    """The state of the local incremental checkpoint ``ckpt`` of ``local_dir`` ``root`` (its own files read by
+    ``read_own``, or whole; the bytes it references read from the older checkpoints' files, verified by their
+    checksums, each once): ``into`` filled in place, or whole with aliasing kept; and the resolved manifest (the
+    files it read: the engine warms its staging buffers for saves of about that size).
+
+    Raises:
+        CorruptCheckpointError: a file it reads, or one it references, does not verify or is missing.
+    """
+    resolved, names = resolve(manifest, lambda s: read_manifest(checkpoint_dir(root, s)), where=str(ckpt))
+    read = referenced_file(names, read_own, lambda name, f, first, views: read_blocks(root / name, f, first, views,
+                                                                                      verify=options.verify))
+    if into is not None:
+        return load_into(resolved, into, pool=pool, options=options, where=str(ckpt), stats=stats,
+                         read_blocks=read), resolved
+    others = read_referenced(resolved, names, read_blocks=read, pool=pool, stats=stats)
+
+    def shard(f: FileEntry) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        if f.name in others:
+            return others[f.name]
+        return _read_shard(ckpt / f.name, f, pool=pool, verify=options.verify)
+
+    return load_checkpoint(ckpt, resolved, pool=pool, options=options, shard=shard), resolved
