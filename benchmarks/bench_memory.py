@@ -40,7 +40,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
 
 from benchmarks._common import MB, accel_model, drop_cached, files_under, nbytes, tensors, training_state  # noqa: E402
 from persist_core import (CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Continuous,  # noqa: E402

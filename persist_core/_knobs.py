@@ -31,6 +31,8 @@ MAX_WRITE_THREADS = 256
 MAX_CHUNK_BYTES = 1 << 30
 #: The most saves staged or writing at once: each holds a staging buffer the size of this rank's state.
 MAX_PENDING = 64
+#: an incremental save whose references would name more checkpoints than this is written full (loads stay fast)
+INCREMENTAL_MAX_SPAN = 3
 
 
 def _env_int(name: str, default: int, *, minimum: int, multiple: int = 1, what: str = "",
@@ -134,6 +136,24 @@ def check_writes(config: Any) -> None:
             f"max_pending={c.max_pending!r} must be an int from 1 to {MAX_PENDING} (each pending save holds one "
             "staging buffer the size of the state)"
         )
+
+
+def check_incremental(config: Any) -> None:
+    """``incremental`` and ``full_every`` of a :class:`~persist_core.config.Config`, and what incremental saves do
+    not take yet (issue 43, step a: the local tier only): a ConfigError naming the value and the fix."""
+    c = config
+    check_bool("incremental", c.incremental)
+    if isinstance(c.full_every, bool) or not isinstance(c.full_every, int) or c.full_every < 1:
+        raise ConfigError(f"full_every={c.full_every!r} must be an int >= 1: an incremental save writes a full "
+                          "checkpoint at least every full_every saves (the default, 10; 1 writes every save full)")
+    if not c.incremental:
+        return
+    if c.remote_url is not None:
+        raise ConfigError(f"incremental=True with remote_url={c.remote_url!r}: incremental checkpoints are local only "
+                          "for now; drop remote_url, or pass incremental=False")
+    if c.torch_loadable:
+        raise ConfigError("incremental=True with torch_loadable=True: a checkpoint referencing another's bytes is not "
+                          "a torch.load-able archive; pass torch_loadable=False, or incremental=False")
 
 
 def check_backend(url: str) -> None:

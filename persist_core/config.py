@@ -60,6 +60,9 @@ class Config:
             save, instead of being refused beside another run's remote checkpoints.
         memory: a :class:`~persist_core.tiers.memory.MemoryTier`: snapshots in host memory that outlives the
             process (``maybe_save`` snapshots every ``every_n_steps``; loads read the freshest source first).
+        incremental: a save references the tensors whose bytes equal those of the newest committed checkpoint
+            (proven by a 128-bit hash) instead of writing them again (local tier, one writing rank).
+        full_every: with ``incremental``, a full checkpoint at least every this many saves.
     """
 
     local_dir: Path
@@ -83,6 +86,8 @@ class Config:
     replica_check: str = "sampled"
     start_over: bool = False
     memory: MemoryTier | None = None
+    incremental: bool = False
+    full_every: int = 10
 
     def __post_init__(self) -> None:
         def resolved(name: str, value: Any) -> None:
@@ -118,6 +123,7 @@ class Config:
         _knobs.check_remote(self.remote_url, self.storage_options)
         check_replica_mode(self.replica_check)
         check_memory(self.memory)
+        _knobs.check_incremental(self)
         if self.remote_url is not None:
             _knobs.check_backend(self.remote_url)
 

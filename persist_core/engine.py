@@ -49,7 +49,8 @@ class CheckpointEngine:
         keywords: the other options of :class:`Config`: ``remote_url``/``storage_options`` (an fsspec URL every
             committed checkpoint is uploaded to in the background; ``load`` falls back to it), ``keep_local``/
             ``keep_remote`` (retention), ``save_policy`` (when :meth:`maybe_save` saves), ``preemption``,
-            ``start_over``, ``torch_loadable``, ``replica_check``, ``write_threads``, ``chunk_bytes``,
+            ``start_over``, ``torch_loadable``, ``incremental``/``full_every`` (reference what did not change),
+            ``replica_check``, ``write_threads``, ``chunk_bytes``,
             ``direct_io``, ``max_pending``, ``verify``, ``remote_timeout_s``, ``max_unsynced_bytes``, ``run_id``...
         collectives: several processes' collectives (:class:`TorchCollectives`): every rank saves the same steps
             and writes about ``1/world_size`` of a state they hold alike (``DTensor`` leaves sharded; values that

@@ -20,6 +20,7 @@ from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.history import HistoryLog
 from persist_core.policies.retention import Retainer
+from persist_core.save.dedup import Incremental
 from persist_core.save.staging import StagingPool
 from persist_core.sync import SyncJob, Syncer
 from persist_core.tiers.local import LocalTier
@@ -57,12 +58,17 @@ class Pipeline:
         leader = coll.rank == 0
         self._coll = coll
         self.history = HistoryLog(root)  # what each save cost, for persist stats (rank 0 writes it)
+        #: incremental saves (issue 43): what the newest committed checkpoint holds is referenced, not rewritten
+        self.incremental = Incremental(root, full_every=config.full_every) if config.incremental else None
         self.writer = Writer(root, pool=pool, coll=coll, ops=ops, ledger=ledger, after_commit=self._after_commit,
                              write_threads=config.write_threads, chunk_bytes=config.chunk_bytes,
                              direct_io=config.direct_io, on_nodes=lambda nodes: self.sync.on_nodes(nodes),
-                             turn=turn)
+                             turn=turn, incremental=self.incremental)
         local = LocalTier(root)
-        self.local = Retainer(local, config.keep_local, protected=lambda: self.sync.protected())
+        planned = self.incremental.planned if self.incremental is not None else set
+        self.local = Retainer(local, config.keep_local, protected=lambda: self.sync.protected(),
+                              depended_on=lambda: planned() | local.abandoned_depend_on(),
+                              dependencies=local.depends_on)
         #: this rank's side of uploads (the queue on rank 0): the one object the remote goes through
         self.sync = Syncer(root, coll=coll, tier=tier, ledger=ledger, keep_remote=config.keep_remote,
                            latest_step=latest_step,

@@ -36,6 +36,7 @@ SMOKES = {
     "bench_remote": ("moto", "| **torch-persist upload**"),
     "bench_sharded": (None, "resharded load into fresh FSDP2 targets"),
     "bench_goodput": (None, "| continuous |"),
+    "bench_incremental": ("xxhash", "| incremental=True |"),
     "fault_sweep": ("moto", "OK: "),
     "lightning_kill_trials": ("lightning", "1 of 1 trials left a last.ckpt that loads and resumes"),
 }

@@ -46,6 +46,31 @@ def _not_counted(loc: Location, counted: set[int]) -> dict[int, str]:
     return why
 
 
+def _referenced_by(loc: Location, staying: list[int]) -> dict[int, list[int]]:
+    """Each checkpoint that one of ``staying`` references (incremental saves), with the ones that do."""
+    out: dict[int, list[int]] = {}
+    for step in staying:
+        try:
+            deps = loc.tier.read_manifest(step).depends_on()
+        except PersistError:  # not a checkpoint that loads: it protects nothing
+            continue
+        for dep in deps:
+            out.setdefault(dep, []).append(step)
+    return out
+
+
+def _spare_referenced(loc: Location, listed: list[Any], gone: set[int], keep: dict[int, str]) -> None:
+    """Take out of ``gone`` (into ``keep``, with why) every checkpoint that one staying references."""
+    while True:
+        refs = _referenced_by(loc, [c.step for c in listed if c.step not in gone])
+        needed = {dep: by for dep, by in refs.items() if dep in gone}
+        if not needed:
+            return
+        for dep, by in needed.items():
+            keep[dep] = f"referenced by step(s) {sorted(by)} (incremental checkpoints)"
+            gone.discard(dep)
+
+
 @main.command()
 @click.argument("location")
 @click.option("--keep-last", type=int, default=None)
@@ -112,6 +137,7 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
         if good is not None:
             keep.setdefault(good, "the newest checkpoint that verifies")
     by_policy = to_delete(listed, policy, context=context)
+    _spare_referenced(loc, listed, {c.step for c in by_policy} - set(keep), keep)
     doomed = [c for c in by_policy if c.step not in keep]
     verb = "would remove" if dry_run else "removed"
     for info in doomed:
@@ -125,6 +151,10 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
             if step in doomed_steps:
                 say(f"kept step {step}: {why} (the policy would remove it)")
                 report["kept"].append({"step": step, "why": why})
+            continue
+        if why.startswith("referenced by"):
+            say(f"kept step {step}: {why}")
+            report["kept"].append({"step": step, "why": why})
             continue
         say(f"kept step {step}: {why} (the job uploads it when the remote is back; `persist push` does too)")
         report["kept"].append({"step": step, "why": why})
@@ -158,8 +188,9 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
 def rm(ctx: click.Context, location: str, steps: tuple[int, ...], force: bool, as_json: bool) -> None:
     """Remove committed checkpoints by step (a local one by one durable rename first, as retention does).
 
-    The newest committed checkpoint, and a local one not yet uploaded to its remote, are refused unless
-    --force: they may be the only good copy.
+    The newest committed checkpoint, a local one not yet uploaded to its remote, and one that an incremental
+    checkpoint staying references are refused unless --force: they may be the only good copy, or hold bytes
+    another checkpoint needs.
 
     \b
     Example:
@@ -180,6 +211,13 @@ def rm(ctx: click.Context, location: str, steps: tuple[int, ...], force: bool, a
             if held:
                 raise CommandError(f"step(s) {held} are not uploaded to {remote or 'the remote'} yet (.unsynced.json); "
                              "pass --force to remove them anyway")
+        refs = _referenced_by(loc, [s for s in committed if s not in steps])
+        needed = {s: refs[s] for s in steps if s in refs}
+        if needed:
+            named = "; ".join(f"step {s} by step(s) {sorted(by)}" for s, by in sorted(needed.items()))
+            raise CommandError(f"incremental checkpoints reference bytes of the checkpoints to remove ({named}): "
+                               "removing them would make those unloadable; remove the dependents too (in the same "
+                               "call), or pass --force")
     for s_ in steps:
         loc.tier.remove(s_)
         if not as_json:

@@ -23,7 +23,7 @@ from typing import Any
 import crc32c
 
 from persist_core.errors import CorruptCheckpointError
-from persist_core.format.records import Chunk, TensorRecord, _whole
+from persist_core.format.records import REFERENCES_VERSION, Chunk, TensorRecord, _whole
 from persist_core.format.shard_file import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = ["Chunk", "FileEntry", "Manifest", "TensorRecord"]
@@ -31,6 +31,8 @@ __all__ = ["Chunk", "FileEntry", "Manifest", "TensorRecord"]
 _CHECKSUM_KEY = "manifest_crc32c"
 _CHECKSUM_TAIL = re.compile(rb',"' + _CHECKSUM_KEY.encode() + rb'":(\d{1,10})\}$')
 _FIRST_CHECKSUMMED_VERSION = 2
+#: the newest format version this code reads (and writes, for a manifest with references: :attr:`Manifest.version`)
+READ_VERSION = REFERENCES_VERSION
 
 
 @dataclass(frozen=True)
@@ -128,9 +130,15 @@ class Manifest:
         return sum(f.size for f in self.files)
 
     def depends_on(self) -> set[int]:
-        """The committed checkpoints whose files hold bytes of this one (its chunks' references; none before
+        """The committed checkpoints whose files hold bytes of this one (its records' references; none before
         format version 6): retention keeps them while this one is kept."""
-        return {c.step for t in self.tensors for c in t.chunks or () if c.step is not None}
+        return {step for t in self.tensors for step, _ in t.references()}
+
+    @property
+    def version(self) -> int:
+        """The format version this manifest is written as: 6 when it references another checkpoint's bytes, else
+        the version before (older readers load it)."""
+        return REFERENCES_VERSION if self.depends_on() else FORMAT_VERSION
 
     def held(self) -> tuple[FileEntry, ...]:
         """The files this copy holds: every file, or (a node's copy) those its node's ranks wrote."""
@@ -152,7 +160,7 @@ class Manifest:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["tensors"] = [t.to_json() for t in self.tensors]
         fields["files"] = [asdict(f) for f in self.files]
-        body = json.dumps({"format": FORMAT_NAME, "version": FORMAT_VERSION, **fields}, separators=(",", ":")).encode()
+        body = json.dumps({"format": FORMAT_NAME, "version": self.version, **fields}, separators=(",", ":")).encode()
         return body[:-1] + f',"{_CHECKSUM_KEY}":{crc32c.crc32c(body)}}}'.encode()
 
     @classmethod
@@ -179,10 +187,10 @@ class Manifest:
             version = body.get("version")
             if not isinstance(version, int) or isinstance(version, bool) or version < 1:
                 raise CorruptCheckpointError(f"{where} has no valid format version ({version!r})")
-            if version > FORMAT_VERSION:
+            if version > READ_VERSION:
                 raise CorruptCheckpointError(
                     f"{where} has format version {version}; this torch-persist reads versions up to "
-                    f"{FORMAT_VERSION}: upgrade torch-persist to load it"
+                    f"{READ_VERSION}: upgrade torch-persist to load it"
                 )
             if (_CHECKSUM_KEY in body) != (version >= _FIRST_CHECKSUMMED_VERSION):
                 raise CorruptCheckpointError(f"{where}: a version {version} manifest "
@@ -232,6 +240,11 @@ def _check_places(m: Manifest, where: str) -> None:
     for rec in m.tensors:
         placed += rec.files()
     stray = [p for p in placed if p not in names]
+    for rec in m.tensors:  # another checkpoint's file: a shard name, of an older step (never a cycle)
+        for step, fname in rec.references():
+            if parse_shard_filename(fname) is None or step >= m.step:
+                raise CorruptCheckpointError(f"{where} references {str(fname)[:80]!r} of step {step}: not an older "
+                                             "checkpoint's shard; the manifest is corrupt or crafted")
     if stray:
         raise CorruptCheckpointError(f"{where} places bytes in {str(stray[0])[:80]!r}, a file it does not list: "
                                      "the manifest is corrupt or crafted")

@@ -5,6 +5,7 @@ back as the same JSON, key for key (:meth:`TensorRecord.to_json`)."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ def _ints(v: Any, n: int | None = None) -> bool:
 
 #: the first format version whose chunks may name bytes in another checkpoint (incremental saves, issue 43)
 REFERENCES_VERSION = 6
+
+_HASH = re.compile(r"[0-9a-f]{32}")  # xxh3-128 of a tensor's bytes, hex (incremental saves)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,11 @@ class TensorRecord:
     (``None``: C-contiguous); ``replicated``: every rank held the same value (``None`` in manifests before it was
     recorded). A sharded tensor (version 4): its global ``shape``, ``placements`` and ``mesh``, and the ``chunks``
     ranks wrote, which tile it.
+
+    Incremental saves (format version 6): ``hash``, the xxh3-128 (hex) of the bytes of the entry holding it, and
+    ``step``: the committed checkpoint of this run whose ``file`` holds them (a reference: ``entry`` and ``offset``
+    are that file's; always the checkpoint holding the bytes, never one that references them in turn); ``None``:
+    this checkpoint's own file. A record with a hash and no step is readable by version-5 code.
     """
 
     dtype: str
@@ -64,14 +72,24 @@ class TensorRecord:
     placements: Any = None
     mesh: tuple[int, ...] | None = None
     chunks: tuple[Chunk, ...] | None = None
+    step: int | None = None
+    hash: str | None = None
 
     @property
     def sharded(self) -> bool:
         return self.chunks is not None
 
     def files(self) -> list[str]:
-        """The files this record places bytes in."""
-        return [c.file for c in self.chunks] if self.chunks is not None else [self.file]  # type: ignore[list-item]
+        """The files of this checkpoint this record places bytes in (not those of the checkpoints it references)."""
+        if self.chunks is not None:
+            return [c.file for c in self.chunks if c.step is None]
+        return [] if self.step is not None else [self.file]  # type: ignore[list-item]
+
+    def references(self) -> list[tuple[int, str]]:
+        """``(step, file)`` of each other checkpoint's file this record names bytes in."""
+        if self.chunks is not None:
+            return [(c.step, c.file) for c in self.chunks if c.step is not None]
+        return [] if self.step is None else [(self.step, self.file)]  # type: ignore[list-item]
 
     def to_json(self) -> dict[str, Any]:
         if self.chunks is not None:
@@ -81,6 +99,10 @@ class TensorRecord:
                "stride": None if self.stride is None else list(self.stride), "offset": self.offset}
         if self.replicated is not None:
             out["replicated"] = self.replicated
+        if self.step is not None:
+            out["step"] = self.step
+        if self.hash is not None:
+            out["hash"] = self.hash
         return out
 
     @classmethod
@@ -118,8 +140,17 @@ class TensorRecord:
         size = itemsize(dtype)
         if offset % size:
             raise bad(f"tensor record {i}'s offset {offset} is not a multiple of its {size}-byte elements")
+        step, digest = raw.get("step"), raw.get("hash")
+        if step is not None and (version < REFERENCES_VERSION or not _whole(step)):
+            raise bad(f"tensor record {i} names step {step!r}: references to another checkpoint's bytes are format "
+                      f"version {REFERENCES_VERSION} on, this manifest is {version}")
+        if digest is not None and not (isinstance(digest, str) and _HASH.fullmatch(digest)):
+            raise bad(f"tensor record {i} has hash {str(digest)[:40]!r}, not 32 hex digits")
+        if step is not None and digest is None:
+            raise bad(f"tensor record {i} references step {step} without the hash of its bytes")
         return cls(dtype=raw["dtype"], shape=tuple(shape), file=raw.get("file"), entry=entry,
-                   stride=None if stride is None else tuple(stride), offset=offset, replicated=raw.get("replicated"))
+                   stride=None if stride is None else tuple(stride), offset=offset, replicated=raw.get("replicated"),
+                   step=step, hash=digest)
 
 
 def _chunks(raw: Any, i: int, shape: list[int], bad: Any, version: int) -> tuple[Chunk, ...]:

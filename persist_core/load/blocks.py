@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +25,8 @@ from persist_core.errors import CorruptCheckpointError
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.format.shard_file import entry_dtypes, parse_header, whole_entry_mismatch
 from persist_core.format.torch_zip import image_offset
+from persist_core.tiers.local import read_blocks
+from persist_core.tiers.remote import RemoteTier
 
 #: ``read_blocks(file, first, views)``: fill ``views`` — in file order, whole checksum blocks of ``file`` from
 #: block ``first`` on — with its bytes, and verify them
@@ -112,6 +116,10 @@ class ReadPlan:
         problem = whole_entry_mismatch(self._headers[fname][1].get(name), end - begin, dtype, numel)
         if problem is not None:
             raise CorruptCheckpointError(f"{where}: entry {name!r} of {fname}: {problem}")
+
+    def dtypes(self, fname: str) -> dict[str, str]:
+        """The safetensors dtype of each entry of ``fname`` (its header read by :meth:`entry` before)."""
+        return dict(self._headers[fname][1])
 
     def _file(self, fname: str) -> FileEntry:
         try:
@@ -257,3 +265,23 @@ def read_shard(fe: FileEntry, *, head: Callable[[int], bytes], fill: Fill, pool:
     if bytes(header_copy) != prefix[:data_start]:
         raise CorruptCheckpointError(f"{where}: header changed while reading")
     return tensors, entry_dtypes(prefix)
+
+
+def node_copy_blocks(ckpt: Path, manifest: Manifest, tier: RemoteTier | None, *, verify: bool,
+                     stats: LoadStats) -> Callable[..., None]:
+    """``read_blocks`` for the local copy ``ckpt``: the files it holds from disk, the others' (a node's copy: the
+    other nodes' files) by ranged reads from ``tier``, counted in ``stats.remote_bytes``."""
+    held = {f.name for f in manifest.held()}
+
+    def read(f: Any, first: int, views: list[memoryview]) -> None:
+        if f.name in held:
+            read_blocks(ckpt / f.name, f, first, views, verify=verify)
+            return
+        if tier is None:
+            raise CorruptCheckpointError(
+                f"{ckpt}: {f.name} is held on another node (this directory holds node {manifest.node}'s files) and "
+                "there is no remote_url to read it from; pass the remote_url the run uploaded to")
+        tier.read_blocks(manifest.step, f, first, views, verify=verify)
+        stats.count_remote(sum(len(v) * v.itemsize for v in views), f.name)
+
+    return read

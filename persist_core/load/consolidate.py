@@ -5,6 +5,7 @@ written before the next is read, so memory stays about the largest tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from persist_core.errors import ConfigError
 from persist_core.format.shard_file import dtype_from_name, encode_header, itemsize, safetensors_dtype
 from persist_core.format.tree import tensor_paths
 from persist_core.load.assemble import iter_tensors
+from persist_core.load.references import resolve, split_name
 from persist_core.tiers import Tier
 
 
@@ -31,6 +33,9 @@ def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, l
         CorruptCheckpointError: a block does not verify (nothing is left at ``target``).
     """
     m = tier.read_manifest(step)
+    names: set[str] = set()
+    if m.depends_on():  # an incremental checkpoint: what it references is read from the checkpoints holding it
+        m, names = resolve(m, tier.read_manifest, where=f"{tier}")
     paths = tensor_paths(m.tree)
     entries: dict[str, Any] = {}
     pos = 0
@@ -62,6 +67,10 @@ def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, l
     header = encode_header({"__metadata__": {"format": "pt", "torch-persist-step": str(step), **values}, **entries})
 
     def read(f: Any, first: int, views: list[memoryview]) -> None:
+        if f.name in names:
+            held, fname = split_name(f.name)
+            tier.read_blocks(held, dataclasses.replace(f, name=fname), first, views)
+            return
         tier.read_blocks(step, f, first, views)  # every block verified
     partial = target.with_name(f".{target.name}.partial")
     try:

@@ -25,18 +25,19 @@ from typing import Any, TypeVar
 
 from persist_core import _knobs
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RemoteError
-from persist_core.layout import RUN_ID_NAME, checkpoint_dirname, parse_checkpoint_dirname, parse_shard_filename
+from persist_core.layout import parse_checkpoint_dirname, parse_shard_filename
 from persist_core.ownership import discard
 from persist_core.format.manifest import Manifest
 from persist_core.load.assemble import load_checkpoint, load_into
-from persist_core.load.blocks import LoadStats
+from persist_core.load.blocks import LoadStats, node_copy_blocks
 from persist_core.load.choose import LOCAL, MEMORY, REMOTE, Listing
+from persist_core.load.memory import newest_snapshot, read_snapshot, run_store, slot_step
 from persist_core.load.plan import LoadOptions, check_weights_only
-from persist_core.load.remote import RemoteRestore
-from persist_core.sidefiles import read_side_file
+from persist_core.load.references import load_referencing
+from persist_core.load.remote import RemoteRestore, set_aside_here
 from persist_core.tiers.memory import MemoryStore, MemoryTier, check_memory
 from persist_core.tiers.remote import RemoteTier
-from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_blocks, read_manifest
+from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_manifest
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class CheckpointReader:
         self._reads: dict[str, Callable[[int, Any, LoadOptions], Any]] = {LOCAL: self._local, REMOTE: self._remote,
                                                                            MEMORY: self._memory}
         if not isinstance(memory, MemoryStore):
-            memory = _run_store(check_memory(memory), self._root)
+            memory = run_store(check_memory(memory), self._root)
         self._memory_store = memory
 
     @property
@@ -167,11 +168,9 @@ class CheckpointReader:
         for info in self.list("all" if self._tier is not None else "local"):
             if info.step not in newest or info.tier == "local":
                 newest[info.step] = info
-        snaps = self._memory_store.snapshots() if self._memory_store is not None else []
-        if snaps and (not newest or snaps[0].step > max(newest)):
-            s = snaps[0]
-            return CheckpointInfo(step=s.step, time=s.manifest.time, nbytes=s.manifest.nbytes, path=str(s.path),
-                                  tier=MEMORY)
+        snap = newest_snapshot(self._memory_store, newer_than=max(newest, default=-1))
+        if snap is not None:
+            return snap
         return newest[max(newest)] if newest else None
 
     def memory_steps(self) -> set[int]:
@@ -180,10 +179,7 @@ class CheckpointReader:
 
     def memory_step(self, path: str | os.PathLike[str]) -> int | None:
         """The step of the memory snapshot whose slot ``path`` names (as :meth:`latest` gives it), or ``None``."""
-        if self._memory_store is None:
-            return None
-        real = os.path.realpath(path)
-        return next((s.step for s in self._memory_store.snapshots() if os.path.realpath(s.path) == real), None)
+        return slot_step(self._memory_store, path)
 
     def step_of(self, path: str | os.PathLike[str]) -> int:
         """The step of a checkpoint named by its local directory, a link to it (or to its single
@@ -314,23 +310,8 @@ class CheckpointReader:
             self.last_load = LoadStats()
 
     def _blocks(self, ckpt: Path, manifest: Manifest, opts: LoadOptions) -> Callable[..., None]:
-        """``read_blocks`` for a local copy: the files it holds from disk, the others' (a node's copy: the
-        other nodes' files) by ranged reads from the remote, counted in ``last_load.remote_bytes``."""
-        held = {f.name for f in manifest.held()}
-        tier, stats = self._tier, self.last_load
-
-        def read(f: Any, first: int, views: list[memoryview]) -> None:
-            if f.name in held:
-                read_blocks(ckpt / f.name, f, first, views, verify=opts.verify)
-                return
-            if tier is None:
-                raise CorruptCheckpointError(
-                    f"{ckpt}: {f.name} is held on another node (this directory holds node {manifest.node}'s files) and "
-                    "there is no remote_url to read it from; pass the remote_url the run uploaded to")
-            tier.read_blocks(manifest.step, f, first, views, verify=opts.verify)
-            stats.count_remote(sum(len(v) * v.itemsize for v in views), f.name)
-
-        return read
+        """``read_blocks`` for a local copy (:func:`~persist_core.load.blocks.node_copy_blocks`)."""
+        return node_copy_blocks(ckpt, manifest, self._tier, verify=opts.verify, stats=self.last_load)
 
     def _local(self, step: int, into: Any, opts: LoadOptions) -> Any:
         """The state from the local copy: ``into`` filled in place, or whole (a node's copy: this node's files
@@ -338,27 +319,25 @@ class CheckpointReader:
         ckpt = checkpoint_dir(self._root, step)
         manifest = read_manifest(ckpt)
         self._manifest = manifest
+        if manifest.depends_on():
+            return self._local_referencing(ckpt, manifest, into, opts)
         if into is not None or manifest.elsewhere():
             return load_into(manifest, {} if into is None else into, pool=self._pool, options=opts, where=str(ckpt),
                              stats=self.last_load, read_blocks=self._blocks(ckpt, manifest, opts))
         return load_checkpoint(ckpt, manifest, pool=self._pool, options=opts)
 
     def _memory(self, step: int, into: Any, opts: LoadOptions) -> Any:
-        """The state from a memory snapshot (the newest slot holding ``step`` whose bytes verify)."""
+        """The state from a memory snapshot (:func:`~persist_core.load.memory.read_snapshot`)."""
         assert self._memory_store is not None
-        slots = [s for s in self._memory_store.snapshots() if s.step == step]
-        for i, snap in enumerate(slots):
-            self._manifest = snap.manifest
-            try:
-                return load_into(snap.manifest, {} if into is None else into, pool=self._pool, options=opts,
-                                 where=str(snap.path), stats=self.last_load,
-                                 read_blocks=lambda f, first, views, p=snap.path: read_blocks(
-                                     p, f, first, views, verify=opts.verify))
-            except CorruptCheckpointError:
-                if i + 1 == len(slots):
-                    raise
-                self.last_load = LoadStats()
-        raise CorruptCheckpointError(f"no memory snapshot of step={step} is left in {self._memory_store.root}")
+        state, self._manifest = read_snapshot(self._memory_store, step, into, options=opts, pool=self._pool,
+                                              stats=self.last_load)
+        return state
+
+    def _local_referencing(self, ckpt: Path, manifest: Manifest, into: Any, opts: LoadOptions) -> Any:
+        """The state of a local incremental checkpoint (:func:`~persist_core.load.references.load_referencing`)."""
+        state, self._manifest = load_referencing(self._root, ckpt, manifest, into, options=opts, pool=self._pool,
+                                                 stats=self.last_load, read_own=self._blocks(ckpt, manifest, opts))
+        return state
 
     def _remote(self, step: int, into: Any, opts: LoadOptions) -> Any:
         """The state from the remote: ``into`` filled by ranged reads, or streamed whole (a local copy left)."""
@@ -366,16 +345,8 @@ class CheckpointReader:
         if into is None:
             state, self._manifest = self._restore.stream(step, opts, self.last_load)
             return state
-        tier, stats = self._tier, self.last_load
-        manifest = tier.read_manifest(step)
-        self._manifest = manifest
-
-        def remote_blocks(f: Any, first: int, views: list[memoryview]) -> None:
-            tier.read_blocks(step, f, first, views, verify=opts.verify)
-            stats.count_remote(sum(len(v) * v.itemsize for v in views), f.name)
-
-        return load_into(manifest, into, pool=self._pool, options=opts, where=f"{tier.url}/{checkpoint_dirname(step)}",
-                         stats=stats, read_blocks=remote_blocks)
+        state, self._manifest = self._restore.fill(step, into, opts, self.last_load)
+        return state
 
     def wait_copies(self) -> None:
         """Wait until the local copies that streamed restores write are committed (``close()`` does)."""
@@ -398,28 +369,18 @@ class CheckpointReader:
         if step in committed_steps(self._root):
             read_manifest(ckpt)  # its files are there with their sizes
             return ckpt
-        if self._tier is None or step not in self._tier.committed_steps():
+        if self._restore is None or not self._restore.fetch(step, progress):
             raise CheckpointNotFoundError(f"no committed checkpoint for step={step} in {self._root}"
                                           + (f" or {self._tier.url}" if self._tier else ""))
-        assert self._restore is not None
-        self._restore.download(step, progress)
         return ckpt
 
     def _set_aside_here(self, remote_only: set[int]) -> set[int]:
         """Remote steps that are checkpoints this directory set aside (a run died before the remote followed)."""
-        found = set()
-        for step, _, manifest, _ in LocalTier(self._root).abandoned_manifests():
-            if step not in remote_only:
-                continue
-            try:
-                same = self._remote_or_nothing(lambda s=step: self._tier.read_manifest(s), None) == manifest
-            except CorruptCheckpointError:
-                same = False  # not the same checkpoint, whatever it is: load() judges it as usual
-            if same:
-                log.warning("[step=%d] not loading it from %s: this directory set it aside (an abandoned branch)", step,
-                            self._tier.url)
-                found.add(step)
-        return found
+        tier = self._tier
+        if tier is None or not remote_only:
+            return set()
+        return set_aside_here(self._root, tier, remote_only,
+                              lambda step: self._remote_or_nothing(lambda: tier.read_manifest(step), None))
 
     def _remote_or_nothing(self, read: Callable[[], T], nothing: T) -> T:
         """``read()`` from the remote, or ``nothing`` when the remote is down: local copies still serve."""
@@ -432,22 +393,6 @@ class CheckpointReader:
     def _set_aside(self, ckpt: Path) -> None:
         """Move a copy that failed verification out of the way with one rename (then delete it)."""
         discard(self._root, ckpt)
-
-
-def _run_store(memory: MemoryTier | None, root: Path) -> MemoryStore | None:
-    """The snapshots of the run ``root`` keeps the id of (the launcher's id first, as the engine takes it)."""
-    if memory is None:
-        return None
-    run_id = _knobs.run_id_from_env()
-    if run_id is None:
-        try:
-            run_id = read_side_file(root / RUN_ID_NAME).decode().strip() or None
-        except (OSError, UnicodeDecodeError, ConfigError):
-            run_id = None
-    if run_id is None:
-        log.info("no run id in %s: no memory snapshots to read", root)
-        return None
-    return memory.store(run_id, 0)
 
 
 def checkpoint_of(real: Path) -> Path:

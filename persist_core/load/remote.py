@@ -19,16 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from persist_core import _knobs
-from persist_core.errors import PersistError, WriteError
+from persist_core.errors import CorruptCheckpointError, PersistError, WriteError
 from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
 from persist_core.layout import checkpoint_dirname
 from persist_core.ownership import claim_tmp
-from persist_core.load.assemble import load_checkpoint
+from persist_core.load.assemble import load_checkpoint, load_into
 from persist_core.load.blocks import LoadStats, read_shard
 from persist_core.load.local_copy import LocalCopy
 from persist_core.load.plan import LoadOptions
-from persist_core.tiers.local import checkpoint_dir, read_manifest
+from persist_core.tiers.local import LocalTier, checkpoint_dir, read_manifest
 from persist_core.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,26 @@ class RemoteRestore:
         self._tier = tier
         self._pool = pool
         self._copies: list[threading.Thread] = []  # committing the local copies of streamed restores
+
+    def fill(self, step: int, into: Any, opts: LoadOptions, stats: LoadStats) -> tuple[Any, Manifest]:
+        """``(into filled by ranged reads of step's files, the manifest)``; the bytes read counted in ``stats``."""
+        tier = self._tier
+        manifest = tier.read_manifest(step)
+
+        def remote_blocks(f: Any, first: int, views: list[memoryview]) -> None:
+            tier.read_blocks(step, f, first, views, verify=opts.verify)
+            stats.count_remote(sum(len(v) * v.itemsize for v in views), f.name)
+
+        state = load_into(manifest, into, pool=self._pool, options=opts, where=f"{tier.url}/{checkpoint_dirname(step)}",
+                          stats=stats, read_blocks=remote_blocks)
+        return state, manifest
+
+    def fetch(self, step: int, progress: Any) -> bool:
+        """Download ``step`` (verified) into ``root``; ``False`` when the remote does not hold it."""
+        if step not in self._tier.committed_steps():
+            return False
+        self.download(step, progress)
+        return True
 
     def stream(self, step: int, opts: LoadOptions, stats: LoadStats) -> tuple[Any, Manifest]:
         """``(the state, its manifest)``, streamed (see the module); what it read is counted in ``stats``."""
@@ -108,3 +128,22 @@ class RemoteRestore:
             raise WriteError(e.errno, f"downloading step {step} from {self._tier.url} into {e.filename or where} "
                                       f"failed: {e.strerror or e}{space}; nothing was committed in {self._root}") from e
         return manifest
+
+
+def set_aside_here(root: Path, tier: RemoteTier, remote_only: set[int],
+                   read_manifest_or_none: Callable[[int], Manifest | None]) -> set[int]:
+    """Of ``remote_only`` (steps only ``tier`` holds), those that are checkpoints ``root`` set aside (a run died
+    before the remote followed its branch): the remote's copy is the same manifest as the one set aside here."""
+    found = set()
+    for step, _, manifest, _ in LocalTier(root).abandoned_manifests():
+        if step not in remote_only:
+            continue
+        try:
+            same = read_manifest_or_none(step) == manifest
+        except CorruptCheckpointError:
+            same = False  # not the same checkpoint, whatever it is: load() judges it as usual
+        if same:
+            log.warning("[step=%d] not loading it from %s: this directory set it aside (an abandoned branch)", step,
+                        tier.url)
+            found.add(step)
+    return found

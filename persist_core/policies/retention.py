@@ -206,16 +206,20 @@ class Retainer:
         policy: what to keep; ``None`` keeps everything.
         protected: steps that must stay whatever the policy says (being written, or not yet uploaded),
             read at each pass.
-        depended_on: steps other checkpoints depend on (an incremental checkpoint names bytes in an earlier
-            one), read at each pass; kept whatever the policy says while they do. Nothing passes it yet.
+        depended_on: steps other checkpoints depend on (an incremental save being written names bytes in them),
+            read at each pass; kept whatever the policy says while they do.
+        dependencies: ``dependencies(step)``: the checkpoints committed checkpoint ``step`` references (its
+            manifest's ``depends_on()``); a checkpoint that one kept references is kept, counted by no policy.
     """
 
     def __init__(self, tier: Tier, policy: RetentionPolicy | None, protected: Callable[[], set[int]] = set,
-                 depended_on: Callable[[], set[int]] = set) -> None:
+                 depended_on: Callable[[], set[int]] = set,
+                 dependencies: Callable[[int], set[int]] | None = None) -> None:
         self.tier = tier
         self.policy = policy
         self._protected = protected
         self._depended_on = depended_on
+        self._dependencies = dependencies
         self._lock = threading.Lock()
 
     def apply(self) -> list[CheckpointInfo]:
@@ -229,8 +233,26 @@ class Retainer:
         with self._lock:
             keep = self._protected() | self._depended_on()
             context = RetentionContext(tier=self.tier.kind, now=time.time())
-            doomed = to_delete(self.tier.list(), self.policy, context=context, protected=keep)
+            listing = self.tier.list()
+            doomed = to_delete(listing, self.policy, context=context, protected=keep)
+            if doomed and self._dependencies is not None:
+                doomed = self._spare_dependencies(listing, doomed)
             for info in doomed:
                 log.info("[step=%d] %s retention (%r) removes %s", info.step, self.tier.kind, self.policy, info.path)
                 self.tier.remove(info.step)
             return doomed
+
+    def _spare_dependencies(self, listing: list[CheckpointInfo], doomed: list[CheckpointInfo]) -> list[CheckpointInfo]:
+        """``doomed`` less every checkpoint that a checkpoint staying references (until none is left to spare)."""
+        assert self._dependencies is not None
+        gone = {c.step for c in doomed}
+        known: dict[int, set[int]] = {}
+        while True:
+            staying = [c.step for c in listing if c.step not in gone]
+            for s in staying:
+                if s not in known:
+                    known[s] = self._dependencies(s)
+            needed = set().union(*(known[s] for s in staying)) & gone
+            if not needed:
+                return [c for c in doomed if c.step in gone]
+            gone -= needed

@@ -28,6 +28,7 @@ from persist_core.fileio import CHECKSUM_ALGORITHM, FileOps, write_file
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.layout import shard_filename
+from persist_core.save.dedup import Incremental
 from persist_core.save.staging import StagingBuffer, StagingPool
 from persist_core.tiers.local import checkpoint_dir
 from persist_core.turn import NO_TURN, Turn
@@ -70,8 +71,10 @@ class Writer:
 
     def __init__(self, root: Path, *, pool: StagingPool, coll: Collectives, ops: FileOps, ledger: ErrorLedger,
                  after_commit: AfterCommit, write_threads: int, chunk_bytes: int, direct_io: str,
-                 on_nodes: Callable[[Nodes], None] | None = None, turn: Turn = NO_TURN) -> None:
+                 on_nodes: Callable[[Nodes], None] | None = None, turn: Turn = NO_TURN,
+                 incremental: Incremental | None = None) -> None:
         self._root = root
+        self._incremental = incremental
         self._turn = turn
         #: which ranks share local_dir: found out at the first save (one process: itself alone)
         self.nodes: Nodes | None = None if coll.world_size > 1 else discover_nodes(root, coll)
@@ -222,10 +225,27 @@ class Writer:
                          list(self.nodes.groups[self.nodes.mine]))
                 if self._on_nodes is not None:
                     self._on_nodes(self.nodes)
-        manifest = commit_checkpoint(self._root, job.base, job.signature, digests=list(job.digests), coll=self._coll,
-                                     write_shard=write_shard,
-                                     release=lambda: self._pool.release(buf), ops=self._ops, replace=job.replace,
-                                     nodes=self.nodes)
+        base = job.base
+        if self._incremental is not None:
+            try:  # what did not change is referenced; the buffer then holds only the rest
+                base, nbytes = self._incremental.prepare(job.base, buf, handle.stats.nbytes, pool=self._io,
+                                                              turn=self._turn.wait)
+            except BaseException:
+                self._pool.release(buf)
+                self._incremental.settle(None)
+                raise
+            handle._update(nbytes=nbytes)
+        try:
+            manifest = commit_checkpoint(self._root, base, job.signature, digests=list(job.digests), coll=self._coll,
+                                         write_shard=write_shard,
+                                         release=lambda: self._pool.release(buf), ops=self._ops, replace=job.replace,
+                                         nodes=self.nodes)
+        except BaseException:
+            if self._incremental is not None:
+                self._incremental.settle(None)
+            raise
+        if self._incremental is not None:
+            self._incremental.settle(manifest)
         write_s = timing["write_s"]
         handle._update(write_s=write_s, write_gbps=handle.stats.nbytes / write_s / 1e9 if write_s > 0 else None,
                        commit_s=time.perf_counter() - job.staged_at, direct_io=timing["direct_io"])

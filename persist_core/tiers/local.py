@@ -232,6 +232,7 @@ class LocalTier:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._depends: dict[int, tuple[int, set[int]]] = {}  # step -> (its manifest's mtime_ns, depends_on())
 
     @property
     def location(self) -> str:
@@ -250,6 +251,19 @@ class LocalTier:
 
     def read_manifest(self, step: int) -> Manifest:
         return read_manifest(checkpoint_dir(self.root, step))
+
+    def depends_on(self, step: int) -> set[int]:
+        """The checkpoints committed checkpoint ``step`` references (incremental saves); nothing for one that does
+        not read (it is no checkpoint to keep). Cached while its manifest is the same file."""
+        path = checkpoint_dir(self.root, step) / MANIFEST_NAME
+        try:
+            mtime = os.stat(path).st_mtime_ns
+            cached = self._depends.get(step)
+            if cached is None or cached[0] != mtime:
+                cached = self._depends[step] = (mtime, read_manifest(path.parent).depends_on())
+            return set(cached[1])
+        except (OSError, CorruptCheckpointError, CheckpointNotFoundError):
+            return set()
 
     def listing(self) -> list[tuple[CheckpointInfo, Manifest]]:
         """Committed checkpoints whose manifest and file sizes check, with their manifests, oldest first."""
@@ -272,6 +286,10 @@ class LocalTier:
         os.rename(checkpoint_dir(self.root, step), self.root / abandoned_dirname(step, at, secrets.token_hex(3)))
         fsync_dir(self.root)
         log.info("[step=%d] set aside in %s: the run resumed from step %d and saved past it", step, self.root, at)
+
+    def abandoned_depend_on(self) -> set[int]:
+        """The live checkpoints that the set-aside ones reference (incremental saves): kept while they are."""
+        return {dep for _, _, m, _ in self.abandoned_manifests() for dep in m.depends_on()}
 
     def abandoned(self) -> list[CheckpointInfo]:
         """Checkpoints set aside when a run resumed from an older one, oldest first (kept, never pruned)."""

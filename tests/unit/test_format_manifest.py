@@ -113,3 +113,40 @@ def test_a_chunk_can_name_another_checkpoints_bytes_only_from_version_6():
         return Manifest(step=40, time=0.0, world_size=1, tree={"tensor": 0}, tensors=(rec,), objects=(), files=())
 
     assert manifest(chunk).depends_on() == {30} and manifest(own).depends_on() == set()
+
+
+def _incremental_pair(root: Path) -> None:
+    """The golden files of version 6 (issue 43): the golden state saved full at step 11, then at step 12 with
+    ``model.weight`` changed, incrementally (step 12 references the rest in step 11)."""
+    with CheckpointEngine(root, direct_io="off", chunk_bytes=4096 * 4, wall_clock=lambda: WALL,
+                          incremental=True) as engine:
+        engine.save(golden_state(), step=11, metadata={"note": "golden"}).wait()
+        engine.save(_changed(), step=12, metadata={"note": "golden"}).wait()
+
+
+def _changed() -> dict:
+    state = golden_state()
+    state["model"]["weight"] += 1
+    return state
+
+
+def test_an_incremental_save_writes_the_golden_bytes_of_version_6(tmp_path):
+    _incremental_pair(tmp_path)
+    for step, prefix in ((11, "v6-full-"), (12, "v6-")):
+        ckpt = tmp_path / f"step-{step:012d}"
+        assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "rank-00000.safetensors"]
+        assert (ckpt / "manifest.json").read_bytes() == (GOLDEN / f"{prefix}manifest.json").read_bytes()
+        assert (ckpt / "rank-00000.safetensors").read_bytes() == (GOLDEN / f"{prefix}rank-00000.safetensors").read_bytes()
+    assert Manifest.from_bytes((GOLDEN / "v6-full-manifest.json").read_bytes(), where="g").version == 5
+    assert Manifest.from_bytes((GOLDEN / "v6-manifest.json").read_bytes(), where="g").depends_on() == {11}
+
+
+def test_the_golden_checkpoints_of_version_6_load(tmp_path):
+    for step, prefix in ((11, "v6-full-"), (12, "v6-")):
+        ckpt = tmp_path / f"step-{step:012d}"
+        ckpt.mkdir()
+        shutil.copy(GOLDEN / f"{prefix}manifest.json", ckpt / "manifest.json")
+        shutil.copy(GOLDEN / f"{prefix}rank-00000.safetensors", ckpt / "rank-00000.safetensors")
+    with CheckpointReader(tmp_path) as reader:
+        assert_state_equal(reader.load(step=11), golden_state())
+        assert_state_equal(reader.load(), _changed())

@@ -1,0 +1,147 @@
+"""Following an incremental checkpoint's references (format version 6, issue 43): its records that name bytes held
+by an older checkpoint's file are read from that file, every byte verified by that file's checksums, each once.
+
+:func:`resolve` turns a manifest with references into one whose records all name files of its ``files`` list: each
+referenced file appears under the name ``step-N/rank-R.safetensors`` (relative to ``local_dir``) with the
+referenced manifest's :class:`~persist_core.format.manifest.FileEntry` (its size and block checksums), so the read
+plans (:mod:`~persist_core.load.blocks`) and the assembly (:mod:`~persist_core.load.assemble`) work unchanged.
+:func:`read_referenced` reads the referenced entries for a whole load (the own files are read whole as always).
+
+Who calls what: :class:`~persist_core.load.reader.CheckpointReader` calls :func:`load_referencing` for a local
+checkpoint whose manifest depends on others (:func:`resolve`, then :func:`~persist_core.load.assemble.load_into` into
+targets, or :func:`read_referenced` and :func:`~persist_core.load.assemble.load_checkpoint` whole);
+:mod:`~persist_core.load.consolidate` calls :func:`resolve` and :func:`split_name` (any tier).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError
+from persist_core.format.manifest import FileEntry, Manifest
+from persist_core.layout import checkpoint_dirname
+from persist_core.load.assemble import _read_shard, load_checkpoint, load_into
+from persist_core.load.blocks import LoadStats, ReadBlocks, ReadPlan, bytes_of
+from persist_core.load.plan import LoadOptions
+from persist_core.tiers.local import checkpoint_dir, read_blocks, read_manifest
+
+
+def resolve(manifest: Manifest, manifest_of: Callable[[int], Manifest], *, where: str) -> tuple[Manifest, set[str]]:
+    """``manifest`` with each reference turned into a record of a listed file named ``step-N/<file>``, and those
+    names.
+
+    Args:
+        manifest: a manifest whose records reference older checkpoints (``depends_on()``).
+        manifest_of: the manifest of a committed checkpoint of the same tier, its files checked for presence and
+            size (raises when it is missing or does not read).
+        where: the referencing checkpoint, for messages.
+
+    Raises:
+        CorruptCheckpointError: a referenced checkpoint is missing or does not read, or does not hold the bytes
+            referenced (the same entry of the same file, with the same hash, dtype and shape): the referencing
+            checkpoint is corrupt too.
+    """
+    held: dict[int, Manifest] = {}
+    for step in sorted(manifest.depends_on()):
+        try:
+            held[step] = manifest_of(step)
+        except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+            raise CorruptCheckpointError(f"{where} references bytes of step {step}, which does not read: {e}") from e
+    files = {f.name: f for f in manifest.files}
+    tensors = []
+    for rec in manifest.tensors:
+        if rec.step is None:
+            tensors.append(rec)
+            continue
+        other = held[rec.step]
+        name = f"{checkpoint_dirname(rec.step)}/{rec.file}"
+        match = next((p for p in other.tensors if p.step is None and p.chunks is None and p.file == rec.file
+                      and p.entry == rec.entry and p.offset == rec.offset and p.stride == rec.stride
+                      and p.dtype == rec.dtype and p.shape == rec.shape), None)
+        if match is None or match.hash != rec.hash:
+            raise CorruptCheckpointError(f"{where} references entry {rec.entry!r} of step {rec.step}'s {rec.file}, "
+                                         f"which does not hold those bytes (no such tensor there, or another hash)")
+        entry = next((f for f in other.held() if f.name == rec.file), None)
+        if entry is None:
+            raise CorruptCheckpointError(f"{where} references {rec.file} of step {rec.step}, which does not hold it")
+        files[name] = dataclasses.replace(entry, name=name)
+        tensors.append(dataclasses.replace(rec, file=name, step=None))
+    return dataclasses.replace(manifest, tensors=tuple(tensors), files=tuple(files.values())), \
+        set(files) - {f.name for f in manifest.files}
+
+
+def read_referenced(resolved: Manifest, names: set[str], *, read_blocks: ReadBlocks, pool: Executor,
+                    stats: LoadStats | None = None) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
+    """The referenced entries of a resolved manifest (:func:`resolve`), read by ranges of verified blocks: per
+    referenced file, one CPU byte tensor per entry read and the safetensors dtype its header gives each entry (what
+    :func:`~persist_core.load.assemble.load_checkpoint` takes for a file)."""
+    plan = ReadPlan(resolved, read_blocks, pool, stats if stats is not None else LoadStats())
+    out: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {name: ({}, {}) for name in names}
+    for rec in resolved.tensors:
+        if rec.file not in names or rec.entry in out[rec.file][0]:
+            continue
+        begin, end = plan.entry(rec.file, rec.entry)
+        t = torch.empty(end - begin, dtype=torch.uint8)
+        out[rec.file][0][rec.entry] = t
+        if end > begin:
+            plan.request(rec.file, begin, end, into=bytes_of(t))
+    plan.run()
+    for name, (_, dtypes) in out.items():
+        dtypes.update(plan.dtypes(name) if out[name][0] else {})
+    return out
+
+
+def referenced_file(names: set[str], read_own: ReadBlocks, read_other: Callable[[str, FileEntry, int,
+                    list[memoryview]], None]) -> ReadBlocks:
+    """``read_blocks`` over a resolved manifest: a referenced file (one of ``names``) by ``read_other(name, ...)``,
+    the checkpoint's own by ``read_own``."""
+    def read(f: FileEntry, first: int, views: list[memoryview]) -> None:
+        if f.name in names:
+            read_other(f.name, f, first, views)
+        else:
+            read_own(f, first, views)
+
+    return read
+
+
+def split_name(name: str) -> tuple[int, str]:
+    """``(step, file)`` of a referenced file's name in a resolved manifest (``step-N/<file>``)."""
+    from persist_core.layout import parse_checkpoint_dirname
+
+    head, _, fname = name.partition("/")
+    step = parse_checkpoint_dirname(head)
+    if step is None:
+        raise CorruptCheckpointError(f"{name!r} is not a referenced file's name")
+    return step, fname
+
+
+def load_referencing(root: Path, ckpt: Path, manifest: Manifest, into: Any, *, options: LoadOptions, pool: Executor,
+                     stats: LoadStats, read_own: ReadBlocks) -> tuple[Any, Manifest]:
+    """The state of the local incremental checkpoint ``ckpt`` of ``local_dir`` ``root`` (its own files read by
+    ``read_own``, or whole; the bytes it references read from the older checkpoints' files, verified by their
+    checksums, each once): ``into`` filled in place, or whole with aliasing kept; and the resolved manifest (the
+    files it read: the engine warms its staging buffers for saves of about that size).
+
+    Raises:
+        CorruptCheckpointError: a file it reads, or one it references, does not verify or is missing.
+    """
+    resolved, names = resolve(manifest, lambda s: read_manifest(checkpoint_dir(root, s)), where=str(ckpt))
+    read = referenced_file(names, read_own, lambda name, f, first, views: read_blocks(root / name, f, first, views,
+                                                                                      verify=options.verify))
+    if into is not None:
+        return load_into(resolved, into, pool=pool, options=options, where=str(ckpt), stats=stats,
+                         read_blocks=read), resolved
+    others = read_referenced(resolved, names, read_blocks=read, pool=pool, stats=stats)
+
+    def shard(f: FileEntry) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        if f.name in others:
+            return others[f.name]
+        return _read_shard(ckpt / f.name, f, pool=pool, verify=options.verify)
+
+    return load_checkpoint(ckpt, resolved, pool=pool, options=options, shard=shard), resolved

@@ -1,0 +1,150 @@
+"""Incremental saves, decided without I/O (issue 43): which tensors of a staged shard reference the bytes of the
+newest committed checkpoint instead of being written again, and the layout of the shard without them.
+
+Who calls what: the writer thread (:class:`~persist_core.save.dedup.Incremental`) hashes each whole-entry tensor of
+the staged shard, then calls :func:`reference_unchanged` with the newest committed manifest, then :func:`compact`
+for the header and the moves that leave only the changed entries in the staging buffer. Pure: no I/O.
+
+Rules: an entry of plain tensors (one alone in its storage, or several sharing one: tied weights, views) is
+referenced when the previous checkpoint's entry of the same name holds the same tensors (dtype, shape, stride,
+offset) and the same bytes (its 128-bit content hash); sharded parts and pickled leaves are always written. A reference names the checkpoint that physically holds the
+bytes (the previous one's reference is followed once: depth 1). A save is full when it is the first, when the last
+full one is ``full_every`` saves back, or when its references would name more than ``max_span`` checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from persist_core._knobs import ENTRY_ALIGN_BYTES, PAGE_BYTES
+from persist_core.format.manifest import Manifest
+from persist_core.format.records import TensorRecord
+from persist_core.format.shard_file import encode_header
+
+
+def hashable(rec: TensorRecord | None) -> bool:
+    """Whether ``rec``'s bytes are in an entry of this checkpoint's own file that holds plain tensors only (one alone,
+    or several sharing a storage): the entries a save may reference."""
+    return rec is not None and rec.chunks is None and rec.step is None and rec.entry is not None
+
+
+def _key(r: TensorRecord) -> tuple:
+    return r.dtype, r.shape, r.stride, r.offset
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one incremental save writes.
+
+    Attributes:
+        records: the manifest's records: each whole-entry tensor with its hash, the unchanged ones as references.
+        dropped: the entries the shard no longer holds (referenced).
+        hashed: the records of the same save written full (each whole-entry tensor with its hash, no reference).
+    """
+
+    records: tuple[TensorRecord | None, ...]
+    dropped: frozenset[str]
+    hashed: tuple[TensorRecord | None, ...]
+
+    @property
+    def full(self) -> bool:
+        return not self.dropped
+
+    def depends_on(self) -> set[int]:
+        return {s for r in self.records if r is not None for s, _ in r.references()}
+
+
+def reference_unchanged(records: Sequence[TensorRecord | None], hashes: Mapping[str, str], previous: Manifest | None,
+                        *, since_full: int, full_every: int, max_span: int,
+                        missing: frozenset[int] = frozenset()) -> Decision:
+    """The records of a save whose whole-entry tensors hash to ``hashes`` (by entry name), referencing those equal
+    to ``previous``'s (the newest committed checkpoint; ``None``: none).
+
+    Args:
+        records: the save's records as planned (every tensor in its own file).
+        hashes: the xxh3-128 (hex) of each whole entry's staged bytes.
+        previous: the newest committed checkpoint of this run older than the save, or ``None``.
+        since_full: saves since the last full one (0: ``previous`` is full).
+        full_every: a full checkpoint at least every this many saves.
+        max_span: the most checkpoints one save's references may name.
+        missing: checkpoints ``previous`` references that are gone (never referenced).
+    """
+    hashed = tuple(dataclasses.replace(r, hash=hashes[r.entry]) if hashable(r) and r.entry in hashes else r
+                   for r in records)
+    if previous is None or since_full + 1 >= full_every:
+        return Decision(hashed, frozenset(), hashed)
+    held: dict[str, list[tuple[int, TensorRecord]]] = {}  # entry -> (the step holding it, its record) of each
+    for p in previous.tensors:
+        if p.chunks is None and p.hash is not None and p.entry is not None:
+            held.setdefault(p.entry, []).append((previous.step if p.step is None else p.step, p))
+    new: dict[str, list[TensorRecord]] = {}
+    for r in hashed:
+        if r is not None and r.hash is not None:
+            new.setdefault(r.entry, []).append(r)  # type: ignore[arg-type]
+    moved: dict[tuple, tuple[int, TensorRecord]] = {}
+    dropped = set()
+    for entry, mine in new.items():
+        theirs = held.get(entry, [])
+        steps = {h for h, _ in theirs}
+        if len(steps) != 1 or steps & missing or any(p.hash != mine[0].hash for _, p in theirs):
+            continue
+        by_key = {_key(p): (h, p) for h, p in theirs}
+        if all(_key(r) in by_key for r in mine) and len({p.file for _, p in theirs}) == 1:
+            moved.update({(entry, _key(r)): by_key[_key(r)] for r in mine})
+            dropped.add(entry)
+    out: list[TensorRecord | None] = []
+    for r in hashed:
+        found = None if r is None or r.entry not in dropped else moved[(r.entry, _key(r))]
+        out.append(r if found is None else dataclasses.replace(r, file=found[1].file, entry=found[1].entry,
+                                                               step=found[0]))
+    decision = Decision(tuple(out), frozenset(dropped), hashed)
+    if len(decision.depends_on()) > max_span:
+        return Decision(hashed, frozenset(), hashed)
+    return decision
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """A staged shard without its dropped entries, made in place: the new ``header`` at byte 0, each ``moves``
+    ``(from, to, nbytes)`` (absolute offsets, ascending, ``to <= from``: safe in order with ``memmove``), the
+    ``zeros`` ranges (the new padding), and the new file size."""
+
+    header: bytes
+    file_bytes: int
+    moves: tuple[tuple[int, int, int], ...]
+    zeros: tuple[tuple[int, int], ...]
+
+
+def compact(header: bytes, dropped: frozenset[str]) -> Compaction | None:
+    """The layout of the shard whose first bytes are ``header`` without the entries ``dropped``: every kept entry
+    in the same order, each on a 64-byte boundary, the gaps ``__pad__.N`` entries, the file a multiple of 4 KiB;
+    ``None`` when it cannot be made in place (its header would grow)."""
+    (n,) = struct.unpack("<Q", header[:8])
+    entries = json.loads(header[8 : 8 + n])
+    meta = entries.pop("__metadata__", None)
+    kept = sorted((e["data_offsets"][0], e["data_offsets"][1], name) for name, e in entries.items()
+                  if not name.startswith("__pad__") and name not in dropped)
+    out: dict = {} if meta is None else {"__metadata__": meta}
+    places, pos, pads = [], 0, 0
+    for begin, end, name in kept:
+        start = pos + -pos % ENTRY_ALIGN_BYTES
+        if start != pos:
+            out[f"__pad__.{pads}"] = {"dtype": "U8", "shape": [start - pos], "data_offsets": [pos, start]}
+            pads += 1
+        out[name] = {**entries[name], "data_offsets": [start, start + end - begin]}
+        places.append((begin, start, end - begin, pos))
+        pos = start + end - begin
+    gap = -pos % PAGE_BYTES
+    if gap:
+        out[f"__pad__.{pads}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [pos, pos + gap]}
+    new = encode_header(out)
+    if len(new) > len(header):
+        return None
+    old, h = len(header), len(new)
+    moves = tuple((old + b, h + s, size) for b, s, size, _ in places if size and old + b != h + s)
+    zeros = tuple((h + p, h + s) for _, s, _, p in places if s > p) + ((h + pos, h + pos + gap),) * bool(gap)
+    return Compaction(header=new, file_bytes=h + pos + gap, moves=moves, zeros=zeros)
