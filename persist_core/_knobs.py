@@ -154,6 +154,9 @@ def check_incremental(config: Any) -> None:
     if c.torch_loadable:
         raise ConfigError("incremental=True with torch_loadable=True: a checkpoint referencing another's bytes is not "
                           "a torch.load-able archive; pass torch_loadable=False, or incremental=False")
+    if getattr(c, "memory", None) is not None:  # the writer compacts the staged shard: the slot would not stay whole
+        raise ConfigError("incremental=True with memory=MemoryTier(...): the two do not combine yet (a snapshot in "
+                          "memory must stay whole while the disk write references); pass one of them")
 
 
 def check_backend(url: str) -> None:

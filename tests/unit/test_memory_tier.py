@@ -197,3 +197,8 @@ def test_sigkill_loses_at_most_one_step_and_the_restart_reads_no_disk(tmp_path):
             assert not disk or state["step"] > max(disk) or state["step"] % 5 == 0  # from memory, not the disk
         expected_resume = state["step"]
         assert len({p.parent for p in _slots(tmp_path)}) <= 2  # the killed process's slots, and at most one older
+
+
+def test_incremental_and_the_memory_tier_together_are_refused_for_now(tmp_path):
+    with pytest.raises(ConfigError, match="incremental=True with memory"):
+        CheckpointEngine(tmp_path / "ckpt", memory=_memory(tmp_path), incremental=True)
