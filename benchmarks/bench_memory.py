@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import MB, accel_model, drop_cached, files_under, nbytes, tensors, training_state  # noqa: E402
 from persist_core import (CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Continuous,  # noqa: E402
-                          MemoryTier)
+                          KeepLastN, MemoryTier)
 
 
 def job(local_dir: str, memory_dir: str | None, width: int, step_ms: float) -> None:
@@ -53,7 +53,8 @@ def job(local_dir: str, memory_dir: str | None, width: int, step_ms: float) -> N
     t0 = time.perf_counter()
     model, opt = accel_model(width, stepped=False)
     memory = None if memory_dir is None else MemoryTier(every_n_steps=1, memory_dir=memory_dir)
-    engine = CheckpointEngine(local_dir, memory=memory, save_policy=Continuous(), preemption=None)
+    engine = CheckpointEngine(local_dir, memory=memory, save_policy=Continuous(), preemption=None,
+                              keep_local=KeepLastN(2))
     start = 0
     try:
         state = engine.load()
@@ -109,6 +110,7 @@ def kill_series(kind: str, base: Path, memory_root: Path, args: argparse.Namespa
             lost.append(previous["last"] - trial["resumed"])
             loads.append(trial["load_s"])
         previous = trial
+    shutil.rmtree(local_dir, ignore_errors=True)
     if memory_dir is not None:
         shutil.rmtree(memory_dir, ignore_errors=True)
     print(f"  {kind}: steps lost per kill {lost}; start to first step (median) {statistics.median(loads):.2f} s",

@@ -37,6 +37,7 @@ SMOKES = {
     "bench_sharded": (None, "resharded load into fresh FSDP2 targets"),
     "bench_goodput": (None, "| continuous |"),
     "bench_incremental": ("xxhash", "| incremental=True |"),
+    "bench_memory": (None, "kills lost <= 1 step"),
     "fault_sweep": ("moto", "OK: "),
     "lightning_kill_trials": ("lightning", "1 of 1 trials left a last.ckpt that loads and resumes"),
 }

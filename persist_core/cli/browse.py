@@ -14,6 +14,7 @@ from persist_core.format.shard_file import dtype_from_name
 from persist_core.layout import FULL, KINDS, kind_subdir, parse_checkpoint_dirname
 from persist_core.sidefiles import is_link
 from persist_core.tiers import RemoteTier
+from persist_core.cli.memory import memory_rows
 from persist_core.cli.app import human_size, is_url, main, open_location
 
 
@@ -28,8 +29,9 @@ def _local_sub_tier(location: str, sub: str) -> bool:
 @click.argument("location")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per checkpoint, for scripts")
 @click.option("--milestones", type=click.IntRange(min=1), default=None, help="mark steps that are multiples of N")
+@click.option("--memory-dir", default=None, help="where the run's memory snapshots are (default /dev/shm/torch-persist)")
 @click.pass_context
-def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None) -> None:
+def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None, memory_dir: str | None) -> None:
     """Committed checkpoints: step, time, size, files (sizes checked; `verify` reads every byte).
 
     \b
@@ -52,7 +54,9 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None)
         for info in loc.tier.abandoned():  # kept, never the latest: a resume from an older step branched
             rows.append({"step": info.step, "kind": kind, "time": info.time, "bytes": info.nbytes, "files": None,
                          "ranks": None, "path": info.path, "milestone": False, "abandoned": True})
-    rows.sort(key=lambda r: (r["abandoned"], r["step"], KINDS.index(r["kind"])))
+    rows += memory_rows(location, memory_dir)  # a local directory's run's snapshots in memory (kind "memory")
+    order = (*KINDS, "memory")
+    rows.sort(key=lambda r: (r["abandoned"], r["step"], order.index(r["kind"])))
     if not rows and not as_json:  # a parent directory, a bucket root, a typo: say so, and what is below
         runs = _runs_below(ctx, location)
         click.echo(f"no checkpoints under {location}")
@@ -79,7 +83,7 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None)
                       time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"])),
                       f"{(now - r['time']) / 3600:.1f} h", human_size(r["bytes"]), str(r["files"] or ""),
                       str(r["ranks"] or ""), "yes" if r["milestone"] else "",
-                      "abandoned" if r.get("abandoned") else "live")
+                      "abandoned" if r.get("abandoned") else r.get("process", "live"))
     Console().print(table)
 
 

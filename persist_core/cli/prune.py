@@ -14,6 +14,7 @@ from persist_core.ownership import describe
 from persist_core.sync.record import read_unsynced
 from persist_core.policies.anyof import policy_from_keywords
 from persist_core.policies.retention import RetentionContext, to_delete
+from persist_core.cli.memory import remove_stale_memory
 from persist_core.cli.app import CommandError, Location, human_size, main, open_location
 
 
@@ -86,10 +87,13 @@ def _spare_referenced(loc: Location, listed: list[Any], gone: set[int], keep: di
               help="do not read checkpoints to find the newest that verifies (then only the newest committed one "
                    "is kept whatever the policy)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON report: removed, kept (and why), incomplete")
+@click.option("--memory", "memory", is_flag=True,
+              help="also remove the run's memory snapshots that no live process holds (a stopped run's, in /dev/shm)")
+@click.option("--memory-dir", default=None, help="where the memory snapshots are (default /dev/shm/torch-persist)")
 @click.pass_context
 def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_steps: int | None,
        keep_every_n_seconds: float | None, incomplete_older_than: float, dry_run: bool, verify_all: bool,
-       no_verify: bool, as_json: bool) -> None:
+       no_verify: bool, as_json: bool, memory: bool, memory_dir: str | None) -> None:
     """Prune with the engine's retention policies (e.g. `persist gc /nvme/ckpt --keep-last 3`).
 
     The policy counts only checkpoints whose manifest reads and whose files have their sizes (with
@@ -106,11 +110,25 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
         raise click.UsageError(f"--incomplete-older-than={incomplete_older_than:g} must be >= 0 (seconds; inf: "
                                "never): a running job may be writing a directory without a manifest right now")
     policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds)
+    removed: list[str] = []
+    if memory:
+        removed = remove_stale_memory(location, memory_dir, dry_run=dry_run)
+        for path in removed:
+            (lambda text: None if as_json else click.echo(text))(
+                f"{'would remove' if dry_run else 'removed'} memory snapshots of a stopped process: {path}")
+        if policy is None:
+            if as_json:
+                click.echo(json.dumps({"location": location, "dry_run": dry_run, "memory_removed": removed}))
+            elif not removed:
+                click.echo("no memory snapshots of a stopped process")
+            return
     if policy is None:
-        raise click.UsageError("say what to keep: --keep-last, --keep-every-n-steps and/or --keep-every-n-seconds")
+        raise click.UsageError("say what to keep: --keep-last, --keep-every-n-steps and/or --keep-every-n-seconds "
+                               "(or --memory alone: a stopped run's memory snapshots)")
     loc = open_location(ctx, location)
     say = (lambda text: None) if as_json else click.echo
-    report: dict[str, Any] = {"location": location, "dry_run": dry_run, "removed": [], "kept": [], "incomplete": []}
+    report: dict[str, Any] = {"location": location, "dry_run": dry_run, "removed": [], "kept": [], "incomplete": [],
+                              "memory_removed": removed}
     context = RetentionContext(tier=loc.tier.kind, now=time.time())
     listed = loc.list()  # reads every manifest: once; leaves out what does not check
     not_counted = _not_counted(loc, {c.step for c in listed})

@@ -176,11 +176,12 @@ class MemoryStore:
 
     # ---- reading (any process)
 
-    def snapshots(self) -> list[Snapshot]:
-        """Every committed snapshot whose record reads and whose slot is as large as it says, newest first (a
-        torn or overwritten one has no record; one whose bytes do not check fails its read)."""
+    def snapshots(self, lives: list[Path] | None = None) -> list[Snapshot]:
+        """Every committed snapshot (of ``lives``; default: all of this rank's) whose record reads and whose slot
+        is as large as it says, newest first (a torn or overwritten one has no record; one whose bytes do not
+        check fails its read)."""
         found = []
-        for life in self._lives():
+        for life in self._lives() if lives is None else lives:
             try:
                 names = os.listdir(life)
             except OSError:
@@ -235,3 +236,30 @@ def _remove(life: Path) -> None:
         return
     shutil.rmtree(life, ignore_errors=True)
     log.debug("removed the memory snapshots in %s", life)
+
+
+def run_lives(base: Path, run_id: str) -> list[tuple[Path, bool, list[Snapshot]]]:
+    """Every slot directory of run ``run_id`` under ``base`` (each rank's, each engine's): its path, whether a live
+    process holds it, and its committed snapshots (newest first)."""
+    run = base / run_id
+    if is_link(run):
+        return []
+    try:
+        ranks = [run / n for n in sorted(os.listdir(run)) if n.startswith("rank-") and not is_link(run / n)]
+    except OSError:
+        return []
+    found = []
+    for rank in ranks:
+        store = MemoryStore(rank)
+        for life in sorted(store._lives()):
+            found.append((life, not _unlocked(life), store.snapshots([life])))
+    return found
+
+
+def remove_stale(base: Path, run_id: str, *, dry_run: bool = False) -> list[Path]:
+    """Remove (``dry_run``: only name) the slot directories of run ``run_id`` that no live process holds."""
+    stale = [life for life, live, _ in run_lives(base, run_id) if not live]
+    if not dry_run:
+        for life in stale:
+            _remove(life)
+    return stale

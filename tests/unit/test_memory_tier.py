@@ -5,6 +5,7 @@ most one step lost, nothing read from the disk); a torn snapshot; a tmpfs too sm
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -202,3 +203,41 @@ def test_sigkill_loses_at_most_one_step_and_the_restart_reads_no_disk(tmp_path):
 def test_incremental_and_the_memory_tier_together_are_refused_for_now(tmp_path):
     with pytest.raises(ConfigError, match="incremental=True with memory"):
         CheckpointEngine(tmp_path / "ckpt", memory=_memory(tmp_path), incremental=True)
+
+
+def test_persist_ls_shows_the_runs_memory_snapshots_and_gc_memory_removes_only_a_stopped_processs(tmp_path):
+    from click.testing import CliRunner
+
+    from persist_core.cli import main
+
+    memory = _memory(tmp_path)
+    stopped = CheckpointEngine(tmp_path / "ckpt", memory=memory)
+    for step in (1, 2):
+        stopped.maybe_save(lambda: state_for(step), step)
+    stopped.save(state_for(3), 3)
+    stopped._close(finished=False)  # as a killed process leaves them
+    shm = str(tmp_path / "shm")
+    rows = json.loads(CliRunner().invoke(main, ["ls", str(tmp_path / "ckpt"), "--json", "--memory-dir", shm]).output)
+    assert [(r["step"], r["kind"]) for r in rows if r["kind"] == "memory"] == [(2, "memory"), (3, "memory")]
+    assert {r["process"] for r in rows if r["kind"] == "memory"} == {"stopped"}
+    assert [r["step"] for r in rows if r["kind"] == "full"] == [3]
+
+    with CheckpointEngine(tmp_path / "ckpt", memory=memory) as live:  # a live process's slots are never removed
+        live.load()
+        live.snapshot(state_for(4), 4)
+        live.wait()
+        done = CliRunner().invoke(main, ["gc", str(tmp_path / "ckpt"), "--memory", "--memory-dir", shm, "--json"])
+        assert done.exit_code == 0, done.output
+        assert json.loads(done.output)["memory_removed"] == []  # the stopped one's went at the live one's snapshot
+        rows = json.loads(CliRunner().invoke(main, ["ls", str(tmp_path / "ckpt"), "--json", "--memory-dir", shm]).output)
+        assert [(r["step"], r["process"]) for r in rows if r["kind"] == "memory"] == [(4, "live")]
+    stopped = CheckpointEngine(tmp_path / "ckpt", memory=memory)
+    stopped.snapshot(state_for(5), 5)
+    stopped.wait()
+    stopped._close(finished=False)
+    done = CliRunner().invoke(main, ["gc", str(tmp_path / "ckpt"), "--memory", "--memory-dir", shm, "--dry-run"])
+    assert "would remove memory snapshots of a stopped process" in done.output
+    assert _slots(tmp_path)
+    done = CliRunner().invoke(main, ["gc", str(tmp_path / "ckpt"), "--memory", "--memory-dir", shm])
+    assert "removed memory snapshots of a stopped process" in done.output
+    assert not _slots(tmp_path)

@@ -1,0 +1,47 @@
+"""The memory tier in the ``persist`` command: ``ls`` lists a local directory's run's snapshots in memory, ``gc
+--memory`` removes those no live process holds (a run killed for good leaves them in ``/dev/shm``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from persist_core import _knobs
+from persist_core.errors import ConfigError
+from persist_core.layout import DEFAULT_MEMORY_DIR, RUN_ID_NAME, is_url
+from persist_core.sidefiles import read_side_file
+from persist_core.tiers.memory import remove_stale, run_lives
+
+
+def _run_id(location: str) -> str | None:
+    if is_url(location):
+        return None
+    try:
+        value = read_side_file(Path(location.removeprefix("file://")) / RUN_ID_NAME).decode().strip()
+    except (OSError, UnicodeDecodeError, ConfigError):
+        return _knobs.run_id_from_env()
+    return value or _knobs.run_id_from_env()
+
+
+def memory_rows(location: str, memory_dir: str | None) -> list[dict[str, Any]]:
+    """``ls`` rows for the memory snapshots of the run ``location`` (a local directory) keeps the id of."""
+    run_id = _run_id(location)
+    if run_id is None:
+        return []
+    rows = []
+    for life, live, snaps in run_lives(Path(os.path.expanduser(memory_dir or DEFAULT_MEMORY_DIR)), run_id):
+        for s in snaps:
+            rows.append({"step": s.step, "kind": "memory", "time": s.manifest.time, "bytes": s.manifest.nbytes,
+                         "files": 1, "ranks": None, "path": str(s.path), "milestone": False, "abandoned": False,
+                         "process": "live" if live else "stopped"})
+    return rows
+
+
+def remove_stale_memory(location: str, memory_dir: str | None, *, dry_run: bool) -> list[str]:
+    """``gc --memory``: the slot directories of ``location``'s run that no live process holds, removed."""
+    run_id = _run_id(location)
+    if run_id is None:
+        return []
+    return [str(p) for p in remove_stale(Path(os.path.expanduser(memory_dir or DEFAULT_MEMORY_DIR)), run_id,
+                                         dry_run=dry_run)]
