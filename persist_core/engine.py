@@ -105,7 +105,7 @@ class CheckpointEngine:
         self._check_open()
         if self._parts.snapshots is None:
             raise ConfigError("snapshot() needs CheckpointEngine(memory=MemoryTier(...)) (with one process)")
-        self._parts.saver.snapshot(state, step, metadata=metadata)
+        self._parts.saver.snapshot(state, step, metadata=metadata, resumed_at=self.resumed_step)
 
     def maybe_snapshot(self, make_state: Callable[[], Any], step: int, *,
                        metadata: dict[str, Any] | None = None) -> bool:
@@ -115,7 +115,7 @@ class CheckpointEngine:
         snapshots = self._parts.snapshots
         if snapshots is None or not snapshots.due(step):
             return False
-        self._parts.saver.snapshot(make_state(), step, metadata=metadata)
+        self._parts.saver.snapshot(make_state(), step, metadata=metadata, resumed_at=self.resumed_step)
         return True
 
     def guard(self, *optimizers: Any, step_hook: bool = True) -> Guard:

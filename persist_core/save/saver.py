@@ -98,7 +98,7 @@ class Saver:
                   handle.stats.staging_s)
         return handle
 
-    def snapshot(self, state: Any, step: int, *, metadata: dict[str, Any] | None) -> None:
+    def snapshot(self, state: Any, step: int, *, metadata: dict[str, Any] | None, resumed_at: int | None) -> None:
         """Stage ``state`` as ``step`` into a slot of the memory tier, and nothing more (no disk): the copy
         runs on the caller's thread; the slot's record is written in the background."""
         assert self._snapshots is not None
@@ -106,6 +106,7 @@ class Saver:
         self._ledger.raise_first()
         step = _knobs.check_step(step)
         _knobs.check_metadata(metadata)
+        self._check_step(step, resumed_at)  # a snapshot past an older step resumed from starts the branch, as a save
         plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size,
                          torch_loadable=self._torch_loadable, replica_check=self._replica_check, seed=step,
                          cache=self._plans)

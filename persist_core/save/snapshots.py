@@ -83,6 +83,7 @@ class Snapshots:
             entry = FileEntry(name=filename, rank=self._rank, size=nbytes, checksum=CHECKSUM_ALGORITHM,
                               chunk_bytes=self._block, chunks=crc)
             self.store.commit(path, dataclasses.replace(base, files=(entry,)))
+            self.store.drop_newer(base.step)  # the run went back to an older step: the newer ones are a branch
         except BaseException as e:  # the previous snapshot stays the newest
             log.warning("[rank=%d][step=%d] the memory snapshot was not committed: %s", self._rank, base.step, e)
             self.pool.unkeep(buf)

@@ -151,6 +151,13 @@ class MemoryStore:
         """``slot`` is about to be overwritten: its record goes first."""
         _record(slot).unlink(missing_ok=True)
 
+    def drop_newer(self, step: int) -> None:
+        """A snapshot of ``step`` was committed: records of newer steps are a branch the run went back from
+        (a resume from an older step), never to be restored; they go."""
+        for snap in self.snapshots():
+            if snap.step > step:
+                self.drop(snap.path)
+
     def remove_other_lives(self) -> None:
         """Remove the slots of earlier engines that no live process holds (a restart read what it needed)."""
         for life in self._lives():

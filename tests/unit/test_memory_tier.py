@@ -241,3 +241,18 @@ def test_persist_ls_shows_the_runs_memory_snapshots_and_gc_memory_removes_only_a
     done = CliRunner().invoke(main, ["gc", str(tmp_path / "ckpt"), "--memory", "--memory-dir", shm])
     assert "removed memory snapshots of a stopped process" in done.output
     assert not _slots(tmp_path)
+
+
+def test_going_back_to_an_older_step_never_restores_the_abandoned_branch_from_memory(tmp_path):
+    memory = _memory(tmp_path)
+    engine = CheckpointEngine(tmp_path / "ckpt", memory=memory, save_policy=EveryNSteps(5))
+    for step in range(1, 11):
+        engine.maybe_save(lambda: state_for(step), step)
+    engine.wait()  # disk: 5 and 10; memory: 9 and 10
+    assert engine.load(step=5)["step"] == 5  # back to step 5
+    engine.maybe_save(lambda: state_for(6, seed=0.5), 6)  # the new branch's step 6
+    engine.wait()
+    engine._close(finished=False)  # a crash
+    with CheckpointReader(tmp_path / "ckpt", memory=memory) as reader:
+        assert_state_equal(reader.load(), state_for(6, seed=0.5))  # not step 10 of the abandoned branch
+        assert [c.step for c in reader.abandoned()] == [10]  # set aside on disk, as a save of step 6 would
