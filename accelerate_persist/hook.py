@@ -338,7 +338,8 @@ class PersistHook:
     def latest(self) -> str | None:
         """The newest committed checkpoint's path or URL, or ``None`` (reads only, on any credentials)."""
         o = self._options
-        with CheckpointReader(o.local_dir, remote_url=o.remote_url, storage_options=o.storage_options) as r:
+        with CheckpointReader(o.local_dir, remote_url=o.remote_url, storage_options=o.storage_options,
+                              memory=o.memory) as r:
             info = r.latest()
         return None if info is None else info.path
 

@@ -62,6 +62,8 @@ class PersistAutoSave(Callback):
                             "to disk only", trainer.world_size)
                 self._said_ranks = True
             return
+        if self.snapshot_steps and self.snapshot_steps[-1] == step:
+            return  # gradient accumulation: the same optimizer step, nothing new to keep
         engine = self._io._get_engine()
         if engine.maybe_snapshot(lambda: trainer._checkpoint_connector.dump_checkpoint(weights_only=False), step):
             self.snapshot_steps.append(step)

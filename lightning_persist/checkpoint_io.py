@@ -33,7 +33,7 @@ from lightning_persist._paths import device, kind_of, path_key, remote_path, res
 from lightning_persist._strategies import check_strategy
 from lightning_persist._trainer import exit_as_sigterm, find_trainer, loggers_sink, rank_zero_info
 from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
-from persist_core import PersistError, RetentionPolicy
+from persist_core import CorruptCheckpointError, PersistError, RetentionPolicy
 from persist_core.config import Config
 from persist_core.distributed import decision_channel
 from persist_core.layout import FULL, shard_filename
@@ -241,8 +241,14 @@ class PersistCheckpointIO(CheckpointIO):
 
         text = os.fspath(path)
         in_memory = self._get_reader().memory_step(text)
-        if in_memory is not None:  # io.latest_path() named a memory snapshot
-            return read(self._get_reader(), in_memory)
+        if in_memory is not None:  # io.latest_path() named a memory snapshot: the freshest that verifies
+            try:
+                return read(self._get_reader(), in_memory)
+            except CorruptCheckpointError as e:
+                log.warning("the memory snapshot %s does not verify (%s); loading the newest checkpoint that does",
+                            text, e)
+                return self._get_reader().load(map_location=device(map_location), into=into, rank=self._rank,
+                                               weights_only=restricted(weights_only))
         agreed = self._agreed_step(text)
         if agreed is not None:  # several ranks: every one loads the step rank 0's path names, from its own tiers
             return read(self._reader_of(agreed[0]), agreed[1])

@@ -34,7 +34,7 @@ from persist_core.save.saver import Saver
 from persist_core.save.snapshots import Snapshots
 from persist_core.save.staging import StagingPool
 from persist_core.scheduler import SaveScheduler
-from persist_core.sync.lease import local_run_id
+from persist_core.sync.lease import keep_run_id, local_run_id
 from persist_core.tiers.local import open_local_dir
 from persist_core.tiers.remote import RemoteTier
 
@@ -129,7 +129,7 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
                               coll=coll, history=history, clock=clock, in_flight=writer.in_flight,
                               known=lambda step: step in writer.pending_steps() or history.last_step() == step,
                               wait=wait)
-    scheduler.memory_only = snapshots is not None and config.save_policy is None
+    scheduler.memory_only = config.memory is not None and config.save_policy is None  # several processes: disk only
     reader = CheckpointReader(root, verify=config.verify, tier=tier, on_loaded=on_loaded,
                               memory=None if snapshots is None else snapshots.store)
     own_notice = preemption if preemption is not None and preemption.exit_after else None
@@ -145,7 +145,10 @@ def _snapshots(config: Config, root: Path, coll: Collectives) -> Snapshots | Non
         log.warning("[rank=%d] the memory tier holds one process's snapshots for now; with %d processes this run "
                     "saves to disk only", coll.rank, coll.world_size)
         return None
-    store = config.memory.store(config.run_id or run_id_from_env() or local_run_id(root), coll.rank)
+    run_id = config.run_id or run_id_from_env() or local_run_id(root)
+    if config.run_id is not None:
+        keep_run_id(root, run_id)  # where a CheckpointReader(local_dir, memory=...) looks for this run's snapshots
+    store = config.memory.store(run_id, coll.rank, root)
 
     def full(why: str) -> None:
         log.warning("[rank=%d] the memory tier has too little room (%s): saving to disk only; give %s more room "
@@ -153,7 +156,7 @@ def _snapshots(config: Config, root: Path, coll: Collectives) -> Snapshots | Non
                     config.memory.base)
 
     allocator = SlotAllocator(store.open_life, slots=config.max_pending + 2, free_bytes=store.free_bytes,
-                              pin=torch.cuda.is_available(), on_full=full)
+                              pin=torch.cuda.is_available(), on_full=full, make_room=store.remove_other_lives)
     return Snapshots(config.memory, store, allocator, chunk_bytes=config.chunk_bytes, rank=coll.rank)
 
 

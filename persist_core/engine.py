@@ -238,6 +238,9 @@ class CheckpointEngine:
         self._pipeline.closing = True
         try:
             self.wait()
+        except BaseException:
+            finished = False  # a save failed: the snapshots may be the only copy of the last steps
+            raise
         finally:
             self._closed = True
             self._parts.close(finished=finished)

@@ -212,10 +212,12 @@ def node_probe_filename(token: str, rank: int) -> str:
 #             life-1a2b3c4d/                 one engine's (a process's) slots; flock-ed while it lives
 #                 slot-0  slot-1 ...         mapped staging buffers: a shard file image each
 #                 slot-0.json ...            a slot's commit record (its manifest), written after its bytes
+#                 .local-dir                 the local_dir of the engine that mapped them
 DEFAULT_MEMORY_DIR = "/dev/shm/torch-persist"
 _LIFE_RE = re.compile(r"life-([0-9a-f]{8,32})")
 _SLOT_RE = re.compile(r"slot-([0-9]{1,6})")
 SLOT_RECORD_SUFFIX = ".json"
+LOCAL_DIR_NAME = ".local-dir"  # in a life's directory: the local_dir of the engine that mapped it
 
 
 def memory_rank_dirname(rank: int) -> str:

@@ -137,7 +137,7 @@ class PersistSession:
         try:
             config = o.replace(local_dir=o.local_dir / sub if sub else o.local_dir, remote_url=url, keep_local=local,
                                keep_remote=None if user is None or url is None else local, save_policy=save_policy,
-                               preemption=preemption)
+                               preemption=preemption, memory=o.memory if not sub else None)  # snapshots: full only
             return CheckpointEngine(config, collectives=self._collectives)
         except DirectoryInUseError as e:
             if self._release_hint is None or not e.this_process:

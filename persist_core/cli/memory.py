@@ -30,7 +30,8 @@ def memory_rows(location: str, memory_dir: str | None) -> list[dict[str, Any]]:
     if run_id is None:
         return []
     rows = []
-    for life, live, snaps in run_lives(Path(os.path.expanduser(memory_dir or DEFAULT_MEMORY_DIR)), run_id):
+    local_dir = Path(location.removeprefix("file://"))
+    for life, live, snaps in run_lives(Path(os.path.expanduser(memory_dir or DEFAULT_MEMORY_DIR)), run_id, local_dir):
         for s in snaps:
             rows.append({"step": s.step, "kind": "memory", "time": s.manifest.time, "bytes": s.manifest.nbytes,
                          "files": 1, "ranks": None, "path": str(s.path), "milestone": False, "abandoned": False,
@@ -44,4 +45,4 @@ def remove_stale_memory(location: str, memory_dir: str | None, *, dry_run: bool)
     if run_id is None:
         return []
     return [str(p) for p in remove_stale(Path(os.path.expanduser(memory_dir or DEFAULT_MEMORY_DIR)), run_id,
-                                         dry_run=dry_run)]
+                                         Path(location.removeprefix("file://")), dry_run=dry_run)]

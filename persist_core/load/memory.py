@@ -37,7 +37,7 @@ def run_store(memory: MemoryTier | None, root: Path) -> MemoryStore | None:
     if run_id is None:
         log.info("no run id in %s: no memory snapshots to read", root)
         return None
-    return memory.store(run_id, 0)
+    return memory.store(run_id, 0, root)
 
 
 def newest_snapshot(store: MemoryStore | None, *, newer_than: int) -> CheckpointInfo | None:

@@ -105,12 +105,15 @@ class SlotAllocator:
         directory: makes (once) and returns the directory of the slots (the memory store's ``open_life``).
         slots: how many buffers the pool holds (the budget is that many of the first size asked for).
         free_bytes: the room left where the slots go.
+        make_room: called when the budget does not fit: removes a stopped process's slots (a restart's load has
+            read them by the time its saves allocate).
         pin: for the buffers from this process's memory.
     """
 
     def __init__(self, directory: Callable[[], Path], *, slots: int, free_bytes: Callable[[], int], pin: bool,
-                 on_full: Callable[[str], None]) -> None:
+                 on_full: Callable[[str], None], make_room: Callable[[], None] = lambda: None) -> None:
         self._directory, self._slots, self._free_bytes, self._on_full = directory, slots, free_bytes, on_full
+        self._make_room = make_room
         self._files: FileAllocator | None = None
         self._host = HostAllocator(pin=pin)
         self._pin = pin
@@ -128,6 +131,8 @@ class SlotAllocator:
                 if self._files is None:
                     self._files = FileAllocator(self._directory())
                     need = self._slots * capacity
+                    if need > self._free_bytes():  # a restart: the stopped process's slots go first (read by now)
+                        self._make_room()
                     if need > self._free_bytes():
                         raise ConfigError(f"{self._files.directory} has {self._free_bytes()} bytes free, the memory "
                                           f"tier needs {need} ({self._slots} slots of {capacity} bytes)")

@@ -63,6 +63,8 @@ class Saver:
         step = _knobs.check_step(step)
         _knobs.check_metadata(metadata)
         self._check_step(step, resumed_at)
+        if self._snapshots is not None:
+            self._snapshots.branch(step)
         replace = step == resumed_at  # the step resumed from, saved again (Lightning does, with accumulation)
         if self._snapshots is not None:
             self._snapshots.wait()  # the previous snapshot is committed before this one may take a slot
@@ -107,6 +109,7 @@ class Saver:
         step = _knobs.check_step(step)
         _knobs.check_metadata(metadata)
         self._check_step(step, resumed_at)  # a snapshot past an older step resumed from starts the branch, as a save
+        self._snapshots.branch(step)
         plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size,
                          torch_loadable=self._torch_loadable, replica_check=self._replica_check, seed=step,
                          cache=self._plans)

@@ -51,6 +51,8 @@ class Snapshots:
         self._committed = 0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="persist-memory")
         self._last: Future[None] | None = None  # the last commit submitted
+        self._taken_max = -1  # the newest step saved or snapshot by this engine
+        self._others_gone = False  # an earlier process's slots were removed (at the first commit)
 
     @property
     def active(self) -> bool:
@@ -59,6 +61,15 @@ class Snapshots:
 
     def due(self, step: int) -> bool:
         return self.active and self.tier.due(step)
+
+    def branch(self, step: int) -> None:
+        """Training thread: a save or snapshot of ``step`` was allowed (the timeline's check): memory records of
+        newer steps are a branch the run went back from (a resume from an older step, ``start_over``), dropped now,
+        whatever this save does after (a guarded one records no snapshot). Costs a listing only when the step goes
+        back, or while an earlier process's slots are still there."""
+        if step < self._taken_max or not self._others_gone:
+            self.store.drop_newer(step)
+        self._taken_max = max(self._taken_max, step)
 
     def reusing(self, buf: StagingBuffer) -> None:
         """Pool (a save's thread): ``buf`` is about to be overwritten; its record goes first."""
@@ -97,6 +108,7 @@ class Snapshots:
             self.pool.unkeep(previous)
         if first:  # a restart read what it needed by now: the killed process's slots go
             self.store.remove_other_lives()
+            self._others_gone = True
         log.debug("[rank=%d][step=%d] memory snapshot committed in %s", self._rank, base.step, path)
 
     def wait(self) -> None:

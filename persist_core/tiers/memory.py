@@ -26,8 +26,8 @@ from typing import Any
 
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format.manifest import Manifest
-from persist_core.layout import (DEFAULT_MEMORY_DIR, SLOT_RECORD_SUFFIX, is_life_dirname, life_dirname,
-                                 memory_rank_dirname, parse_slot_record_name)
+from persist_core.layout import (DEFAULT_MEMORY_DIR, LOCAL_DIR_NAME, SLOT_RECORD_SUFFIX, is_life_dirname,
+                                 life_dirname, memory_rank_dirname, parse_slot_record_name)
 from persist_core.sidefiles import is_link, read_side_file, write_side_file
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,8 @@ class MemoryTier:
         """Whether ``step`` is a snapshot step."""
         return step % self.every_n_steps == 0
 
-    def store(self, run_id: str, rank: int) -> MemoryStore:
-        return MemoryStore(self.base / run_id / memory_rank_dirname(rank))
+    def store(self, run_id: str, rank: int, local_dir: Path) -> MemoryStore:
+        return MemoryStore(self.base / run_id / memory_rank_dirname(rank), local_dir=local_dir)
 
 
 def check_memory(value: Any) -> MemoryTier | None:
@@ -106,10 +106,12 @@ class Snapshot:
 
 
 class MemoryStore:
-    """One rank's snapshots under ``root`` (``memory_dir/<run-id>/rank-R``)."""
+    """One rank's snapshots under ``root`` (``memory_dir/<run-id>/rank-R``) of the engines on ``local_dir`` (each
+    life names its ``local_dir``: two jobs that share a launcher's run id never read or remove each other's)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, local_dir: Path | None = None) -> None:
         self.root = root
+        self.local_dir = None if local_dir is None else os.path.realpath(local_dir)
         self.life: Path | None = None  # this engine's slots (open_life)
         self._lock_fd: int | None = None
 
@@ -135,6 +137,8 @@ class MemoryStore:
             raise ConfigError(f"cannot make the memory tier's directory {life} ({e.strerror or e}); pass "
                               "MemoryTier(memory_dir=...) a writable tmpfs") from e
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # while this engine lives: another never removes it
+        if self.local_dir is not None:
+            write_side_file(life / LOCAL_DIR_NAME, self.local_dir.encode())
         self.life, self._lock_fd = life, fd
         return life
 
@@ -172,6 +176,8 @@ class MemoryStore:
             self._lock_fd = None
         if not remove:
             return
+        if self.life is not None:  # its own, even if a forked child (a DataLoader worker) still holds the lock
+            _remove(self.life)
         for life in self._lives():
             if _unlocked(life):
                 _remove(life)
@@ -205,8 +211,8 @@ class MemoryStore:
                     log.debug("memory snapshot record %s skipped: %s", life / name, e)
                     continue
                 if len(manifest.files) == 1 and manifest.files[0].size <= size:
-                    found.append(Snapshot(manifest, slot))
-        return sorted(found, key=lambda s: s.step, reverse=True)
+                    found.append((manifest.step, _written_ns(life / name), Snapshot(manifest, slot)))
+        return [s for _, _, s in sorted(found, key=lambda t: t[:2], reverse=True)]  # the newest first, per step too
 
     def steps(self) -> set[int]:
         return {s.step for s in self.snapshots()}
@@ -216,7 +222,23 @@ class MemoryStore:
             names = os.listdir(self.root)
         except OSError:
             return []
-        return [self.root / n for n in names if is_life_dirname(n) and not is_link(self.root / n)]
+        lives = [self.root / n for n in names if is_life_dirname(n) and not is_link(self.root / n)]
+        return [life for life in lives if self.local_dir is None or _local_dir_of(life) in (None, self.local_dir)]
+
+
+def _local_dir_of(life: Path) -> str | None:
+    """The ``local_dir`` whose engine mapped ``life`` (``None``: not said)."""
+    try:
+        return read_side_file(life / LOCAL_DIR_NAME).decode()
+    except (OSError, UnicodeDecodeError, ConfigError):
+        return None
+
+
+def _written_ns(path: Path) -> int:
+    try:
+        return os.lstat(path).st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _record(slot: Path) -> Path:
@@ -245,7 +267,7 @@ def _remove(life: Path) -> None:
     log.debug("removed the memory snapshots in %s", life)
 
 
-def run_lives(base: Path, run_id: str) -> list[tuple[Path, bool, list[Snapshot]]]:
+def run_lives(base: Path, run_id: str, local_dir: Path | None = None) -> list[tuple[Path, bool, list[Snapshot]]]:
     """Every slot directory of run ``run_id`` under ``base`` (each rank's, each engine's): its path, whether a live
     process holds it, and its committed snapshots (newest first)."""
     run = base / run_id
@@ -257,15 +279,16 @@ def run_lives(base: Path, run_id: str) -> list[tuple[Path, bool, list[Snapshot]]
         return []
     found = []
     for rank in ranks:
-        store = MemoryStore(rank)
+        store = MemoryStore(rank, local_dir=local_dir)
         for life in sorted(store._lives()):
             found.append((life, not _unlocked(life), store.snapshots([life])))
     return found
 
 
-def remove_stale(base: Path, run_id: str, *, dry_run: bool = False) -> list[Path]:
-    """Remove (``dry_run``: only name) the slot directories of run ``run_id`` that no live process holds."""
-    stale = [life for life, live, _ in run_lives(base, run_id) if not live]
+def remove_stale(base: Path, run_id: str, local_dir: Path | None = None, *, dry_run: bool = False) -> list[Path]:
+    """Remove (``dry_run``: only name) the slot directories of run ``run_id`` (``local_dir``'s) that no live
+    process holds."""
+    stale = [life for life, live, _ in run_lives(base, run_id, local_dir) if not live]
     if not dry_run:
         for life in stale:
             _remove(life)

@@ -218,7 +218,7 @@ def test_persist_ls_shows_the_runs_memory_snapshots_and_gc_memory_removes_only_a
     stopped._close(finished=False)  # as a killed process leaves them
     shm = str(tmp_path / "shm")
     rows = json.loads(CliRunner().invoke(main, ["ls", str(tmp_path / "ckpt"), "--json", "--memory-dir", shm]).output)
-    assert [(r["step"], r["kind"]) for r in rows if r["kind"] == "memory"] == [(2, "memory"), (3, "memory")]
+    assert [r["step"] for r in rows if r["kind"] == "memory"][-2:] == [2, 3]  # and maybe 1, if its slot is not reused
     assert {r["process"] for r in rows if r["kind"] == "memory"} == {"stopped"}
     assert [r["step"] for r in rows if r["kind"] == "full"] == [3]
 
