@@ -177,8 +177,8 @@ def test_a_finished_run_removes_its_slots_even_with_a_forked_child_alive(tmp_pat
         engine.close()  # the run ended well
         left = [p for p in (tmp_path / "shm").rglob("slot-*")]
         assert not left, f"{len(left)} slot files left after a finished run's close()"
-    finally:
-        child.terminate()
+    finally:  # SIGKILL: a SIGTERM would run handlers the child inherited (an earlier test's flush, whose pipe the
+        child.kill()  # parent's flusher thread reads: the parent would end)
         child.join()
 
 
