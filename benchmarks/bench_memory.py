@@ -41,8 +41,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+from benchmarks._common.jobs import resume  # noqa: E402
 from benchmarks._common import MB, accel_model, drop_cached, files_under, nbytes, tensors, training_state  # noqa: E402
-from persist_core import (CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Continuous,  # noqa: E402
+from persist_core import (CheckpointEngine, CheckpointReader, Continuous,  # noqa: E402
                           KeepLastN, MemoryTier)
 
 
@@ -55,14 +56,7 @@ def job(local_dir: str, memory_dir: str | None, width: int, step_ms: float) -> N
     memory = None if memory_dir is None else MemoryTier(every_n_steps=1, memory_dir=memory_dir)
     engine = CheckpointEngine(local_dir, memory=memory, save_policy=Continuous(), preemption=None,
                               keep_local=KeepLastN(2))
-    start = 0
-    try:
-        state = engine.load()
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-        start = state["step"]
-    except CheckpointNotFoundError:
-        pass
+    start = resume(engine, model, opt)
     if memory is None:
         engine.guard(opt)  # as the goodput benchmark runs today's continuous saving
     print(json.dumps({"event": "start", "step": start, "load_s": time.perf_counter() - t0}), flush=True)

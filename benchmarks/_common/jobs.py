@@ -9,9 +9,21 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from benchmarks._common.models import accel_model, cpu_model
 from persist_core import CheckpointEngine, CheckpointNotFoundError, KeepLastN, SavePolicy
+
+
+def resume(engine: CheckpointEngine, model: Any, opt: Any) -> int:
+    """Load the newest checkpoint ``engine`` can get into ``model`` and ``opt``; its step (0: none yet)."""
+    try:
+        state = engine.load()
+    except CheckpointNotFoundError:
+        return 0
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    return state["step"]
 
 
 def resumable_job(local_dir: str, policy: SavePolicy, width: int, setting: str, step_ms: float,
@@ -32,14 +44,7 @@ def resumable_job(local_dir: str, policy: SavePolicy, width: int, setting: str, 
     else:
         model, opt, train = cpu_model(width)
     engine = CheckpointEngine(local_dir, save_policy=policy, keep_local=KeepLastN(2))
-    start = 0
-    try:
-        state = engine.load()
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-        start = state["step"]
-    except CheckpointNotFoundError:
-        pass
+    start = resume(engine, model, opt)
     if guard:
         engine.guard(opt)  # for the process's life: the update waits for a save's background copy
     print(json.dumps({"event": "start", "step": start}), flush=True)
