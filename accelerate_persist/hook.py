@@ -108,6 +108,9 @@ class PersistHook:
             :meth:`resume`, losing at most that many steps, without reading the disk. Without a
             ``save_policy``, only ``save_state()`` writes to disk. One process for now (several: disk only).
         memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist``).
+        incremental: a checkpoint references the tensors whose bytes equal the previous checkpoint's (a frozen
+            base, a PEFT model's base) instead of writing them again; a full one every ``full_every`` saves.
+        full_every: with ``incremental``, a full checkpoint at least every this many saves (default 10).
     """
 
     def __init__(
@@ -130,6 +133,8 @@ class PersistHook:
         start_over: bool = False,
         memory_every_n_steps: int | None = None,
         memory_dir: str | os.PathLike[str] | None = None,
+        incremental: bool = False,
+        full_every: int = 10,
     ) -> None:
         memory = memory_tier(memory_every_n_steps, memory_dir)
         self._options = Config.from_keywords(
@@ -137,7 +142,8 @@ class PersistHook:
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending,
             preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, save_policy=save_policy,
-            preemption_signals=preemption_signals, start_over=start_over, memory=memory)
+            preemption_signals=preemption_signals, start_over=start_over, memory=memory, incremental=incremental,
+            full_every=full_every)
         if not isinstance(overlap, bool):
             raise ConfigError(f"overlap={overlap!r} must be True or False")
         self._overlap = overlap

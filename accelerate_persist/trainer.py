@@ -68,19 +68,22 @@ class PersistTrainerCallback(TrainerCallback):
     Args:
         local_dir / remote_url / storage_options / keep_last / keep_every_n_steps /
         keep_every_n_seconds / retention / verify / max_pending / preemption_grace_s /
-        remote_timeout_s / start_over: as for :class:`~accelerate_persist.PersistHook`.
+        remote_timeout_s / start_over / incremental / full_every: as for :class:`~accelerate_persist.PersistHook`
+            (``incremental=True``: a PEFT model's frozen base is written once every ``full_every`` saves).
     """
 
     def __init__(self, local_dir: str | os.PathLike[str], *, remote_url: str | None = None,
                  storage_options: dict[str, Any] | None = None, keep_last: int | None = None,
                  keep_every_n_steps: int | None = None, keep_every_n_seconds: float | None = None,
                  retention: RetentionPolicy | None = None, verify: bool = True, max_pending: int = 1,
-                 preemption_grace_s: float = 120.0, remote_timeout_s: float = 300.0, start_over: bool = False) -> None:
+                 preemption_grace_s: float = 120.0, remote_timeout_s: float = 300.0, start_over: bool = False,
+                 incremental: bool = False, full_every: int = 10) -> None:
         options = Config.from_keywords(
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending,
-            preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, start_over=start_over)
+            preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, start_over=start_over,
+            incremental=incremental, full_every=full_every)
         self._session = PersistSession(
             options, resume_hint="resume with trainer.train(resume_from_checkpoint=callback.resume_path())")
         self.saved_steps: list[int] = []

@@ -115,6 +115,11 @@ class PersistCheckpointIO(CheckpointIO):
             losing at most that many steps, without reading the disk. ``last.ckpt`` and ``ModelCheckpoint``'s
             files keep naming disk checkpoints. One process for now (with several: disk only).
         memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist``).
+        incremental: a checkpoint references the tensors whose bytes equal the previous checkpoint's (a frozen
+            base, a PEFT model's base) instead of writing them again; a full one every ``full_every`` saves. Full
+            checkpoints stay files ``torch.load`` reads; a referencing one is not: load it with
+            ``fit(ckpt_path=...)``, :func:`~lightning_persist.load_from_checkpoint` or ``persist export``.
+        full_every: with ``incremental``, a full checkpoint at least every this many saves (default 10).
 
     Raises:
         ConfigError: a bad argument, an unwritable ``local_dir`` or an unusable ``remote_url``
@@ -140,6 +145,8 @@ class PersistCheckpointIO(CheckpointIO):
         start_over: bool = False,
         memory_every_n_steps: int | None = None,
         memory_dir: str | os.PathLike[str] | None = None,
+        incremental: bool = False,
+        full_every: int = 10,
     ) -> None:
         super().__init__()
         self._exit_after_sigterm = exit_after_sigterm
@@ -149,7 +156,8 @@ class PersistCheckpointIO(CheckpointIO):
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending, write_threads=write_threads,
             preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, torch_loadable=True,
-            start_over=start_over, memory=memory_tier(memory_every_n_steps, memory_dir))
+            start_over=start_over, memory=memory_tier(memory_every_n_steps, memory_dir), incremental=incremental,
+            full_every=full_every)
         # ModelCheckpoint decides which paths exist: with no retention policy, what they link to is what stays
         self._links = Links(options.local_dir, file_name=shard_filename(0, torch_zip=True), retain_only_linked=True)
         self._session = PersistSession(

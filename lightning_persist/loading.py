@@ -3,8 +3,9 @@
 With one writer (the default strategy, and ``strategy="ddp"``) every path the plugin leaves is a
 file ``torch.load`` reads, so ``ModelClass.load_from_checkpoint(path)`` works as always (and reads
 the bytes without verifying them). With split writes (``PersistDDPStrategy``) a checkpoint is
-one shard per rank and the path links to its directory, which only torch-persist can put back
-together: this function does, verifying every chunk, then builds the module as Lightning does.
+one shard per rank and the path links to its directory, and with ``incremental=True`` a referencing
+checkpoint's file holds only what changed: only torch-persist can put those back together. This
+function does, verifying every chunk, then builds the module as Lightning does.
 """
 
 from __future__ import annotations

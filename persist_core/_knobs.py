@@ -151,9 +151,6 @@ def check_incremental(config: Any) -> None:
     if c.remote_url is not None:
         raise ConfigError(f"incremental=True with remote_url={c.remote_url!r}: incremental checkpoints are local only "
                           "for now; drop remote_url, or pass incremental=False")
-    if c.torch_loadable:
-        raise ConfigError("incremental=True with torch_loadable=True: a checkpoint referencing another's bytes is not "
-                          "a torch.load-able archive; pass torch_loadable=False, or incremental=False")
     if getattr(c, "memory", None) is not None:  # the writer compacts the staged shard: the slot would not stay whole
         raise ConfigError("incremental=True with memory=MemoryTier(...): the two do not combine yet (a snapshot in "
                           "memory must stay whole while the disk write references); pass one of them")

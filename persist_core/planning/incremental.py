@@ -119,10 +119,14 @@ class Compaction:
     zeros: tuple[tuple[int, int], ...]
 
 
-def compact(header: bytes, dropped: frozenset[str]) -> Compaction | None:
-    """The layout of the shard whose first bytes are ``header`` without the entries ``dropped``: every kept entry
-    in the same order, each on a 64-byte boundary, the gaps ``__pad__.N`` entries, the file a multiple of 4 KiB;
-    ``None`` when it cannot be made in place (its header would grow)."""
+def compact(header: bytes, dropped: frozenset[str], *, image: int = 0) -> Compaction | None:
+    """The layout of the shard whose safetensors header is ``header`` without the entries ``dropped``: every kept
+    entry in the same order, each on a 64-byte boundary, the gaps ``__pad__.N`` entries, the file a multiple of 4
+    KiB; ``None`` when it cannot be made in place (its header would grow).
+
+    ``image``: where ``header`` starts in the staged shard (a torch-loadable shard's zip local header before it).
+    The compacted shard always starts with its header: it is no zip archive any more (its ``__pad__`` entries,
+    which hold the zip records, are dropped like the referenced entries)."""
     (n,) = struct.unpack("<Q", header[:8])
     entries = json.loads(header[8 : 8 + n])
     meta = entries.pop("__metadata__", None)
@@ -144,7 +148,7 @@ def compact(header: bytes, dropped: frozenset[str]) -> Compaction | None:
     new = encode_header(out)
     if len(new) > len(header):
         return None
-    old, h = len(header), len(new)
+    old, h = image + len(header), len(new)
     moves = tuple((old + b, h + s, size) for b, s, size, _ in places if size and old + b != h + s)
     zeros = tuple((h + p, h + s) for _, s, _, p in places if s > p) + ((h + pos, h + pos + gap),) * bool(gap)
     return Compaction(header=new, file_bytes=h + pos + gap, moves=moves, zeros=zeros)

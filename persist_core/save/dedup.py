@@ -30,6 +30,7 @@ from persist_core._knobs import INCREMENTAL_MAX_SPAN
 from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError
 from persist_core.format.manifest import Manifest
 from persist_core.format.shard_file import parse_header
+from persist_core.format.torch_zip import image_offset
 from persist_core.layout import MANIFEST_NAME
 from persist_core.planning.incremental import compact, hashable, reference_unchanged
 from persist_core.save.staging import StagingBuffer
@@ -73,8 +74,9 @@ class Incremental:
         guarded update has the cores)."""
         t0 = time.perf_counter()
         view = buf.memoryview(nbytes)
-        header = bytes(view[: 8 + int.from_bytes(view[:8], "little")])
-        spans = {name: (b, e) for name, b, e in parse_header(header, file_size=nbytes)[1]}
+        image = image_offset(bytes(view[:64]))  # a torch-loadable shard: its zip local header first
+        header = bytes(view[image : image + 8 + int.from_bytes(view[image : image + 8], "little")])
+        spans = {name: (image + b, image + e) for name, b, e in parse_header(header, file_size=nbytes - image)[1]}
         entries = sorted({r.entry for r in base.tensors if hashable(r) and r.entry in spans},  # type: ignore[misc]
                          key=lambda e: spans[e][0] - spans[e][1])  # the largest first: the threads end together
 
@@ -89,7 +91,7 @@ class Incremental:
                             if not (checkpoint_dir(self._root, s) / MANIFEST_NAME).exists())
         decision = reference_unchanged(base.tensors, hashes, previous, since_full=since_full,
                                        full_every=self._full_every, max_span=self._max_span, missing=missing)
-        layout = None if decision.full else compact(header, decision.dropped)
+        layout = None if decision.full else compact(header, decision.dropped, image=image)
         if layout is None:  # full: every entry stays where it was staged
             return replace(base, tensors=decision.hashed), nbytes  # type: ignore[arg-type]
         with self._lock:  # protected from now on

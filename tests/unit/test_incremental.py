@@ -176,7 +176,6 @@ def test_incremental_is_off_by_default_and_writes_no_hashes(tmp_path):
     ({"full_every": 2.5}, "full_every=2.5"),
     ({"full_every": True}, "full_every=True"),
     ({"incremental": "yes"}, "incremental='yes'"),
-    ({"incremental": True, "torch_loadable": True}, "torch_loadable=True"),
     ({"incremental": True, "remote_url": "memory://inc-bucket/run"}, "remote_url"),
 ])
 def test_what_step_a_does_not_take_is_a_config_error_naming_the_value(tmp_path, options, match):
@@ -205,6 +204,29 @@ def test_a_referencing_shard_is_a_safetensors_file_of_the_changed_tensors_only(t
         names = {k for k in f.keys() if not k.startswith("__pad__")}
         assert names == {"model/adapter", "optim/exp_avg", "optim/exp_avg_sq"}
         assert f.get_tensor("model/adapter").equal(_state(2, base)["model"]["adapter"])
+
+
+def test_torch_loadable_full_checkpoints_stay_zip_archives_and_referencing_ones_hold_the_changes_only(tmp_path):
+    """The Lightning plugin's layout: a full checkpoint is the archive torch.load reads; a referencing one is the
+    staged archive compacted to a safetensors file of what changed (no zip any more), loaded bit-exact by us."""
+    from safetensors import safe_open
+
+    base = _frozen()
+    states = {step: _state(step, base) for step in (1, 2, 3)}
+    with _engine(tmp_path, torch_loadable=True, full_every=3) as engine:
+        for step, state in states.items():
+            engine.save(state, step=step).wait()
+        for step, state in states.items():
+            assert_state_equal(engine.load(step=step), state)
+    ckpt = "rank-00000.ckpt"
+    assert_state_equal(torch.load(_ckpt(tmp_path, 1) / ckpt, weights_only=True), states[1])
+    assert _manifest(tmp_path, 2).depends_on() == {1} == _manifest(tmp_path, 3).depends_on()
+    full = (_ckpt(tmp_path, 1) / ckpt).stat().st_size
+    for step in (2, 3):
+        assert (_ckpt(tmp_path, step) / ckpt).stat().st_size < full / 4
+        with safe_open(str(_ckpt(tmp_path, step) / ckpt), framework="pt") as f:
+            assert {k for k in f.keys() if not k.startswith("__pad__")} == {"model/adapter", "optim/exp_avg",
+                                                                                "optim/exp_avg_sq"}
 
 
 def test_a_guarded_save_is_incremental_too(tmp_path):
