@@ -41,6 +41,7 @@ from persist_core import ConfigError, RetentionPolicy
 from persist_core.config import Config
 from persist_core.layout import TRAINER_DIRNAME, trainer_checkpoint_dirname
 from persist_core.session import PersistSession
+from persist_core.tiers.memory import memory_tier
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,10 @@ class PersistTrainerCallback(TrainerCallback):
         keep_every_n_seconds / retention / verify / max_pending / preemption_grace_s /
         remote_timeout_s / start_over / incremental / full_every: as for :class:`~accelerate_persist.PersistHook`
             (``incremental=True``: a PEFT model's frozen base is written once every ``full_every`` saves).
+        memory_every_n_steps: keep a snapshot in host memory at the end of every this many steps (those the
+            Trainer does not save): a restart on the same machine after a crash resumes from it through
+            :meth:`resume_path`, losing at most that many steps, without reading the disk.
+        memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist``).
     """
 
     def __init__(self, local_dir: str | os.PathLike[str], *, remote_url: str | None = None,
@@ -77,16 +82,18 @@ class PersistTrainerCallback(TrainerCallback):
                  keep_every_n_steps: int | None = None, keep_every_n_seconds: float | None = None,
                  retention: RetentionPolicy | None = None, verify: bool = True, max_pending: int = 1,
                  preemption_grace_s: float = 120.0, remote_timeout_s: float = 300.0, start_over: bool = False,
-                 incremental: bool = False, full_every: int = 10) -> None:
+                 incremental: bool = False, full_every: int = 10, memory_every_n_steps: int | None = None,
+                 memory_dir: str | os.PathLike[str] | None = None) -> None:
         options = Config.from_keywords(
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
             storage_options=storage_options, verify=verify, max_pending=max_pending,
             preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, start_over=start_over,
-            incremental=incremental, full_every=full_every)
+            incremental=incremental, full_every=full_every, memory=memory_tier(memory_every_n_steps, memory_dir))
         self._session = PersistSession(
             options, resume_hint="resume with trainer.train(resume_from_checkpoint=callback.resume_path())")
         self.saved_steps: list[int] = []
+        self.snapshot_steps: list[int] = []  # the steps kept in memory (memory_every_n_steps)
         self._pending: tuple[int, dict[str, Any]] | None = None  # a save taken over, not yet at its point
 
     # ------------------------------------------------------------------ Trainer events
@@ -107,7 +114,9 @@ class PersistTrainerCallback(TrainerCallback):
                                   f"directories are not written; use {fix}")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        return self._take_over(state, control, kwargs)
+        control = self._take_over(state, control, kwargs)
+        self._snapshot(state, control, kwargs)
+        return control
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self._save_pending(state, control)
@@ -162,24 +171,18 @@ class PersistTrainerCallback(TrainerCallback):
             return
         step, kwargs = self._pending
         self._pending = None
-        model = kwargs["model"]
-        stateful = dict(state.stateful_callbacks or {})
-        recorded = control.state()
-        recorded["args"]["should_save"] = True  # as the Trainer records it in its own save (it is saving)
-        stateful["TrainerControl"] = recorded
-        trainer_state = json.dumps({**dataclasses.asdict(state), "stateful_callbacks": stateful}, indent=2,
-                                   sort_keys=True)
-        checkpoint = {
-            "model": model.state_dict(),
-            "config": model.config.to_json_string() if hasattr(model, "config") else None,
-            "optimizer": kwargs["optimizer"].state_dict(),
-            "scheduler": kwargs["lr_scheduler"].state_dict() if kwargs.get("lr_scheduler") is not None else None,
-            "rng": _rng_state(),
-            "trainer_state": trainer_state,
-        }
-        self._session.save(checkpoint, step, metadata={"saved_by": "accelerate_persist.PersistTrainerCallback"})
+        self._session.save(_checkpoint(state, control, kwargs, saving=True), step, metadata=_SAVED_BY)
         self._session.report()
         self.saved_steps.append(step)
+
+    def _snapshot(self, state: Any, control: Any, kwargs: dict[str, Any]) -> None:
+        """Keep the step just ended in memory, when the memory tier is due and the Trainer does not save it."""
+        memory, step = self._session.options.memory, int(state.global_step)
+        if memory is None or not memory.due(step) or self._pending is not None or self._session.saved(step):
+            return
+        engine = self._session.open()
+        if engine.maybe_snapshot(lambda: _checkpoint(state, control, kwargs, saving=False), step, metadata=_SAVED_BY):
+            self.snapshot_steps.append(step)
 
     def wait(self) -> None:
         """Block until every pending save is committed and uploaded; raises a background failure once."""
@@ -188,7 +191,8 @@ class PersistTrainerCallback(TrainerCallback):
     # ------------------------------------------------------------------ resume
 
     def resume_path(self) -> str | None:
-        """The newest committed checkpoint as a directory the Trainer resumes from, or ``None``.
+        """The newest committed checkpoint as a directory the Trainer resumes from, or ``None``; with
+        ``memory_every_n_steps``, the newest memory snapshot when it is newer (and verifies).
 
         Downloads it first when ``local_dir`` has none (a fresh machine), verifies every chunk, and
         writes ``local_dir/.trainer/checkpoint-N`` with exactly the files the Trainer reads: the
@@ -202,12 +206,35 @@ class PersistTrainerCallback(TrainerCallback):
         out = self._session.options.local_dir / TRAINER_DIRNAME / trainer_checkpoint_dirname(info.step)
         if (out / _STATE).is_file():
             return str(out)
-        checkpoint = reader.load(info.step)
+        checkpoint = reader.load()  # the newest that verifies (a torn memory snapshot: the next source or step)
+        step = reader.loaded_step
         if not (isinstance(checkpoint, dict) and "trainer_state" in checkpoint):
-            raise ConfigError(f"checkpoint step {info.step} in {self._session.options.local_dir} was not saved by "
+            raise ConfigError(f"checkpoint step {step} in {self._session.options.local_dir} was not saved by "
                               "PersistTrainerCallback; the Trainer cannot resume from it")
+        out = out.with_name(trainer_checkpoint_dirname(step))
         _materialize(checkpoint, out)
         return str(out)
+
+
+_SAVED_BY = {"saved_by": "accelerate_persist.PersistTrainerCallback"}
+
+
+def _checkpoint(state: Any, control: Any, kwargs: dict[str, Any], *, saving: bool) -> dict[str, Any]:
+    """What the Trainer's own save of ``state``'s step writes (``saving``: recorded as a save, as the Trainer's)."""
+    model = kwargs["model"]
+    stateful = dict(state.stateful_callbacks or {})
+    recorded = control.state()
+    recorded["args"]["should_save"] = saving  # as the Trainer records it in its own save (it is saving)
+    stateful["TrainerControl"] = recorded
+    trainer_state = json.dumps({**dataclasses.asdict(state), "stateful_callbacks": stateful}, indent=2, sort_keys=True)
+    return {
+        "model": model.state_dict(),
+        "config": model.config.to_json_string() if hasattr(model, "config") else None,
+        "optimizer": kwargs["optimizer"].state_dict(),
+        "scheduler": kwargs["lr_scheduler"].state_dict() if kwargs.get("lr_scheduler") is not None else None,
+        "rng": _rng_state(),
+        "trainer_state": trainer_state,
+    }
 
 
 def _rng_state() -> dict[str, Any]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+
 import pytest
 from lightning.pytorch.callbacks import Callback
 
@@ -83,3 +87,25 @@ def test_lightning_restart_resumes_from_the_memory_snapshot_through_latest_path(
 def _trainer(io, d, callbacks):
     return Trainer(max_steps=9, plugins=[io], callbacks=[checkpoint_callback(d, every_n_train_steps=4), *callbacks],
                    accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+def test_hf_trainer_sigkilled_run_restarts_from_the_memory_snapshot_through_resume_path(tmp_path):
+    pytest.importorskip("transformers")
+    from accelerate_persist import PersistTrainerCallback
+    from tests.adapters.test_hf_trainer import run
+
+    straight = run(tmp_path / "straight", [])
+    local_dir, memory_dir = tmp_path / "ckpt", tmp_path / "shm"
+    child = subprocess.run([sys.executable, "-m", "tests.support.hf_trainer_child", str(tmp_path / "ours"),
+                            str(local_dir), str(memory_dir), "6"], capture_output=True, text=True, timeout=300)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]  # disk at 4, memory at 1..6 (not 4)
+    assert sorted(p.name for p in local_dir.glob("step-*")) == ["step-000000000004"]
+
+    fresh = PersistTrainerCallback(local_dir=local_dir, memory_every_n_steps=1, memory_dir=memory_dir)
+    resume = fresh.resume_path()
+    # memory, newer than the disk's 4: step 6, or 5 when the kill came before step 6's record (<= 1 step lost)
+    assert resume is not None and resume.endswith(("checkpoint-6", "checkpoint-5"))
+    ours = run(tmp_path / "ours2", [fresh], resume=resume, save_steps=4)
+    assert_state_equal(ours.state_dict(), straight.state_dict())
+    assert not list(memory_dir.rglob("slot-*"))  # the finished run removed the snapshots
