@@ -28,9 +28,7 @@ import mmap
 import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+from benchmarks._common import jobs  # noqa: E402
 from benchmarks._common.jobs import resume  # noqa: E402
 from benchmarks._common import MB, accel_model, drop_cached, files_under, nbytes, tensors, training_state  # noqa: E402
 from persist_core import (CheckpointEngine, CheckpointReader, Continuous,  # noqa: E402
@@ -70,25 +69,11 @@ def job(local_dir: str, memory_dir: str | None, width: int, step_ms: float) -> N
 
 
 def kill_trial(local_dir: Path, memory_dir: Path | None, width: int, step_ms: float, kill_after: int) -> dict:
-    """Run the job until ``kill_after`` steps past its start finished, SIGKILL it; what it resumed from, the
-    last step it finished, and how long its start took."""
+    """The job, SIGKILLed ``kill_after`` steps past its start (:func:`benchmarks._common.jobs.kill_trial`)."""
     args = [sys.executable, __file__, "--job", str(local_dir), "--width", str(width), "--step-ms", str(step_ms)]
     if memory_dir is not None:
         args += ["--job-memory", str(memory_dir)]
-    child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        start = json.loads(child.stdout.readline())
-        last = start["step"]
-        while last < start["step"] + kill_after:
-            line = child.stdout.readline()
-            if not line:
-                raise RuntimeError("the job died before it was killed")
-            last = json.loads(line)["step"]
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.wait()
-        child.stdout.close()
-    return {"resumed": start["step"], "last": last, "load_s": start["load_s"]}
+    return jobs.kill_trial(args, kill_after, cwd=ROOT)
 
 
 def kill_series(kind: str, base: Path, memory_root: Path, args: argparse.Namespace, rng: random.Random) -> list[int]:

@@ -8,7 +8,10 @@ its third step) and ``summary`` (``engine.summary()`` every 10 steps).
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks._common.models import accel_model, cpu_model
@@ -64,3 +67,24 @@ def resumable_job(local_dir: str, policy: SavePolicy, width: int, setting: str, 
         if step % 10 == 0:
             summary = {**engine.summary(), "steps": step - start}
             print(json.dumps({"event": "summary", "summary": summary, "fence_s": summary["fence_wait_s"]}), flush=True)
+
+
+def kill_trial(command: list[str], kill_after: int, *, cwd: Path) -> dict:
+    """Run a job that prints one JSON line per event (``start`` with the ``step`` it resumed from, and
+    ``load_s``; then ``step`` after each step) until ``kill_after`` steps past its start finished, then SIGKILL
+    it; what it resumed from, the last step it finished, and how long its start took."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=cwd)
+    try:
+        start = json.loads(child.stdout.readline())
+        last = start["step"]
+        while last < start["step"] + kill_after:
+            line = child.stdout.readline()
+            if not line:
+                raise RuntimeError("the job died before it was killed")
+            event = json.loads(line)
+            last = event.get("step", last) if event.get("event") == "step" else last
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+        child.stdout.close()
+    return {"resumed": start["step"], "last": last, "load_s": start.get("load_s", 0.0)}
