@@ -158,11 +158,12 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
     _spare_referenced(loc, listed, {c.step for c in by_policy} - set(keep), keep)
     doomed = [c for c in by_policy if c.step not in keep]
     verb = "would remove" if dry_run else "removed"
-    for info in doomed:
+    for info in sorted(doomed, key=lambda c: -c.step):  # the newest first: references point back only
         if not dry_run:
             loc.tier.remove(info.step)
         say(f"{verb} step {info.step} ({human_size(info.nbytes)})")
         report["removed"].append(info.step)
+    report["removed"].sort()
     doomed_steps = {c.step for c in by_policy}
     for step, why in keep.items():
         if why == "the newest checkpoint that verifies":
@@ -236,7 +237,7 @@ def rm(ctx: click.Context, location: str, steps: tuple[int, ...], force: bool, a
             raise CommandError(f"incremental checkpoints reference bytes of the checkpoints to remove ({named}): "
                                "removing them would make those unloadable; remove the dependents too (in the same "
                                "call), or pass --force")
-    for s_ in steps:
+    for s_ in sorted(steps, reverse=True):  # the newest first: a kill part-way leaves no dangling reference
         loc.tier.remove(s_)
         if not as_json:
             click.echo(f"removed step {s_} from {location}")

@@ -237,7 +237,9 @@ class Retainer:
             doomed = to_delete(listing, self.policy, context=context, protected=keep)
             if doomed and self._dependencies is not None:
                 doomed = self._spare_dependencies(listing, doomed)
-            for info in doomed:
+            # the newest first: a checkpoint references older ones only, so a kill part-way never leaves one whose
+            # references are gone
+            for info in sorted(doomed, key=lambda c: -c.step):
                 log.info("[step=%d] %s retention (%r) removes %s", info.step, self.tier.kind, self.policy, info.path)
                 self.tier.remove(info.step)
             return doomed

@@ -13,15 +13,16 @@ import pytest
 
 from persist_core import CheckpointEngine
 from tests.support.states import assert_state_equal
-from tests.support.crash_child import state_for
+from tests.support.crash_child import incremental_state_for, state_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_until_killed(local_dir: Path, first_step: int, lines_before_kill: int) -> int:
-    """Start the child, SIGKILL it right after its ``lines_before_kill``-th save returned."""
+def run_until_killed(local_dir: Path, first_step: int, lines_before_kill: int, *mode: str) -> int:
+    """Start the child (``mode``: its extra arguments), SIGKILL it right after its ``lines_before_kill``-th save
+    returned."""
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.crash_child", str(local_dir), str(first_step)],
+        [sys.executable, "-m", "tests.support.crash_child", str(local_dir), str(first_step), *mode],
         cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
@@ -55,5 +56,23 @@ def test_sigkill_mid_save_leaves_newest_checkpoint_intact(tmp_path, trial):
         assert_state_equal(newest, state_for(steps[-1]))
         for s in steps:
             assert engine.load(s)["step"] == s
+        engine.close()
+        first = steps[-1] + 1
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_sigkill_mid_incremental_save_leaves_every_listed_checkpoint_whole_references_and_all(tmp_path, trial):
+    """Killed while incremental saves are written and retention removes checkpoints that others referenced: every
+    listed checkpoint loads (its references resolve) and equals what was saved for its step; a restart goes on."""
+    rng = random.Random(100 + trial)
+    local_dir = tmp_path / "ckpt"
+    first = 1
+    for _round in range(3):
+        run_until_killed(local_dir, first, rng.randint(4, 9), "incremental")
+        engine = CheckpointEngine(local_dir)
+        steps = [i.step for i in engine.list()]
+        assert steps, "nothing committed"
+        for s in steps:
+            assert_state_equal(engine.load(s), incremental_state_for(s))
         engine.close()
         first = steps[-1] + 1
