@@ -183,13 +183,15 @@ class Writer:
                                      f"{type(e).__name__}: {e}")
                 error.__cause__ = e
         finally:
-            with self._lock:
-                self._pending.pop(step, None)
+            # the handle ends (its failure in the ledger) before it leaves the pending set: a drain that finds
+            # nothing pending finds the failure (else a close removed the memory snapshots of a failed save)
             if error is None:
                 handle._set_local_done()
             else:
                 log.error("[rank=%d][step=%d] %s", self._coll.rank, step, error)
                 self._ledger.fail(handle, error)
+            with self._lock:
+                self._pending.pop(step, None)
 
     def _commit(self, job: WriteJob) -> Manifest:
         """Write the staged shard and commit it with the other ranks; returns the manifest committed."""
