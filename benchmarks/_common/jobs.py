@@ -8,6 +8,8 @@ its third step) and ``summary`` (``engine.summary()`` every 10 steps).
 from __future__ import annotations
 
 import json
+import selectors
+import shutil
 import signal
 import subprocess
 import time
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common.models import accel_model, cpu_model
-from persist_core import CheckpointEngine, CheckpointNotFoundError, KeepLastN, SavePolicy
+from persist_core import CheckpointEngine, CheckpointNotFoundError, KeepLastN, MemoryTier, SavePolicy
 
 
 def resume(engine: CheckpointEngine, model: Any, opt: Any) -> int:
@@ -29,8 +31,8 @@ def resume(engine: CheckpointEngine, model: Any, opt: Any) -> int:
     return state["step"]
 
 
-def resumable_job(local_dir: str, policy: SavePolicy, width: int, setting: str, step_ms: float,
-                  guard: bool = True) -> None:
+def resumable_job(local_dir: str, policy: SavePolicy | None, width: int, setting: str, step_ms: float,
+                  guard: bool = True, memory: MemoryTier | None = None) -> None:
     """Resume from the newest checkpoint and train until killed, ``maybe_save`` deciding (``policy``); prints
     each step, and the engine's summary every 10 steps.
 
@@ -40,13 +42,14 @@ def resumable_job(local_dir: str, policy: SavePolicy, width: int, setting: str, 
     With ``guard`` (the accel setting; the cpu one with ``--cpu-guard``) the optimizer is guarded
     (``engine.guard``): ``save()`` returns after planning, the copy runs during the next step, and the update
     waits for it. Without (the cpu setting's default, as the README advises for CPU-bound training):
-    ``save()`` copies everything before it returns.
+    ``save()`` copies everything before it returns. ``memory``: the memory tier snapshots at its steps (with
+    ``policy=None``: no disk saves) and a restart resumes from the freshest source.
     """
     if setting == "accel":
         model, opt = accel_model(width, stepped=False)  # fixed gradients: the device's backward, done
     else:
         model, opt, train = cpu_model(width)
-    engine = CheckpointEngine(local_dir, save_policy=policy, keep_local=KeepLastN(2))
+    engine = CheckpointEngine(local_dir, save_policy=policy, keep_local=KeepLastN(2), memory=memory)
     start = resume(engine, model, opt)
     if guard:
         engine.guard(opt)  # for the process's life: the update waits for a save's background copy
@@ -88,3 +91,80 @@ def kill_trial(command: list[str], kill_after: int, *, cwd: Path) -> dict:
         child.wait()
         child.stdout.close()
     return {"resumed": start["step"], "last": last, "load_s": start.get("load_s", 0.0)}
+
+
+def under_failures(command: list[str], env: dict[str, str], *, local: Path, memory_dir: Path | None,
+                   horizon_s: float, failures: list[float], smoke: bool = False) -> dict:
+    """Run the job ``command`` (:func:`resumable_job` in a process) for ``horizon_s`` seconds of wall time,
+    SIGKILLed at the absolute times ``failures`` (seconds after the job's start: every policy meets exactly the same
+    failures) and restarted at once each time; its progress is the newest step it reached by the horizon, the work
+    a failure lost is the last step reached less the step the next start resumed from. ``smoke``: the clock starts
+    at the first start, however long that took. ``local`` and ``memory_dir`` are emptied before and after."""
+    for d in (local, memory_dir):
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
+    t0 = time.perf_counter()
+    horizon = t0 + horizon_s
+    kills = [t0 + f for f in failures if f < horizon_s]
+    waiting = smoke
+    if waiting:
+        horizon, kills = t0 + 300, []
+    lost, restarts, reached, best, first_step, last_step, steady = [], [], 0, None, None, None, None
+    killed_at = None  # the step reached when the last kill came: the next start says what it lost
+    while True:
+        spawned = time.perf_counter()
+        if spawned >= horizon:
+            break
+        deadline = min([k for k in kills if k > spawned] + [horizon])
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        started, start_step = None, None
+        while True:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                proc.send_signal(signal.SIGKILL)
+                break
+            if not sel.select(timeout=left):
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                break
+            ev = json.loads(line)
+            now = time.perf_counter()
+            if ev["event"] == "start":
+                started, start_step = now, ev["step"]
+                restarts.append(now - spawned)  # importing torch, opening the engine, loading
+                if killed_at is not None:
+                    lost.append(killed_at - start_step)
+                    killed_at = None
+                if waiting:  # --smoke: the clock starts now
+                    waiting, shift = False, now - t0
+                    horizon, kills = t0 + horizon_s + shift, [t0 + f + shift for f in failures if f < horizon_s]
+                    deadline = min([k for k in kills if k > now] + [horizon])
+            elif ev["event"] == "step":
+                reached = ev["step"]
+                if first_step is None and reached - (start_step or 0) >= 3:
+                    first_step = (now, reached)  # the rate from here: past a fresh process's first save (below)
+                last_step = (now, reached)
+            elif ev["event"] == "steady" and steady is None:
+                steady = ev
+            elif ev["event"] == "summary" and (best is None or ev["summary"]["saves"] >= best["summary"]["saves"]):
+                best = ev  # the engine's numbers of the longest-running process
+        proc.wait()
+        proc.stdout.close()
+        if started is None:  # killed before it could start: the whole restart was lost
+            restarts.append(time.perf_counter() - spawned)
+        if deadline < horizon and started is not None:
+            killed_at = reached
+    for d in (local, memory_dir):
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
+    # steps per second from the first process's third step on: its first save copied into memory the process
+    # had never touched, which on this VM costs up to 15x a copy (the hypervisor backs each page on first
+    # touch) and makes the next update wait ~1 s at 1.2 GB; a restart pays that again (it is in the
+    # goodput), a long job once (it is not C, the cost of each save, which the calibration reads from this)
+    rate = ((last_step[1] - first_step[1]) / (last_step[0] - first_step[0])
+            if first_step and last_step and last_step[0] > first_step[0] else None)
+    return {"progress": reached, "failures": len(kills), "lost": lost, "restarts": restarts, "summary": best,
+            "rate": rate, "steady": steady}
