@@ -6,6 +6,8 @@ Helpers live in ``tests/support/`` (states, fakes, the moto server, child script
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import uuid
 
 import fsspec
@@ -56,6 +58,20 @@ def _environment_restored():
     for key in set(os.environ) - set(saved):
         del os.environ[key]
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """Each test leaves the SIGTERM and SIGINT handlers as it found them: an engine a test did not close left its
+    flush handler installed, and a later test's forked child ran it (and wrote into a pipe another test read)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        if handler is not None:
+            signal.signal(s, handler)
 
 
 @pytest.fixture
