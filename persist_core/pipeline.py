@@ -59,7 +59,8 @@ class Pipeline:
         self._coll = coll
         self.history = HistoryLog(root)  # what each save cost, for persist stats (rank 0 writes it)
         #: incremental saves (issue 43): what the newest committed checkpoint holds is referenced, not rewritten
-        self.incremental = Incremental(root, full_every=config.full_every) if config.incremental else None
+        self.incremental = (Incremental(root, full_every=config.full_every, in_place=config.memory is None)
+                            if config.incremental else None)
         self.writer = Writer(root, pool=pool, coll=coll, ops=ops, ledger=ledger, after_commit=self._after_commit,
                              write_threads=config.write_threads, chunk_bytes=config.chunk_bytes,
                              direct_io=config.direct_io, on_nodes=lambda nodes: self.sync.on_nodes(nodes),

@@ -111,12 +111,14 @@ def reference_unchanged(records: Sequence[TensorRecord | None], hashes: Mapping[
 class Compaction:
     """A staged shard without its dropped entries, made in place: the new ``header`` at byte 0, each ``moves``
     ``(from, to, nbytes)`` (absolute offsets, ascending, ``to <= from``: safe in order with ``memmove``), the
-    ``zeros`` ranges (the new padding), and the new file size."""
+    ``zeros`` ranges (the new padding), and the new file size. ``copies``: every kept entry's ``(from, to,
+    nbytes)``, the moves with those that stay where they are (to make the shard in a zeroed buffer of its own)."""
 
     header: bytes
     file_bytes: int
     moves: tuple[tuple[int, int, int], ...]
     zeros: tuple[tuple[int, int], ...]
+    copies: tuple[tuple[int, int, int], ...] = ()
 
 
 def compact(header: bytes, dropped: frozenset[str], *, image: int = 0) -> Compaction | None:
@@ -149,6 +151,7 @@ def compact(header: bytes, dropped: frozenset[str], *, image: int = 0) -> Compac
     if len(new) > len(header):
         return None
     old, h = image + len(header), len(new)
-    moves = tuple((old + b, h + s, size) for b, s, size, _ in places if size and old + b != h + s)
+    copies = tuple((old + b, h + s, size) for b, s, size, _ in places if size)
+    moves = tuple(c for c in copies if c[0] != c[1])
     zeros = tuple((h + p, h + s) for _, s, _, p in places if s > p) + ((h + pos, h + pos + gap),) * bool(gap)
-    return Compaction(header=new, file_bytes=h + pos + gap, moves=moves, zeros=zeros)
+    return Compaction(header=new, file_bytes=h + pos + gap, moves=moves, zeros=zeros, copies=copies)

@@ -199,13 +199,17 @@ class Writer:
         timing: dict[str, Any] = {}
         settled = self._direct_io != "auto"
 
+        side: memoryview | None = None  # an incremental shard made outside the slot (the memory tier's)
+
         def write_shard(tmp: Path) -> FileEntry:
             t0 = time.perf_counter()
-            if settled:  # the next save may copy into what is written already
+            follow = settled and side is None
+            if follow:  # the next save may copy into what is written already
                 self._pool.writing(buf)
-            on_chunk = (lambda offset, n: self._pool.chunk_written(buf, offset, n)) if settled else None
+            on_chunk = (lambda offset, n: self._pool.chunk_written(buf, offset, n)) if follow else None
             name = job.filename or shard_filename(self._coll.rank)
-            written = write_file(tmp / name, buf.memoryview(handle.stats.nbytes), pool=self._io,
+            data = buf.memoryview(handle.stats.nbytes) if side is None else side
+            written = write_file(tmp / name, data, pool=self._io,
                                  chunk_bytes=self._chunk_bytes, direct_io=self._direct_io, ops=self._ops,
                                  on_chunk=on_chunk, turn=self._turn.wait,
                                  piece_bytes=self._turn.piece_bytes())
@@ -230,8 +234,8 @@ class Writer:
         base = job.base
         if self._incremental is not None:
             try:  # what did not change is referenced; the buffer then holds only the rest
-                base, nbytes = self._incremental.prepare(job.base, buf, handle.stats.nbytes, pool=self._io,
-                                                              turn=self._turn.wait)
+                base, nbytes, side = self._incremental.prepare(job.base, buf, handle.stats.nbytes, pool=self._io,
+                                                                    turn=self._turn.wait)
             except BaseException:
                 self._pool.release(buf)
                 self._incremental.settle(None)

@@ -200,11 +200,6 @@ def test_sigkill_loses_at_most_one_step_and_the_restart_reads_no_disk(tmp_path):
         assert len({p.parent for p in _slots(tmp_path)}) <= 2  # the killed process's slots, and at most one older
 
 
-def test_incremental_and_the_memory_tier_together_are_refused_for_now(tmp_path):
-    with pytest.raises(ConfigError, match="incremental=True with memory"):
-        CheckpointEngine(tmp_path / "ckpt", memory=_memory(tmp_path), incremental=True)
-
-
 def test_persist_ls_shows_the_runs_memory_snapshots_and_gc_memory_removes_only_a_stopped_processs(tmp_path):
     from click.testing import CliRunner
 
