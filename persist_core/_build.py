@@ -18,7 +18,7 @@ import torch
 from persist_core._knobs import check_callable, run_id_from_env
 from persist_core.config import Config
 from persist_core.distributed import Collectives, check_collectives
-from persist_core.errors import ConfigError, PersistError
+from persist_core.errors import PersistError
 from persist_core.fileio import FileOps, OsFileOps
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger
@@ -98,9 +98,6 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     check_callable(clock=clock, wall_clock=wall_clock)
     root = config.local_dir
     coll = check_collectives(collectives)
-    if config.incremental and coll.world_size > 1:
-        raise ConfigError(f"incremental=True with world_size={coll.world_size}: incremental checkpoints take one "
-                          "writing rank for now; pass incremental=False, or save from one process")
     dir_lock = open_local_dir(root, rank=coll.rank)  # one writer per directory and rank
     overlap = Overlap(rank=coll.rank)  # its turn: the background I/O below holds off while a guarded update runs
     try:

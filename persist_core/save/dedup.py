@@ -123,9 +123,16 @@ class Incremental:
                 None if side is None else memoryview(side))
 
     def settle(self, manifest: Manifest | None) -> None:
-        """The save prepared last was committed as ``manifest`` (``None``: it failed)."""
+        """The save prepared last was committed as ``manifest`` (``None``: it failed). With several ranks, a rank
+        but the first gets its own part only (no files): the committed manifest is read, so that every rank counts
+        the same saves since the last full one."""
         with self._lock:
             self._planned = set()
+        if manifest is not None and not manifest.files:
+            try:
+                manifest = read_manifest(checkpoint_dir(self._root, manifest.step))
+            except (CorruptCheckpointError, CheckpointNotFoundError):
+                manifest, self._last = None, None  # the next save reads what is committed
         if manifest is not None:
             self._since_full = self._since_full + 1 if manifest.depends_on() else 0
             self._last = manifest

@@ -231,8 +231,12 @@ class Writer:
                          list(self.nodes.groups[self.nodes.mine]))
                 if self._on_nodes is not None:
                     self._on_nodes(self.nodes)
+                if self._incremental is not None:
+                    log.warning("[rank=%d] incremental=True: each node has a local_dir of its own, so every save is "
+                                "written whole (a reference to another node's file could not be read on this one)",
+                                self._coll.rank)
         base = job.base
-        if self._incremental is not None:
+        if self._incremental is not None and self.nodes.shared:  # each node its own disk: written whole
             try:  # what did not change is referenced; the buffer then holds only the rest
                 base, nbytes, side = self._incremental.prepare(job.base, buf, handle.stats.nbytes, pool=self._io,
                                                                     turn=self._turn.wait)

@@ -183,16 +183,6 @@ def test_what_step_a_does_not_take_is_a_config_error_naming_the_value(tmp_path, 
         CheckpointEngine(tmp_path, **options)
 
 
-def test_several_ranks_are_refused_with_incremental(tmp_path):
-    from persist_core.distributed import SingleProcess
-
-    class TwoRanks(SingleProcess):
-        world_size = 2
-
-    with pytest.raises(ConfigError, match="world_size=2"):
-        CheckpointEngine(tmp_path, incremental=True, collectives=TwoRanks())
-
-
 def test_a_referencing_shard_is_a_safetensors_file_of_the_changed_tensors_only(tmp_path):
     from safetensors import safe_open
 
