@@ -32,6 +32,7 @@ class Chunk:
 
     ``step``: the committed checkpoint of this run whose ``file`` holds the bytes (a reference, from format
     version 6 on: incremental saves write what did not change once); ``None``: this checkpoint's own file.
+    ``hash``: the xxh3-128 (hex) of the chunk's bytes (incremental saves; a reference always has one).
     """
 
     file: str
@@ -39,11 +40,14 @@ class Chunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     step: int | None = None
+    hash: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {"file": self.file, "entry": self.entry, "offsets": list(self.offsets), "sizes": list(self.sizes)}
         if self.step is not None:
             out["step"] = self.step
+        if self.hash is not None:
+            out["hash"] = self.hash
         return out
 
 
@@ -160,12 +164,16 @@ def _chunks(raw: Any, i: int, shape: list[int], bad: Any, version: int) -> tuple
                 or not _ints(c.get("sizes"), len(shape)) \
                 or any(o + n > d for o, n, d in zip(c["offsets"], c["sizes"], shape)):
             raise bad(f"sharded tensor record {i} has a chunk {str(c)[:80]} outside its shape {shape}")
-        step = c.get("step")
+        step, digest = c.get("step"), c.get("hash")
         if step is not None and (version < REFERENCES_VERSION or not _whole(step)):
             raise bad(f"sharded tensor record {i} has a chunk naming step {step!r}: references to another "
                       f"checkpoint's bytes are format version {REFERENCES_VERSION} on, this manifest is {version}")
+        if digest is not None and not (isinstance(digest, str) and _HASH.fullmatch(digest)):
+            raise bad(f"sharded tensor record {i} has a chunk with hash {str(digest)[:40]!r}, not 32 hex digits")
+        if step is not None and digest is None:
+            raise bad(f"sharded tensor record {i} has a chunk referencing step {step} without the hash of its bytes")
         chunks.append(Chunk(file=c.get("file"), entry=c["entry"], offsets=tuple(c["offsets"]), sizes=tuple(c["sizes"]),
-                            step=step))
+                            step=step, hash=digest))
     boxes = [(c.offsets, c.sizes) for c in chunks]
     if sum(math.prod(n) for _, n in boxes) != math.prod(shape):
         raise bad(f"sharded tensor record {i}'s chunks do not cover its {math.prod(shape)} elements")

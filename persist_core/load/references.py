@@ -25,6 +25,7 @@ import torch
 
 from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError
 from persist_core.format.manifest import FileEntry, Manifest
+from persist_core.format.records import Chunk
 from persist_core.layout import checkpoint_dirname
 from persist_core.load.assemble import _read_shard, load_checkpoint, load_into
 from persist_core.load.blocks import LoadStats, ReadBlocks, ReadPlan, bytes_of
@@ -54,8 +55,22 @@ def resolve(manifest: Manifest, manifest_of: Callable[[int], Manifest], *, where
         except (CorruptCheckpointError, CheckpointNotFoundError) as e:
             raise CorruptCheckpointError(f"{where} references bytes of step {step}, which does not read: {e}") from e
     files = {f.name: f for f in manifest.files}
+
+    def held_file(step: int, file: str) -> str:
+        """The name the referenced ``file`` of ``step`` takes in the resolved manifest (listed in ``files``)."""
+        name = f"{checkpoint_dirname(step)}/{file}"
+        entry = next((f for f in held[step].held() if f.name == file), None)
+        if entry is None:
+            raise CorruptCheckpointError(f"{where} references {file} of step {step}, which does not hold it")
+        files[name] = dataclasses.replace(entry, name=name)
+        return name
+
     tensors = []
     for rec in manifest.tensors:
+        if rec.chunks is not None and any(c.step is not None for c in rec.chunks):
+            tensors.append(dataclasses.replace(rec, chunks=tuple(
+                c if c.step is None else _resolved_chunk(c, held[c.step], held_file, where) for c in rec.chunks)))
+            continue
         if rec.step is None:
             tensors.append(rec)
             continue
@@ -76,6 +91,18 @@ def resolve(manifest: Manifest, manifest_of: Callable[[int], Manifest], *, where
         set(files) - {f.name for f in manifest.files}
 
 
+def _resolved_chunk(c: Chunk, other: Manifest, held_file: Callable[[int, str], str], where: str) -> Chunk:
+    """Chunk reference ``c`` as a chunk of the referenced file (:func:`resolve`), once ``other`` (the checkpoint it
+    names) is seen to hold a chunk of that box with that hash in that entry."""
+    match = next((p for r in other.tensors if r.chunks is not None for p in r.chunks
+                  if p.step is None and p.file == c.file and p.entry == c.entry and p.offsets == c.offsets
+                  and p.sizes == c.sizes), None)
+    if match is None or match.hash != c.hash:
+        raise CorruptCheckpointError(f"{where} references chunk {c.entry!r} of step {c.step}'s {c.file}, which does "
+                                     "not hold those bytes (no such chunk there, or another hash)")
+    return dataclasses.replace(c, file=held_file(c.step, c.file), step=None)  # type: ignore[arg-type]
+
+
 def read_referenced(resolved: Manifest, names: set[str], *, read_blocks: ReadBlocks, pool: Executor,
                     stats: LoadStats | None = None) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
     """The referenced entries of a resolved manifest (:func:`resolve`), read by ranges of verified blocks: per
@@ -83,14 +110,16 @@ def read_referenced(resolved: Manifest, names: set[str], *, read_blocks: ReadBlo
     :func:`~persist_core.load.assemble.load_checkpoint` takes for a file)."""
     plan = ReadPlan(resolved, read_blocks, pool, stats if stats is not None else LoadStats())
     out: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {name: ({}, {}) for name in names}
-    for rec in resolved.tensors:
-        if rec.file not in names or rec.entry in out[rec.file][0]:
+    places = [(c.file, c.entry) for rec in resolved.tensors for c in rec.chunks or ()]  # sharded: chunk by chunk
+    places += [(rec.file, rec.entry) for rec in resolved.tensors if rec.chunks is None]
+    for file, entry in places:
+        if file not in names or entry in out[file][0]:
             continue
-        begin, end = plan.entry(rec.file, rec.entry)
+        begin, end = plan.entry(file, entry)
         t = torch.empty(end - begin, dtype=torch.uint8)
-        out[rec.file][0][rec.entry] = t
+        out[file][0][entry] = t
         if end > begin:
-            plan.request(rec.file, begin, end, into=bytes_of(t))
+            plan.request(file, begin, end, into=bytes_of(t))
     plan.run()
     for name, (_, dtypes) in out.items():
         dtypes.update(plan.dtypes(name) if out[name][0] else {})

@@ -7,7 +7,8 @@ for the header and the moves that leave only the changed entries in the staging 
 
 Rules: an entry of plain tensors (one alone in its storage, or several sharing one: tied weights, views) is
 referenced when the previous checkpoint's entry of the same name holds the same tensors (dtype, shape, stride,
-offset) and the same bytes (its 128-bit content hash); sharded parts and pickled leaves are always written. A reference names the checkpoint that physically holds the
+offset) and the same bytes (its 128-bit content hash); a sharded tensor's chunk, when the same record of the previous
+checkpoint has a chunk of the same box with the same hash; pickled leaves are always written. A reference names the checkpoint that physically holds the
 bytes (the previous one's reference is followed once: depth 1). A save is full when it is the first, when the last
 full one is ``full_every`` saves back, or when its references would name more than ``max_span`` checkpoints.
 """
@@ -30,6 +31,48 @@ def hashable(rec: TensorRecord | None) -> bool:
     """Whether ``rec``'s bytes are in an entry of this checkpoint's own file that holds plain tensors only (one alone,
     or several sharing a storage): the entries a save may reference."""
     return rec is not None and rec.chunks is None and rec.step is None and rec.entry is not None
+
+
+def hashed_entries(records: Sequence[TensorRecord | None]) -> set[str]:
+    """The entries of this checkpoint's own file whose bytes a save hashes: the plain tensors' (:func:`hashable`)
+    and each sharded tensor's own chunks' (one chunk an entry)."""
+    out: set[str] = set()
+    for r in records:
+        if hashable(r):
+            out.add(r.entry)  # type: ignore[union-attr,arg-type]
+        elif r is not None and r.chunks is not None:
+            out.update(c.entry for c in r.chunks if c.step is None)
+    return out
+
+
+def _hashed(r: TensorRecord | None, hashes: Mapping[str, str]) -> TensorRecord | None:
+    """``r`` with the hash of each of its own entries (a plain tensor's, or each own chunk's)."""
+    if hashable(r) and r.entry in hashes:  # type: ignore[union-attr]
+        return dataclasses.replace(r, hash=hashes[r.entry])  # type: ignore[arg-type,index]
+    if r is not None and r.chunks is not None:
+        return dataclasses.replace(r, chunks=tuple(dataclasses.replace(c, hash=hashes[c.entry])
+                                                   if c.step is None and c.entry in hashes else c for c in r.chunks))
+    return r
+
+
+def _reference_chunks(r: TensorRecord, previous: Manifest, i: int, missing: frozenset[int],
+                      dropped: set[str]) -> TensorRecord:
+    """Sharded record ``r`` (record ``i``) with each own chunk whose box and hash equal a chunk of ``previous``'s
+    record ``i`` turned into a reference to the checkpoint holding it (its entry added to ``dropped``)."""
+    p = previous.tensors[i] if i < len(previous.tensors) else None
+    if p is None or p.chunks is None or p.dtype != r.dtype or p.shape != r.shape:
+        return r
+    theirs = {(c.offsets, c.sizes, c.hash): c for c in p.chunks if c.hash is not None}
+    chunks = []
+    for c in r.chunks or ():
+        held = theirs.get((c.offsets, c.sizes, c.hash)) if c.step is None and c.hash is not None else None
+        holder = None if held is None else previous.step if held.step is None else held.step
+        if held is None or holder in missing:
+            chunks.append(c)
+            continue
+        chunks.append(dataclasses.replace(c, file=held.file, entry=held.entry, step=holder))
+        dropped.add(c.entry)
+    return dataclasses.replace(r, chunks=tuple(chunks))
 
 
 def _key(r: TensorRecord) -> tuple:
@@ -73,8 +116,7 @@ def reference_unchanged(records: Sequence[TensorRecord | None], hashes: Mapping[
         max_span: the most checkpoints one save's references may name.
         missing: checkpoints ``previous`` references that are gone (never referenced).
     """
-    hashed = tuple(dataclasses.replace(r, hash=hashes[r.entry]) if hashable(r) and r.entry in hashes else r
-                   for r in records)
+    hashed = tuple(_hashed(r, hashes) for r in records)
     if previous is None or since_full + 1 >= full_every:
         return Decision(hashed, frozenset(), hashed)
     held: dict[str, list[tuple[int, TensorRecord]]] = {}  # entry -> (the step holding it, its record) of each
@@ -97,7 +139,10 @@ def reference_unchanged(records: Sequence[TensorRecord | None], hashes: Mapping[
             moved.update({(entry, _key(r)): by_key[_key(r)] for r in mine})
             dropped.add(entry)
     out: list[TensorRecord | None] = []
-    for r in hashed:
+    for i, r in enumerate(hashed):
+        if r is not None and r.chunks is not None:  # a sharded tensor: chunk by chunk
+            out.append(_reference_chunks(r, previous, i, missing, dropped))
+            continue
         found = None if r is None or r.entry not in dropped else moved[(r.entry, _key(r))]
         out.append(r if found is None else dataclasses.replace(r, file=found[1].file, entry=found[1].entry,
                                                                step=found[0]))

@@ -33,7 +33,7 @@ from persist_core.format.manifest import Manifest
 from persist_core.format.shard_file import parse_header
 from persist_core.format.torch_zip import image_offset
 from persist_core.layout import MANIFEST_NAME
-from persist_core.planning.incremental import compact, hashable, reference_unchanged
+from persist_core.planning.incremental import compact, hashed_entries, reference_unchanged
 from persist_core.save.staging import StagingBuffer
 from persist_core.tiers.local import checkpoint_dir, committed_steps, read_manifest
 
@@ -84,7 +84,7 @@ class Incremental:
         image = image_offset(bytes(view[:64]))  # a torch-loadable shard: its zip local header first
         header = bytes(view[image : image + 8 + int.from_bytes(view[image : image + 8], "little")])
         spans = {name: (image + b, image + e) for name, b, e in parse_header(header, file_size=nbytes - image)[1]}
-        entries = sorted({r.entry for r in base.tensors if hashable(r) and r.entry in spans},  # type: ignore[misc]
+        entries = sorted((e for e in hashed_entries(base.tensors) if e in spans),
                          key=lambda e: spans[e][0] - spans[e][1])  # the largest first: the threads end together
 
         def digest(entry: str) -> tuple[str, str]:

@@ -97,11 +97,14 @@ def test_a_chunk_can_name_another_checkpoints_bytes_only_from_version_6():
     from persist_core.errors import CorruptCheckpointError
     from persist_core.format.records import Chunk, TensorRecord
 
-    chunk = Chunk(file="rank-00000.safetensors", entry="w", offsets=(0,), sizes=(4,), step=30)
+    chunk = Chunk(file="rank-00000.safetensors", entry="w", offsets=(0,), sizes=(4,), step=30, hash="0" * 32)
     record = TensorRecord(dtype="float32", shape=(4,), placements="(Shard(dim=0),)", mesh=(1,), chunks=(chunk,))
     raw = record.to_json()
-    assert raw["chunks"][0]["step"] == 30
+    assert raw["chunks"][0]["step"] == 30 and raw["chunks"][0]["hash"] == "0" * 32
     assert TensorRecord.parse(raw, 0, "m", version=6) == record
+    unproven = {**raw, "chunks": [{k: v for k, v in raw["chunks"][0].items() if k != "hash"}]}
+    with pytest.raises(CorruptCheckpointError, match="referencing step 30 without the hash"):
+        TensorRecord.parse(unproven, 0, "m", version=6)
     with pytest.raises(CorruptCheckpointError, match="naming step 30.*version 6 on, this manifest is 5"):
         TensorRecord.parse(raw, 0, "m", version=5)
     own = Chunk(file="rank-00000.safetensors", entry="w", offsets=(0,), sizes=(4,))
