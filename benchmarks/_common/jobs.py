@@ -138,6 +138,7 @@ def under_failures(command: list[str], env: dict[str, str], *, local: Path, memo
                 if killed_at is not None:
                     lost.append(killed_at - start_step)
                     killed_at = None
+                reached = start_step  # where the job stands now: a kill before its first step loses nothing more
                 if waiting:  # --smoke: the clock starts now
                     waiting, shift = False, now - t0
                     horizon, kills = t0 + horizon_s + shift, [t0 + f + shift for f in failures if f < horizon_s]
@@ -157,6 +158,8 @@ def under_failures(command: list[str], env: dict[str, str], *, local: Path, memo
             restarts.append(time.perf_counter() - spawned)
         if deadline < horizon and started is not None:
             killed_at = reached
+    if killed_at is not None:  # the horizon fell during a restart: the job stands where that restart would resume
+        reached, lost = _resumable(local, memory_dir, killed_at, lost)
     for d in (local, memory_dir):
         if d is not None:
             shutil.rmtree(d, ignore_errors=True)
@@ -168,3 +171,14 @@ def under_failures(command: list[str], env: dict[str, str], *, local: Path, memo
             if first_step and last_step and last_step[0] > first_step[0] else None)
     return {"progress": reached, "failures": len(kills), "lost": lost, "restarts": restarts, "summary": best,
             "rate": rate, "steady": steady}
+
+
+def _resumable(local: Path, memory_dir: Path | None, killed_at: int, lost: list[int]) -> tuple[int, list[int]]:
+    """The step a restart would resume from (the freshest source: memory, then disk), and ``lost`` with what the
+    last failure cost."""
+    from persist_core import CheckpointReader
+
+    with CheckpointReader(local, memory=None if memory_dir is None else MemoryTier(memory_dir=memory_dir)) as reader:
+        newest = reader.latest()
+    step = 0 if newest is None else newest.step
+    return step, [*lost, killed_at - step]

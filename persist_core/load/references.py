@@ -48,10 +48,10 @@ def resolve(manifest: Manifest, manifest_of: Callable[[int], Manifest], *, where
             referenced (the same entry of the same file, with the same hash, dtype and shape): the referencing
             checkpoint is corrupt too.
     """
-    held: dict[int, Manifest] = {}
+    held: dict[int, _Held] = {}
     for step in sorted(manifest.depends_on()):
         try:
-            held[step] = manifest_of(step)
+            held[step] = _Held(manifest_of(step))
         except (CorruptCheckpointError, CheckpointNotFoundError) as e:
             raise CorruptCheckpointError(f"{where} references bytes of step {step}, which does not read: {e}") from e
     files = {f.name: f for f in manifest.files}
@@ -59,7 +59,7 @@ def resolve(manifest: Manifest, manifest_of: Callable[[int], Manifest], *, where
     def held_file(step: int, file: str) -> str:
         """The name the referenced ``file`` of ``step`` takes in the resolved manifest (listed in ``files``)."""
         name = f"{checkpoint_dirname(step)}/{file}"
-        entry = next((f for f in held[step].held() if f.name == file), None)
+        entry = held[step].files.get(file)
         if entry is None:
             raise CorruptCheckpointError(f"{where} references {file} of step {step}, which does not hold it")
         files[name] = dataclasses.replace(entry, name=name)
@@ -74,29 +74,31 @@ def resolve(manifest: Manifest, manifest_of: Callable[[int], Manifest], *, where
         if rec.step is None:
             tensors.append(rec)
             continue
-        other = held[rec.step]
-        name = f"{checkpoint_dirname(rec.step)}/{rec.file}"
-        match = next((p for p in other.tensors if p.step is None and p.chunks is None and p.file == rec.file
-                      and p.entry == rec.entry and p.offset == rec.offset and p.stride == rec.stride
-                      and p.dtype == rec.dtype and p.shape == rec.shape), None)
+        match = held[rec.step].plain.get((rec.file, rec.entry, rec.offset, rec.stride, rec.dtype, rec.shape))
         if match is None or match.hash != rec.hash:
             raise CorruptCheckpointError(f"{where} references entry {rec.entry!r} of step {rec.step}'s {rec.file}, "
                                          f"which does not hold those bytes (no such tensor there, or another hash)")
-        entry = next((f for f in other.held() if f.name == rec.file), None)
-        if entry is None:
-            raise CorruptCheckpointError(f"{where} references {rec.file} of step {rec.step}, which does not hold it")
-        files[name] = dataclasses.replace(entry, name=name)
-        tensors.append(dataclasses.replace(rec, file=name, step=None))
+        tensors.append(dataclasses.replace(rec, file=held_file(rec.step, rec.file), step=None))  # type: ignore[arg-type]
     return dataclasses.replace(manifest, tensors=tuple(tensors), files=tuple(files.values())), \
         set(files) - {f.name for f in manifest.files}
 
 
-def _resolved_chunk(c: Chunk, other: Manifest, held_file: Callable[[int, str], str], where: str) -> Chunk:
+class _Held:
+    """A referenced checkpoint's files, own plain records and own chunks, each indexed once (a load resolves every
+    reference in constant time: an FSDP model has thousands of records, each with a chunk per rank)."""
+
+    def __init__(self, m: Manifest) -> None:
+        self.files = {f.name: f for f in m.held()}
+        self.plain = {(p.file, p.entry, p.offset, p.stride, p.dtype, p.shape): p for p in m.tensors
+                      if p.step is None and p.chunks is None}
+        self.chunks = {(c.file, c.entry, c.offsets, c.sizes): c for r in m.tensors if r.chunks is not None
+                       for c in r.chunks if c.step is None}
+
+
+def _resolved_chunk(c: Chunk, other: _Held, held_file: Callable[[int, str], str], where: str) -> Chunk:
     """Chunk reference ``c`` as a chunk of the referenced file (:func:`resolve`), once ``other`` (the checkpoint it
     names) is seen to hold a chunk of that box with that hash in that entry."""
-    match = next((p for r in other.tensors if r.chunks is not None for p in r.chunks
-                  if p.step is None and p.file == c.file and p.entry == c.entry and p.offsets == c.offsets
-                  and p.sizes == c.sizes), None)
+    match = other.chunks.get((c.file, c.entry, c.offsets, c.sizes))
     if match is None or match.hash != c.hash:
         raise CorruptCheckpointError(f"{where} references chunk {c.entry!r} of step {c.step}'s {c.file}, which does "
                                      "not hold those bytes (no such chunk there, or another hash)")

@@ -101,7 +101,10 @@ class Writer:
             StepExistsError: ``step`` is pending, or committed in ``local_dir`` and not ``replace``.
         """
         with self._lock:
-            if step in self._pending or (not replace and checkpoint_dir(self._root, step).exists()):
+            # pending: reserved (None) or a handle not yet ended; one that ended (its failure recorded) is on its
+            # way out of the set, and a retry of its step may go on
+            busy = step in self._pending and (self._pending[step] is None or not self._pending[step]._local.done())
+            if busy or (not replace and checkpoint_dir(self._root, step).exists()):
                 raise StepExistsError(
                     f"a checkpoint for step={step} already exists or is being written in {self._root}; "
                     f"save each step once (delete {checkpoint_dir(self._root, step)} first to overwrite it)"
@@ -191,7 +194,8 @@ class Writer:
                 log.error("[rank=%d][step=%d] %s", self._coll.rank, step, error)
                 self._ledger.fail(handle, error)
             with self._lock:
-                self._pending.pop(step, None)
+                if self._pending.get(step) is handle:  # not a new save of the same step, reserved since
+                    del self._pending[step]
 
     def _commit(self, job: WriteJob) -> Manifest:
         """Write the staged shard and commit it with the other ranks; returns the manifest committed."""

@@ -42,8 +42,7 @@ def run(rank: int, world: int, port: int, root: str, out: str) -> None:
         target = {"model": model_target(mesh), "step": 0}
         engine.load(2, into=target)
         same = all(torch.equal(v.full_tensor(), saved[2][k]) for k, v in target["model"].items())
-    if rank == 0:
-        torch.save({"saved": saved, "into_equal": same}, Path(out) / "rank0.pt")
+    torch.save({"saved": saved, "into_equal": same}, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -26,38 +26,50 @@ def _ckpt(root: Path, step: int) -> Path:
     return root / f"step-{step:012d}"
 
 
+def _clone(state: dict) -> dict:
+    return {k: _clone(v) if isinstance(v, dict) else v.detach().clone() if isinstance(v, torch.Tensor) else v
+            for k, v in state.items()}
+
+
 @pytest.mark.parametrize("guarded", [False, True])
 def test_snapshots_stay_whole_while_the_disk_saves_from_the_same_slots_reference_the_base(tmp_path, guarded):
     base = torch.randn(BASE, generator=torch.Generator().manual_seed(1234))
     memory = MemoryTier(every_n_steps=1, memory_dir=tmp_path / "shm")
     local = tmp_path / "ckpt"
     engine = CheckpointEngine(local, incremental=True, memory=memory, save_policy=EveryNSteps(2))
-    adapter = torch.zeros(64, 16)
-    opt = torch.optim.SGD([adapter], lr=0.1)
-    if guarded:
+    adapter = torch.nn.Parameter(torch.zeros(64, 16))
+    opt = torch.optim.SGD([adapter], lr=1.0)
+    if guarded:  # a disk save copies the adapter in the background; the next update waits for that copy
         engine.guard(opt)
+    saved = {}
     for step in range(1, 7):
-        engine.maybe_save(lambda: _state(step, base), step)
+        adapter.grad = adapter.detach() - torch.randn(64, 16, generator=torch.Generator().manual_seed(step))
+        opt.step()
+        state = {"model": {"base.weight": base, "tied": base[:8], "adapter": adapter}, "step": step}
+        saved[step] = _clone(state)
+        engine.maybe_save(lambda: state, step)
     engine.wait()
-    engine.close(keep_memory=True)  # killed after step 6, a step saved to disk too: its slot is that save's
+    engine.close(keep_memory=True)  # killed after step 6, a step saved to disk too
 
-    # the disk: step 2 full, 4 and 6 reference its base (their shards hold the adapter and its state only)
+    # the disk: step 2 full, 4 and 6 reference its base (their shards hold the adapter only)
     manifests = {s: Manifest.from_bytes((_ckpt(local, s) / "manifest.json").read_bytes(), where="m") for s in (2, 4, 6)}
     assert not manifests[2].depends_on() and manifests[4].depends_on() == {2} and manifests[6].depends_on() == {2}
     own = sum(f.stat().st_size for f in _ckpt(local, 6).iterdir() if f.name != "manifest.json")
     assert own < BASE, own
     with CheckpointReader(local) as disk:
         for s in (2, 4, 6):
-            assert_state_equal(disk.load(s), _state(s, base))
+            assert_state_equal(disk.load(s), saved[s])
 
-    # memory: the newest snapshot (the slot step 6's referencing disk save was written from) is whole, read with
-    # no disk checkpoint it could lean on
+    # memory: the newest snapshot is whole, read with no disk checkpoint it could lean on. Unguarded, it is step 6's
+    # slot, which the referencing disk save was written from; a guarded disk save is no snapshot (docs/memory.md):
+    # then step 5's
     for s in (2, 4, 6):
         shutil.rmtree(_ckpt(local, s))
+    newest = 5 if guarded else 6
     with CheckpointReader(local, memory=memory) as reader:
         got = reader.load()
-        assert reader.loaded_step == 6
-    assert_state_equal(got, _state(6, base))
+        assert reader.loaded_step == newest
+    assert_state_equal(got, saved[newest])
 
 
 def test_a_restart_from_memory_goes_on_referencing_the_disk_checkpoints(tmp_path):
