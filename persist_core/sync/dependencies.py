@@ -1,0 +1,91 @@
+"""Uploads of incremental checkpoints (issue 43): what the upload queue does about references.
+
+A checkpoint that another references (its manifest's ``depends_on()``) must be on the remote before the manifest of
+the one referencing it goes up, and must stay there while that one does. So, in the queue
+(:class:`~persist_core.sync.queue.RemoteSync`):
+
+* a queued job that another un-synced job references is never superseded (:func:`spared`);
+* a job goes after the queued jobs it references (:func:`dependencies_first`);
+* a job whose referenced checkpoints are neither on the remote nor queued gets them queued first, uploaded again from
+  the local disk (:func:`missing`: the remote lost one, or a start-up backlog names only the dependent);
+* an upload whose referenced checkpoints are still not on the remote fails before anything is written
+  (:func:`check_on_remote`), and is retried after them;
+* remote retention keeps what an un-synced job references (:func:`referenced_by`).
+
+Every function here is pure: the queue holds the state, under its lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from persist_core.errors import RemoteError
+from persist_core.sync.job import SyncJob
+
+__all__ = ["check_on_remote", "dependencies_first", "missing", "referenced_by", "spared"]
+
+
+def _depends(job: SyncJob) -> set[int]:
+    return job.manifest.depends_on()
+
+
+def referenced_by(jobs: Iterable[SyncJob]) -> set[int]:
+    """The steps any of ``jobs`` references."""
+    return {step for job in jobs for step in _depends(job)}
+
+
+def spared(dropped: list[SyncJob], others: list[SyncJob]) -> list[SyncJob]:
+    """``dropped`` less every job that a job staying (one of ``others`` not dropped, or one of ``dropped`` spared)
+    references, until none is left to spare."""
+    gone = {j.step: j for j in dropped}
+    everyone = [*others, *dropped]
+    while True:
+        needed = referenced_by(j for j in everyone if j.step not in gone) & set(gone)
+        if not needed:
+            return list(gone.values())
+        for step in needed:
+            del gone[step]
+
+
+def dependencies_first(jobs: list[SyncJob]) -> list[SyncJob]:
+    """``jobs`` in the same order, except that each one comes after the jobs among them it references."""
+    by_step = {j.step: j for j in jobs}
+    out: list[SyncJob] = []
+    placed: set[int] = set()
+
+    def place(job: SyncJob, chain: frozenset[int]) -> None:
+        if job.step in placed:
+            return
+        for step in sorted(_depends(job)):
+            if step in by_step and step not in chain:  # a reference is always older: no cycle, but never loop
+                place(by_step[step], chain | {job.step})
+        placed.add(job.step)
+        out.append(job)
+
+    for job in jobs:
+        place(job, frozenset())
+    return out
+
+
+def missing(jobs: list[SyncJob], on_remote: set[int], local_job: Callable[[int], SyncJob | None]) -> list[SyncJob]:
+    """Jobs for the steps ``jobs`` reference that neither the remote nor ``jobs`` hold: ``local_job(step)`` makes one
+    from the local disk (``None``: not there either; the dependent's upload then fails, naming it)."""
+    queued = {j.step for j in jobs}
+    found: dict[int, SyncJob] = {}
+    for step in sorted(referenced_by(jobs) - on_remote - queued):
+        job = local_job(step)
+        if job is not None:
+            found[step] = job
+    return list(found.values())
+
+
+def check_on_remote(job: SyncJob, on_remote: set[int], url: str) -> None:
+    """Raise unless every checkpoint ``job`` references is on the remote (its manifest must not go up before them).
+
+    Raises:
+        RemoteError: names the steps missing there (the upload is retried once they are uploaded).
+    """
+    lacking = _depends(job) - on_remote
+    if lacking:
+        raise RemoteError(f"checkpoint step={job.step} references step(s) {sorted(lacking)}, which {url} does not hold "
+                          "yet; it is uploaded after them (they are kept locally until then)")
