@@ -57,6 +57,7 @@ class Incremental:
         self._since_full = 0  # saves since the last full one, up to and including _last
         self._lock = threading.Lock()
         self._planned: set[int] = set()
+        self._loaded: int | None = None  # the step a load returned, until the next save
         self.hash_s = 0.0  # seconds spent hashing, all told (the benchmark reads it)
 
     def planned(self) -> set[int]:
@@ -107,6 +108,12 @@ class Incremental:
                   layout.file_bytes, nbytes, len(decision.dropped), sorted(decision.depends_on()))
         return replace(base, tensors=decision.records), layout.file_bytes  # type: ignore[arg-type]
 
+    def loaded(self, step: int) -> None:
+        """A load returned checkpoint ``step`` (any thread): the next save references it, or nothing when it is not
+        committed here (a whole load from the remote that left no local copy: that save is full)."""
+        with self._lock:
+            self._loaded = step
+
     def settle(self, manifest: Manifest | None) -> None:
         """The save prepared last was committed as ``manifest`` (``None``: it failed)."""
         with self._lock:
@@ -118,9 +125,15 @@ class Incremental:
     def _previous(self, step: int) -> tuple[Manifest | None, int]:
         """The newest committed checkpoint older than ``step`` and the saves since the last full one."""
         older = [s for s in committed_steps(self._root) if s < step]
+        with self._lock:
+            loaded, self._loaded = self._loaded, None
         if not older:
             return None, 0
         newest = older[-1]
+        if loaded is not None and loaded != newest:
+            log.info("[step=%d] writing a full checkpoint: the step loaded (%d) is not the newest committed in %s "
+                     "(a load from the remote that left no local copy)", step, loaded, self._root)
+            return None, 0
         if self._last is not None and self._last.step == newest:
             return self._last, self._since_full
         try:  # another engine's (a restart), or one a load set the run back to
