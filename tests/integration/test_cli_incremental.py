@@ -111,3 +111,14 @@ def test_du_shows_own_and_shared_bytes(tmp_path, remote):
     assert 4 * BASE < report["bytes"] < 4 * BASE + 3 * 64 * 1024  # the base once, and each step's own small shard
     text = run("du", str(tmp_path / "run")).output
     assert "2 incremental reference 2.1 MB more" in text, text
+
+
+def test_rm_and_gc_on_the_remote_keep_what_a_staying_checkpoint_references(tmp_path, remote):
+    refused = run("rm", remote, "--step", "1")
+    assert refused.exit_code != 0 and "reference" in refused.output and "[2, 3]" in refused.output, refused.output
+    kept = run("gc", remote, "--keep-last", "1")
+    assert kept.exit_code == 0, kept.output
+    assert "kept step 1: referenced by step(s) [3]" in kept.output
+    with CheckpointReader(tmp_path / "fresh", remote_url=remote) as reader:
+        assert [c.step for c in reader.list("remote")] == [1, 3]
+        assert_state_equal(reader.load(), _state(3))
