@@ -12,17 +12,19 @@ the one referencing it goes up, and must stay there while that one does. So, in 
   (:func:`check_on_remote`), and is retried after them;
 * remote retention keeps what an un-synced job references (:func:`referenced_by`).
 
-Every function here is pure: the queue holds the state, under its lock.
+The functions are pure; :class:`References` reads the queue's state through the callables it is given (the queue
+holds it, under its lock).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from persist_core.errors import RemoteError
 from persist_core.sync.job import SyncJob
 
-__all__ = ["check_on_remote", "dependencies_first", "missing", "referenced_by", "spared"]
+__all__ = ["References", "check_on_remote", "dependencies_first", "missing", "referenced_by", "spared"]
 
 
 def _depends(job: SyncJob) -> set[int]:
@@ -89,3 +91,40 @@ def check_on_remote(job: SyncJob, on_remote: set[int], url: str) -> None:
     if lacking:
         raise RemoteError(f"checkpoint step={job.step} references step(s) {sorted(lacking)}, which {url} does not hold "
                           "yet; it is uploaded after them (they are kept locally until then)")
+
+
+class _Known(Protocol):
+    """The remote as the sync thread knows it (:class:`~persist_core.sync.order.KnownRemote`)."""
+
+    listed: bool
+
+    def steps(self) -> set[int]: ...
+
+
+class References:
+    """What references ask of the upload queue, over its state (any thread; :meth:`lacking` with its lock held).
+
+    Args:
+        known: the remote as the sync thread knows it.
+        unsynced: the queue's jobs not uploaded yet (queued, uploading, failed, waiting), by step.
+        local_job: a job for committed local checkpoint ``step``, or ``None`` when it is not there.
+    """
+
+    def __init__(self, known: _Known, unsynced: Callable[[], dict[int, SyncJob]],
+                 local_job: Callable[[int], SyncJob | None]) -> None:
+        self._known = known
+        self._unsynced = unsynced
+        self._local_job = local_job
+
+    def kept_remotely(self) -> set[int]:
+        """What the jobs not on the remote yet reference: remote retention keeps it (for those there, the remote
+        manifests say)."""
+        there = self._known.steps()
+        return referenced_by(j for j in self._unsynced().values() if j.step not in there)
+
+    def lacking(self, jobs: list[SyncJob]) -> list[SyncJob]:
+        """Jobs for what ``jobs`` reference that the remote lacks and nothing un-synced holds (:func:`missing`);
+        none before the remote is listed (the start-up listing looks then)."""
+        if not self._known.listed:
+            return []
+        return missing(jobs, self._known.steps() | set(self._unsynced()), self._local_job)

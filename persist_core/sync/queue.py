@@ -43,7 +43,7 @@ from persist_core.handle import ErrorLedger
 from persist_core.layout import MANIFEST_NAME
 from persist_core.policies.retention import Retainer, RetentionPolicy
 from persist_core.sync.aside import RemoteAside
-from persist_core.sync.dependencies import missing, referenced_by
+from persist_core.sync.dependencies import References
 from persist_core.sync.job import SyncJob, behind, end_superseded, not_uploaded_at_close, wrapped
 from persist_core.sync.lease import RemoteLease
 from persist_core.sync.nodes import Coordinator
@@ -91,13 +91,13 @@ class RemoteSync:
         self._backlog = backlog
         self._after_upload = after_upload
         self._latest_step = latest_step
-        self._local_job = local_job
         self._known = KnownRemote(tier)
+        self._refs = References(self._known, self._unsynced, local_job)
         self._order = UploadOrder(keep_remote, self._known)
         self._aside = RemoteAside(tier, self._known, abandoned)
         self._uploader = Uploader(tier, known=self._known, lease=lease, aside=self._aside, ledger=ledger,
                                   retainer=Retainer(self._known, keep_remote, protected=self._queued_steps,
-                                                    depended_on=self._referenced_unsynced,
+                                                    depended_on=self._refs.kept_remotely,
                                                     dependencies=self._known.depends_on))
         self._cond = threading.Condition()
         self._queue: list[SyncJob] = []
@@ -184,7 +184,7 @@ class RemoteSync:
         """
         with self._cond:
             self._failed.pop(job.step, None)
-            self._queue.extend(self._lacking([job]))
+            self._queue.extend(self._refs.lacking([job]))
             self._queue.append(job)
             try:
                 superseded = self._supersede()
@@ -198,17 +198,6 @@ class RemoteSync:
                                                                     *self._refused.values()])
         self._queue = [j for j in self._queue if j not in dropped]
         return dropped
-
-    def _referenced_unsynced(self) -> set[int]:
-        """What jobs not on the remote yet reference (remote retention keeps it; those there: their manifests)."""
-        there = self._known.steps()
-        return referenced_by(j for j in self._unsynced().values() if j.step not in there)
-
-    def _lacking(self, jobs: list[SyncJob]) -> list[SyncJob]:
-        """Jobs for what ``jobs`` reference that the remote lacks and nothing un-synced holds (lock held)."""
-        if not self._known.listed:
-            return []  # the start-up listing finds them (_start)
-        return missing(jobs, self._known.steps() | set(self._unsynced()), self._local_job)
 
     def adopt_lease(self, root: Path) -> None:
         """Continue the run that holds the remote's lease (see :meth:`RemoteLease.adopt`)."""
@@ -292,7 +281,7 @@ class RemoteSync:
             log.info("[step=%d] queueing the upload of %s left unsynced by an earlier run", job.step, job.local_ckpt)
         with self._cond:  # the newest first, then milestones, then the rest; superseded as at submit
             jobs = [*self._queue, *backlog]
-            jobs += self._lacking(jobs)  # what they reference that the remote lacks (before them)
+            jobs += self._refs.lacking(jobs)  # what they reference that the remote lacks (before them)
             if len(jobs) != len(self._queue):
                 self._queue = self._order.ordered(jobs)
             superseded = self._supersede() if backlog else []
