@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from persist_core.errors import RemoteError
+from persist_core.format.manifest import Manifest
 from persist_core.sync.job import SyncJob
 
 __all__ = ["References", "check_on_remote", "dependencies_first", "missing", "referenced_by", "spared"]
@@ -108,19 +109,26 @@ class References:
         known: the remote as the sync thread knows it.
         unsynced: the queue's jobs not uploaded yet (queued, uploading, failed, waiting), by step.
         local_job: a job for committed local checkpoint ``step``, or ``None`` when it is not there.
+        abandoned: the local set-aside checkpoints as ``(step, at, manifest, name)`` (their remote copies are set
+            aside too: what they reference stays).
     """
 
     def __init__(self, known: _Known, unsynced: Callable[[], dict[int, SyncJob]],
-                 local_job: Callable[[int], SyncJob | None]) -> None:
+                 local_job: Callable[[int], SyncJob | None],
+                 abandoned: Callable[[], list[tuple[int, int, Manifest, str]]] | None = None) -> None:
         self._known = known
         self._unsynced = unsynced
         self._local_job = local_job
+        self._abandoned = abandoned
 
     def kept_remotely(self) -> set[int]:
-        """What the jobs not on the remote yet reference: remote retention keeps it (for those there, the remote
-        manifests say)."""
+        """What remote retention keeps whatever its policy says: what the jobs not on the remote yet reference (for
+        those there, the remote manifests say), and what a set-aside branch references (its remote copy, like its
+        local one, still needs those bytes)."""
         there = self._known.steps()
-        return referenced_by(j for j in self._unsynced().values() if j.step not in there)
+        aside = {ref for _, _, m, _ in (self._abandoned() if self._abandoned is not None else []) for ref in
+                 m.depends_on()}
+        return aside | referenced_by(j for j in self._unsynced().values() if j.step not in there)
 
     def lacking(self, jobs: list[SyncJob]) -> list[SyncJob]:
         """Jobs for what ``jobs`` reference that the remote lacks and nothing un-synced holds (:func:`missing`);

@@ -92,7 +92,7 @@ class RemoteSync:
         self._after_upload = after_upload
         self._latest_step = latest_step
         self._known = KnownRemote(tier)
-        self._refs = References(self._known, self._unsynced, local_job)
+        self._refs = References(self._known, self._unsynced, local_job, abandoned)
         self._order = UploadOrder(keep_remote, self._known)
         self._aside = RemoteAside(tier, self._known, abandoned)
         self._uploader = Uploader(tier, known=self._known, lease=lease, aside=self._aside, ledger=ledger,

@@ -205,3 +205,22 @@ def test_a_dependency_the_remote_lost_is_uploaded_again_before_its_dependent(tmp
     assert [s for s, _ in uploads] == [1, 2]
     with CheckpointReader(tmp_path / "fresh", tier=RemoteTier(url)) as reader:
         assert_state_equal(reader.load(), _state(2, base))
+
+
+def test_remote_retention_keeps_what_a_set_aside_branch_references(tmp_path, url):
+    """A resume from step 1 sets step 2 (which references 1) aside, on the remote too; the new branch's saves reference
+    1 no more, yet remote retention keeps it: the set-aside copy there still needs its bytes."""
+    base = _frozen()
+    root = tmp_path / "a"
+    options = dict(remote_url=url, incremental=True, full_every=2, keep_remote=KeepLastN(1), direct_io="off")
+    with CheckpointEngine(root, **options) as engine:
+        for step in (1, 2):
+            engine.save(_state(step, base), step=step).wait()
+    with CheckpointEngine(root, **options) as engine:
+        engine.load(step=1)
+        for step in (2, 3, 4, 5):  # 2 references 1; 3 is full, 4 references 3, 5 is full
+            engine.save(_state(100 + step, base), step=step).wait()
+    assert _remote_manifest(url, 5).depends_on() == set()
+    assert sorted(RemoteTier(url).committed_steps()) == [1, 5]  # 1: the set-aside step 2 references it
+    aside = [c for c in RemoteTier(url).abandoned() if c.step == 2]
+    assert len(aside) == 1
