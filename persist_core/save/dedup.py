@@ -1,4 +1,4 @@
-"""Incremental saves on the writer thread (issue 43, step a: the local tier): hash the staged shard, reference what
+"""Incremental saves on the writer thread (issue 43): hash the staged shard, reference what
 the newest committed checkpoint holds, and leave only the changed entries in the staging buffer to be written.
 
 Who calls what, per checkpoint, all on the writer thread (:class:`~persist_core.save.writer.Writer`):
