@@ -57,7 +57,7 @@ class Incremental:
         self._since_full = 0  # saves since the last full one, up to and including _last
         self._lock = threading.Lock()
         self._planned: set[int] = set()
-        self._loaded: int | None = None  # the step a load returned, until the next save
+        self._loaded: int | None = None  # the step a load from the remote returned, until the next save
         self.hash_s = 0.0  # seconds spent hashing, all told (the benchmark reads it)
 
     def planned(self) -> set[int]:
@@ -108,9 +108,10 @@ class Incremental:
                   layout.file_bytes, nbytes, len(decision.dropped), sorted(decision.depends_on()))
         return replace(base, tensors=decision.records), layout.file_bytes  # type: ignore[arg-type]
 
-    def loaded(self, step: int) -> None:
-        """A load returned checkpoint ``step`` (any thread): the next save references it, or nothing when it is not
-        committed here (a whole load from the remote that left no local copy: that save is full)."""
+    def loaded_from_remote(self, step: int) -> None:
+        """A load read checkpoint ``step`` from the remote (any thread): the next save references it once its local
+        copy is committed here, else nothing (a load that left no local copy: that save is full, not referencing an
+        older local checkpoint the run went past). A load from memory or the local disk changes nothing."""
         with self._lock:
             self._loaded = step
 
@@ -131,8 +132,8 @@ class Incremental:
             return None, 0
         newest = older[-1]
         if loaded is not None and loaded != newest:
-            log.info("[step=%d] writing a full checkpoint: the step loaded (%d) is not the newest committed in %s "
-                     "(a load from the remote that left no local copy)", step, loaded, self._root)
+            log.info("[step=%d] writing a full checkpoint: the step loaded from the remote (%d) is not committed in %s "
+                     "(the load left no local copy)", step, loaded, self._root)
             return None, 0
         if self._last is not None and self._last.step == newest:
             return self._last, self._since_full

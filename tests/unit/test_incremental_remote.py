@@ -224,3 +224,24 @@ def test_remote_retention_keeps_what_a_set_aside_branch_references(tmp_path, url
     assert sorted(RemoteTier(url).committed_steps()) == [1, 5]  # 1: the set-aside step 2 references it
     aside = [c for c in RemoteTier(url).abandoned() if c.step == 2]
     assert len(aside) == 1
+
+
+def test_after_a_remote_load_that_left_no_local_copy_the_next_save_is_full_not_referencing_an_older_local_one(
+        tmp_path, url):
+    base = _frozen()
+    with CheckpointEngine(tmp_path / "a", remote_url=url, incremental=True, full_every=2, direct_io="off") as engine:
+        for step in (1, 2, 3, 4):  # 1 full, 2 references 1, 3 full, 4 references 3
+            engine.save(_state(step, base), step=step)
+    b = tmp_path / "b"
+    with CheckpointReader(b, tier=RemoteTier(url)) as reader:
+        reader.fetch(2)  # this machine holds 1 and 2 (an older pull)
+    with CheckpointEngine(b, remote_url=url, incremental=True, direct_io="off") as engine:  # full_every=10
+        assert_state_equal(engine.load(), _state(4, base))  # from the remote; 3 is not here: no local copy of 4
+        assert engine._reader.loaded_from_remote
+        engine._reader.wait_copies()
+        engine.save(_state(5, base), step=5).wait()
+        engine.save(_state(6, base), step=6).wait()
+    assert _remote_manifest(url, 5).depends_on() == set()  # full: not a reference to step 1 the run went past
+    assert _remote_manifest(url, 6).depends_on() == {5}
+    with CheckpointReader(tmp_path / "c", tier=RemoteTier(url)) as reader:
+        assert_state_equal(reader.load(), _state(6, base))
