@@ -9,6 +9,12 @@ save (the shard files and the manifest) against the floor (the bytes that change
 the manifest), the save's stall and save -> committed time (median), and a load of the last step (bit-exact; the median of 3).
 Then the content hash's cost against the copy it follows: xxh3-128 over the staged base against a ``copy_`` of it.
 
+With a remote (a ``file://`` directory, so the numbers are the engine's and the disk's, not a network's; ``--no-remote``
+skips it), the same two runs with ``remote_url`` and ``keep_remote=KeepLastN(2)``: per save after the first, the bytes
+uploaded (every object of the step's remote prefix, the manifest included) against the floor, the upload time and save
+-> durable on the remote (``save()`` until ``wait()`` returns: written, committed, uploaded); then a fresh machine's
+restore of the last step from the remote alone (a new ``local_dir``, whole load; bit-exact; the median of 3).
+
     .venv/bin/python benchmarks/bench_incremental.py [--base-mb 400] [--adapter-mb 4] [--steps 20] [--dir bench-out]
 
 ``--smoke``: an 8 MB base, 4 steps, in seconds (CI runs it; its numbers mean nothing).
@@ -99,6 +105,42 @@ def run(args: argparse.Namespace, out: Path, incremental: bool) -> dict:
             "commit": statistics.median(commits[later]), "load": load_s, "exact": diff == "bit-exact", "kept": kept}
 
 
+def remote_bytes(remote: Path, step: int) -> int:
+    return sum(p.stat().st_size for p in (remote / f"step-{step:012d}").iterdir())
+
+
+def run_remote(args: argparse.Namespace, out: Path, incremental: bool) -> dict:
+    """The same saves with a ``file://`` remote: bytes uploaded and upload time per save, save -> durable on the
+    remote, and a fresh machine's restore of the last step from the remote."""
+    state = make_state(args.base_mb, args.adapter_mb)
+    where = out / ("remote-incremental" if incremental else "remote-full")
+    shutil.rmtree(where, ignore_errors=True)
+    root, remote = where / "local", where / "remote"
+    uploaded, upload_s, durable = [], [], []
+    with CheckpointEngine(root, incremental=incremental, full_every=args.full_every, keep_local=KeepLastN(2),
+                          remote_url=remote.as_uri(), keep_remote=KeepLastN(2)) as engine:
+        for step in range(1, args.steps + 1):
+            train_step(state, step)
+            t0 = time.perf_counter()
+            handle = engine.save(state, step=step)
+            handle.wait()
+            durable.append(time.perf_counter() - t0)
+            uploaded.append(remote_bytes(remote, step))
+            upload_s.append(handle.stats.upload_s)
+    restores, exact = [], True
+    for i in range(3):  # each a fresh machine: an empty local_dir
+        with CheckpointReader(where / f"fresh-{i}", remote_url=remote.as_uri()) as reader:
+            t0 = time.perf_counter()
+            loaded = reader.load(step=args.steps)
+            restores.append(time.perf_counter() - t0)
+            exact = exact and reader.loaded_from_remote and differences(loaded, state) == "bit-exact"
+    shutil.rmtree(where, ignore_errors=True)
+    later = slice(1, None)
+    return {"uploaded": statistics.median(uploaded[later]), "max_uploaded": max(uploaded[later]),
+            "first": uploaded[0], "upload": statistics.median(upload_s[later]),
+            "durable": statistics.median(durable[later]), "restore": statistics.median(restores), "exact": exact}
+
+
 def hash_cost(args: argparse.Namespace) -> tuple[float, float, int]:
     """Seconds of xxh3-128 over the base's bytes, and of a ``copy_`` of them into touched memory (medians)."""
     import xxhash
@@ -122,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--full-every", type=int, default=10)
     parser.add_argument("--dir", type=Path, default=ROOT / "bench-out")
+    parser.add_argument("--no-remote", dest="remote", action="store_false", help="skip the runs with a file:// remote")
     parser.add_argument("--smoke", action="store_true", help="an 8 MB base, 4 steps: a check that it runs")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -132,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         full = run(args, out, incremental=False)
         inc = run(args, out, incremental=True)
+        remote = {on: run_remote(args, out, incremental=on) for on in (False, True)} if args.remote else {}
     finally:
         shutil.rmtree(out, ignore_errors=True)
     hash_s, copy_s, hashed = hash_cost(args)
@@ -160,8 +204,30 @@ def main(argv: list[str] | None = None) -> int:
         f"hash: xxh3-128 over {hashed / 1e6:.0f} MB {hash_s * 1e3:.0f} ms ({hashed / hash_s / 1e9:.1f} GB/s) against "
         f"the copy_ of them {copy_s * 1e3:.0f} ms ({hashed / copy_s / 1e9:.1f} GB/s): {hash_s / copy_s:.2f}x the copy",
     ]
+    if remote:
+        off, on = remote[False], remote[True]
+        lines += [
+            "",
+            "With a file:// remote (keep_remote=KeepLastN(2)), medians over the saves after the first; restore: a fresh "
+            "machine's whole load of the last step from the remote (median of 3)",
+            "",
+            "| run | first upload (MB) | uploaded per save (MB) | / floor | upload (s) | save→durable on the remote (s) "
+            "| fresh-machine restore (s) | bit-exact |",
+            "|---|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for name, r in (("remote, incremental off", off), ("remote, incremental=True", on)):
+            lines.append(f"| {name} | {r['first'] / 1e6:.1f} | {r['uploaded'] / 1e6:.2f} (max "
+                         f"{r['max_uploaded'] / 1e6:.1f}) | {r['uploaded'] / (floor + inc['manifest']):.2f}x "
+                         f"| {r['upload']:.3f} | {r['durable']:.3f} | {r['restore']:.2f} | {'yes' if r['exact'] else 'NO'} |")
+        lines += [
+            f"| floor (changed bytes + manifest) | | {(floor + inc['manifest']) / 1e6:.2f} | 1.00x | | | | |",
+            "",
+            f"save→durable on the remote, incremental / off: {on['durable'] / off['durable']:.2f}x "
+            f"({off['durable'] / on['durable']:.1f}x faster); upload {off['upload'] / on['upload']:.1f}x faster; "
+            f"fresh-machine restore incremental / off: {on['restore'] / off['restore']:.2f}x",
+        ]
     print("\n".join(lines))
-    return 0 if full["exact"] and inc["exact"] else 1
+    return 0 if full["exact"] and inc["exact"] and all(r["exact"] for r in remote.values()) else 1
 
 
 if __name__ == "__main__":

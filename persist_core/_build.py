@@ -114,12 +114,15 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     else:  # the staging buffers are the memory tier's slots: the newest snapshot's, one to fill, the writes'
         pool = snapshots.pool = StagingPool(config.max_pending + 2, pin=False, turn=overlap.turn,
                                             allocator=snapshots.allocator, reusing=snapshots.reusing)
+    built: list[Saver] = []  # the sync thread starts in Pipeline and may upload a backlog before the saver exists
     pipeline = Pipeline(config, pool=pool, coll=coll, ops=file_ops or OsFileOps(), ledger=ledger, tier=tier,
-                        latest_step=lambda: saver.latest_step, turn=overlap.turn, slowdown=history.meter.slowdown)
+                        latest_step=lambda: built[0].latest_step if built else 0, turn=overlap.turn,
+                        slowdown=history.meter.slowdown)
     writer = pipeline.writer
     saver = Saver(coll=coll, pool=pool, writer=writer, overlap=overlap, history=history, ledger=ledger,
                   wall_clock=wall_clock, torch_loadable=config.torch_loadable, replica_check=config.replica_check,
                   check_step=pipeline.timeline.check, check_backlog=pipeline.check_backlog, snapshots=snapshots)
+    built.append(saver)
     preemption = default_notice(config.save_policy) if config.preemption == "default" else config.preemption
     assert not isinstance(preemption, str)  # Config checked it
     scheduler = SaveScheduler(policy=config.save_policy, preemption=preemption, grace_s=config.preemption_grace_s,

@@ -140,7 +140,7 @@ def check_writes(config: Any) -> None:
 
 def check_incremental(config: Any) -> None:
     """``incremental`` and ``full_every`` of a :class:`~persist_core.config.Config`, and what incremental saves do
-    not take yet (the local tier only): a ConfigError naming the value and the fix."""
+    take: a ConfigError naming the value and the fix."""
     c = config
     check_bool("incremental", c.incremental)
     if isinstance(c.full_every, bool) or not isinstance(c.full_every, int) or c.full_every < 1:
@@ -148,9 +148,6 @@ def check_incremental(config: Any) -> None:
                           "checkpoint at least every full_every saves (the default, 10; 1 writes every save full)")
     if not c.incremental:
         return
-    if c.remote_url is not None:
-        raise ConfigError(f"incremental=True with remote_url={c.remote_url!r}: incremental checkpoints are local only "
-                          "for now; drop remote_url, or pass incremental=False")
 
 
 def check_backend(url: str) -> None:

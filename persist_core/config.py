@@ -61,7 +61,7 @@ class Config:
         memory: a :class:`~persist_core.tiers.memory.MemoryTier`: snapshots in host memory that outlives the
             process (``maybe_save`` snapshots every ``every_n_steps``; loads read the freshest source first).
         incremental: a save references the tensors whose bytes equal those of the newest committed checkpoint
-            (proven by a 128-bit hash) instead of writing them again (local tier, one writing rank).
+            (proven by a 128-bit hash) instead of writing them again, nor uploading them.
         full_every: with ``incremental``, a full checkpoint at least every this many saves.
     """
 

@@ -332,5 +332,7 @@ class CheckpointEngine:
         process continues from it (the save decisions' interval counts from now), and the staging buffers for
         saves about as large are made ready in the background (:meth:`Saver.warm`)."""
         self._history.resumed()  # an interval policy counts from this checkpoint
+        if self._parts.pipeline.incremental is not None and self._reader.loaded_from_remote:
+            self._parts.pipeline.incremental.loaded_from_remote(manifest.step)  # the next save: full unless it is local
         if not self._closed:
             self._parts.saver.warm(manifest)

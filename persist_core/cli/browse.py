@@ -195,7 +195,9 @@ def _summed_below(rows: list[dict[str, Any]], depth: int) -> list[dict[str, Any]
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def du(ctx: click.Context, location: str, as_json: bool) -> None:
-    """Bytes held: committed checkpoints per kind, set-aside branches, and what has no manifest.
+    """Bytes held: committed checkpoints per kind, set-aside branches, and what has no manifest. Incremental
+    checkpoints: "bytes" is what each holds itself (own); "shared_bytes" what they reference in older ones (held
+    there once, not counted again).
 
     \b
     Example:
@@ -206,12 +208,14 @@ def du(ctx: click.Context, location: str, as_json: bool) -> None:
     for kind in KINDS:
         sub = kind_subdir(kind)
         if sub and not (is_url(location) or _local_sub_tier(location, sub)):
-            report[kind] = {"checkpoints": 0, "bytes": 0}  # every kind's key, here as on a remote
+            report[kind] = {"checkpoints": 0, "bytes": 0, "referencing": 0, "shared_bytes": 0}  # as on a remote
             continue
         loc = open_location(ctx, f"{location.rstrip('/')}/{sub}" if sub else location)
-        infos = loc.tier.list()
-        nbytes = sum(i.nbytes for i in infos)
-        report[kind] = {"checkpoints": len(infos), "bytes": nbytes}
+        listing = loc.tier.listing()
+        nbytes = sum(i.nbytes for i, _ in listing)
+        report[kind] = {"checkpoints": len(listing), "bytes": nbytes,
+                        "referencing": sum(1 for _, m in listing if m.depends_on()),
+                        "shared_bytes": sum(m.referenced_bytes() for _, m in listing)}
         total += nbytes
         aside = loc.tier.abandoned()
         if aside:
@@ -226,7 +230,10 @@ def du(ctx: click.Context, location: str, as_json: bool) -> None:
     for key in (*KINDS, "abandoned"):
         if key in report and (key == KINDS[0] or report[key]["checkpoints"]):
             r = report[key]
-            click.echo(f"{key}: {r['checkpoints']} checkpoint{'s' * (r['checkpoints'] != 1)}, {human_size(r['bytes'])}")
+            shared = (f" (own; {r['referencing']} incremental reference {human_size(r['shared_bytes'])} more, "
+                      "shared: held once by the checkpoints they reference)") if r.get("referencing") else ""
+            click.echo(f"{key}: {r['checkpoints']} checkpoint{'s' * (r['checkpoints'] != 1)}, "
+                       f"{human_size(r['bytes'])}{shared}")
     click.echo(f"total: {human_size(total)}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import click
 
 from persist_core.errors import PersistError
+from persist_core.load.references import resolve
 from persist_core import report
 from persist_core.cli.app import CommandError, human_size, main, open_location, progress, took
 
@@ -21,6 +23,7 @@ from persist_core.cli.app import CommandError, human_size, main, open_location, 
 @click.pass_context
 def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_json: bool) -> None:
     """Read every byte and check every checksum of every directory that holds a manifest; exit 1 naming what is bad.
+    An incremental checkpoint is bad when what it references is (--step: those are verified too).
 
     \b
     Example:
@@ -31,6 +34,9 @@ def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_
     if step is not None and step not in claimed:
         raise CommandError(f"no committed checkpoint for step {step} in {location}; steps: {claimed}")
     steps = [step] if step is not None else claimed
+    if step is not None:  # what it references first: it is only as good as they are
+        with contextlib.suppress(PersistError):
+            steps = sorted(set(loc.manifest(step).depends_on()) & set(claimed)) + steps
     if not steps:
         raise CommandError(f"no committed checkpoint in {location}")
     bad: list[str] = []
@@ -47,6 +53,7 @@ def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_
         else:
             with progress(total, f"verify step {s}", quiet or as_json) as advance:
                 problems = loc.tier.verify(s, advance)
+            problems += _references(loc, s, manifest, location)
         nbytes += total
         bad.extend(problems)
         report.append({"step": s, "ok": not problems, "bytes": total, "problems": problems,
@@ -66,6 +73,17 @@ def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_
         good = len(report) - failed
         click.echo(f"{good} checkpoint{'s' * (good != 1)} verified, {failed} bad: {took(nbytes, elapsed)}")
     ctx.exit(1 if bad else 0)
+
+
+def _references(loc: Any, step: int, manifest: Any, location: str) -> list[str]:
+    """The problems with what checkpoint ``step`` references (missing, or not holding the bytes it names)."""
+    if not manifest.depends_on():
+        return []
+    try:
+        resolve(manifest, loc.tier.read_manifest, where=f"{location} step {step}")
+    except PersistError as e:
+        return [str(e)]
+    return []
 
 
 @main.command()

@@ -15,7 +15,7 @@ import click
 from persist_core.layout import checkpoint_dirname
 from persist_core.load.reader import CheckpointReader
 from persist_core.tiers import RemoteTier
-from persist_core.tiers.local import discover, read_manifest
+from persist_core.tiers.local import committed_steps, discover, read_manifest
 from persist_core.cli.app import CommandError, Location, distinct, is_url, main, open_location, progress, took
 
 
@@ -34,7 +34,8 @@ def _exporters() -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: bool, as_json: bool) -> None:
-    """Download a checkpoint into LOCAL_DIR (parallel ranged reads, every chunk verified).
+    """Download a checkpoint into LOCAL_DIR (parallel ranged reads, every chunk verified); an incremental one
+    after the checkpoints it references that LOCAL_DIR lacks.
 
     \b
     Example:
@@ -43,7 +44,9 @@ def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: 
     distinct(url, local_dir)
     loc = open_location(ctx, url)
     s = loc.step_or_latest(step)
-    nbytes, t0 = loc.manifest(s).nbytes, time.perf_counter()
+    manifest, t0 = loc.manifest(s), time.perf_counter()
+    here = set(committed_steps(Path(local_dir))) if os.path.isdir(local_dir) else set()
+    nbytes = manifest.nbytes + sum(loc.manifest(ref).nbytes for ref in manifest.depends_on() - here)
     with CheckpointReader(local_dir, remote_url=url, storage_options=ctx.obj) as reader:
         with progress(nbytes, f"pull step {s}", quiet or as_json) as advance:
             path = reader.fetch(s, advance)
@@ -61,7 +64,8 @@ def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: 
 @click.option("--json", "as_json", is_flag=True, help="one JSON report: the steps uploaded, bytes, seconds")
 @click.pass_context
 def push(ctx: click.Context, local_dir: str, url: str, quiet: bool, as_json: bool) -> None:
-    """Upload the committed local checkpoints the remote does not have (manifest last).
+    """Upload the committed local checkpoints the remote does not have (manifest last; a checkpoint another
+    references before it).
 
     \b
     Example:
@@ -74,7 +78,11 @@ def push(ctx: click.Context, local_dir: str, url: str, quiet: bool, as_json: boo
                                f"file:///mnt/share/run); got {local_dir!r} and {url!r}")
     remote = RemoteTier(url, ctx.obj)  # file:// too: a remote on a mounted share, as the engine's remote_url
     have = set(remote.committed_steps())
-    todo = [(info, m) for info, m in discover(local.root) if info.step not in have]
+    todo = [(info, m) for info, m in discover(local.root) if info.step not in have]  # oldest first: references first
+    lacking = {info.step: sorted(m.depends_on() - have - {i.step for i, _ in todo}) for info, m in todo}
+    if any(lacking.values()):
+        raise CommandError("; ".join(f"step {s} references step(s) {refs}, on neither {local_dir} nor {url}"
+                                     for s, refs in lacking.items() if refs) + ": nothing was uploaded")
     nbytes, t0 = sum(m.nbytes for _, m in todo), time.perf_counter()
     with progress(nbytes, f"push {len(todo)} checkpoint(s)", quiet or as_json) as bar:
         for info, m in todo:
@@ -193,10 +201,17 @@ def _upload_step(ctx: click.Context, src: Location, dst: RemoteTier, step: int, 
         if manifest.elsewhere():
             raise CommandError(f"{ckpt} holds node {manifest.node}'s files only (the checkpoint was written on "
                                f"{len(manifest.nodes)} nodes); copy it from the remote the run uploaded to")
-        with progress(manifest.nbytes, f"copy step {step}", quiet) as advance:
+        # an incremental checkpoint: what it references goes up first (fetch brought it alongside)
+        first = [(ref, read_manifest(ckpt.parent / checkpoint_dirname(ref)))
+                 for ref in sorted(manifest.depends_on() - set(dst.committed_steps()))]
+        nbytes = manifest.nbytes + sum(m.nbytes for _, m in first)
+        with progress(nbytes, f"copy step {step}", quiet) as advance:
+            for ref, m in first:
+                dst.upload(ckpt.parent / checkpoint_dirname(ref), m)
+                advance(m.nbytes)
             dst.upload(ckpt, manifest)
             advance(manifest.nbytes)
-    return manifest.nbytes
+    return nbytes
 
 
 @main.command()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -133,6 +134,22 @@ class Manifest:
         """The committed checkpoints whose files hold bytes of this one (its records' references; none before
         format version 6): retention keeps them while this one is kept."""
         return {step for t in self.tensors for step, _ in t.references()}
+
+    def referenced_bytes(self) -> int:
+        """Bytes of this checkpoint's tensors that the checkpoints it references hold (stored there once, shared;
+        :attr:`nbytes` is what it holds itself): per referenced entry, the extent its records cover."""
+        from persist_core.format.shard_file import dtype_from_name, itemsize
+
+        extent: dict[tuple[int, str | None, str | None], int] = {}
+        for t in self.tensors:
+            if t.step is None or t.chunks is not None:
+                continue
+            if 0 in t.shape:
+                continue
+            span = math.prod(t.shape) if t.stride is None else 1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride))
+            key = (t.step, t.file, t.entry)
+            extent[key] = max(extent.get(key, 0), t.offset + span * itemsize(dtype_from_name(t.dtype)))
+        return sum(extent.values())
 
     @property
     def version(self) -> int:

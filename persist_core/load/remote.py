@@ -5,10 +5,18 @@ Two ways: :meth:`RemoteRestore.stream` reads it by ranged, verified requests str
 into ``local_dir`` afterwards for the next restore; :meth:`RemoteRestore.download` puts it into ``local_dir``
 whole (``fetch``: the CLI's ``pull`` and ``cp``). Either way the files go into an owned temporary directory
 first and are renamed into place as a writer commits: a failure or a kill leaves nothing a reader takes.
+
+An incremental checkpoint (its manifest ``depends_on()`` others, issue 43) is read with its references resolved
+against the remote's manifests (:func:`~persist_core.load.references.resolve`): the entries it references are read
+by ranged requests from the referenced checkpoints' files, every block verified, each byte once. A streamed one leaves
+a local copy only when every checkpoint it references is committed locally as the same checkpoint (else the copy
+would name bytes that are not there: the engine's next save is then a full one); ``fetch`` brings what it references
+first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -28,7 +36,8 @@ from persist_core.load.assemble import load_checkpoint, load_into
 from persist_core.load.blocks import LoadStats, read_shard
 from persist_core.load.local_copy import LocalCopy
 from persist_core.load.plan import LoadOptions
-from persist_core.tiers.local import LocalTier, checkpoint_dir, read_manifest
+from persist_core.load.references import read_referenced, referenced_file, resolve, split_name
+from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, read_manifest
 from persist_core.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
@@ -52,14 +61,53 @@ class RemoteRestore:
             tier.read_blocks(step, f, first, views, verify=opts.verify)
             stats.count_remote(sum(len(v) * v.itemsize for v in views), f.name)
 
-        state = load_into(manifest, into, pool=self._pool, options=opts, where=f"{tier.url}/{checkpoint_dirname(step)}",
-                          stats=stats, read_blocks=remote_blocks)
+        where = f"{tier.url}/{checkpoint_dirname(step)}"
+        if manifest.depends_on():  # the referenced entries by ranged reads of the older checkpoints' files
+            manifest, names, _ = self._resolve(manifest, where)
+            remote_blocks = referenced_file(names, remote_blocks, self._referenced_blocks(opts, stats))
+        state = load_into(manifest, into, pool=self._pool, options=opts, where=where, stats=stats,
+                          read_blocks=remote_blocks)
         return state, manifest
 
+    def _resolve(self, manifest: Manifest, where: str) -> tuple[Manifest, set[str], dict[int, Manifest]]:
+        """``manifest``'s references resolved against the remote's manifests: the resolved manifest, the referenced
+        files' names in it, and the manifests of the checkpoints it references."""
+        held: dict[int, Manifest] = {}
+
+        def manifest_of(ref: int) -> Manifest:
+            held[ref] = self._tier.read_manifest(ref)
+            return held[ref]
+
+        resolved, names = resolve(manifest, manifest_of, where=where)
+        return resolved, names, held
+
+    def _referenced_blocks(self, opts: LoadOptions, stats: LoadStats) -> Callable[[str, Any, int, list[memoryview]],
+                                                                                 None]:
+        """Reads blocks of a referenced file (``step-N/<file>`` in a resolved manifest) from the remote, verified."""
+        def read(name: str, f: Any, first: int, views: list[memoryview]) -> None:
+            ref, fname = split_name(name)
+            self._tier.read_blocks(ref, dataclasses.replace(f, name=fname), first, views, verify=opts.verify)
+            stats.count_remote(sum(len(v) * v.itemsize for v in views), name)
+
+        return read
+
+    def _copies_safely(self, held: dict[int, Manifest]) -> bool:
+        """Every checkpoint a referencing one references (``held``: the remote's manifests) is committed locally as
+        the same checkpoint: a local copy of the referencing one would read."""
+        try:
+            return all(read_manifest(checkpoint_dir(self._root, ref)) == m for ref, m in held.items())
+        except (CorruptCheckpointError, PersistError, OSError):
+            return False
+
     def fetch(self, step: int, progress: Any) -> bool:
-        """Download ``step`` (verified) into ``root``; ``False`` when the remote does not hold it."""
+        """Download ``step`` (verified) into ``root``, after the checkpoints it references that ``root`` lacks;
+        ``False`` when the remote does not hold it."""
         if step not in self._tier.committed_steps():
             return False
+        local = set(committed_steps(self._root))
+        for ref in sorted(self._tier.read_manifest(step).depends_on() - local):
+            log.info("[step=%d] downloading step %d first: it references bytes there", step, ref)
+            self.download(ref, progress)
         self.download(step, progress)
         return True
 
@@ -68,30 +116,45 @@ class RemoteRestore:
         tier = self._tier
         manifest = tier.read_manifest(step)
         name = f"{tier.url}/{checkpoint_dirname(step)}"
-        copy = LocalCopy(self._root, manifest)
+        whole, others, copies = manifest, {}, True
+        if manifest.depends_on():  # the referenced entries first, by ranged reads; the own files streamed below
+            whole, names, held = self._resolve(manifest, name)
+            others = read_referenced(whole, names, pool=self._pool, stats=stats, read_blocks=referenced_file(
+                names, lambda f, first, views: None, self._referenced_blocks(opts, stats)))
+            copies = self._copies_safely(held)
+            if not copies:
+                log.info("[step=%d] no local copy of it: it references step(s) %s, not all committed in %s", step,
+                         sorted(held), self._root)
+        copy = LocalCopy(self._root, manifest) if copies else None
 
         def shard(f: Any) -> Any:
             def fill(blocks: list[tuple[list[memoryview], int, int | None, int]]) -> None:
                 views = [v for vs, _, _, _ in blocks for v in vs]
                 tier.read_blocks(step, f, blocks[0][3], views, verify=opts.verify)
                 stats.count_remote(sum(len(v) for v in views), f.name)
-                copy.write(f, blocks[0][3], views)
+                if copy is not None:
+                    copy.write(f, blocks[0][3], views)
 
+            if f.name in others:
+                return others[f.name]
             return read_shard(f, head=lambda n: tier.read_range(step, f, 0, n), fill=fill, pool=requests,
                               verify=opts.verify, where=f"{name}/{f.name}", span_bytes=_knobs.remote_read_bytes())
 
         try:  # as many requests in flight as the tier's uploads and downloads have
             with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="persist-stream") as requests:
-                state = load_checkpoint(name, manifest, pool=self._pool, options=opts, shard=shard)
+                state = load_checkpoint(name, whole, pool=self._pool, options=opts, shard=shard)
         except BaseException:
-            copy.abandon()
+            if copy is not None:
+                copy.abandon()
             raise
         log.info("[step=%d] streamed from %s (%d bytes)", step, tier.url, stats.remote_bytes)
+        if copy is None:
+            return state, whole
         # not a daemon: a script that loads and ends still commits (or removes) the copy before the interpreter goes
         thread = threading.Thread(target=copy.finish, name="persist-local-copy", daemon=False)
         thread.start()
         self._copies.append(thread)
-        return state, manifest
+        return state, whole
 
     def wait_copies(self) -> None:
         """Wait until the local copies that streamed restores write are committed."""

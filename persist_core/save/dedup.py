@@ -1,4 +1,4 @@
-"""Incremental saves on the writer thread (issue 43, step a: the local tier): hash the staged shard, reference what
+"""Incremental saves on the writer thread (issue 43): hash the staged shard, reference what
 the newest committed checkpoint holds, and leave only the changed entries in the staging buffer to be written.
 
 Who calls what, per checkpoint, all on the writer thread (:class:`~persist_core.save.writer.Writer`):
@@ -63,6 +63,7 @@ class Incremental:
         self._since_full = 0  # saves since the last full one, up to and including _last
         self._lock = threading.Lock()
         self._planned: set[int] = set()
+        self._loaded: int | None = None  # the step a load from the remote returned, until the next save
         self.hash_s = 0.0  # seconds spent hashing, all told (the benchmark reads it)
 
     def planned(self) -> set[int]:
@@ -122,6 +123,13 @@ class Incremental:
         return (replace(base, tensors=decision.records), layout.file_bytes,  # type: ignore[arg-type]
                 None if side is None else memoryview(side))
 
+    def loaded_from_remote(self, step: int) -> None:
+        """A load read checkpoint ``step`` from the remote (any thread): the next save references it once its local
+        copy is committed here, else nothing (a load that left no local copy: that save is full, not referencing an
+        older local checkpoint the run went past). A load from memory or the local disk changes nothing."""
+        with self._lock:
+            self._loaded = step
+
     def settle(self, manifest: Manifest | None) -> None:
         """The save prepared last was committed as ``manifest`` (``None``: it failed). With several ranks, a rank
         but the first gets its own part only (no files): the committed manifest is read, so that every rank counts
@@ -140,9 +148,15 @@ class Incremental:
     def _previous(self, step: int) -> tuple[Manifest | None, int]:
         """The newest committed checkpoint older than ``step`` and the saves since the last full one."""
         older = [s for s in committed_steps(self._root) if s < step]
+        with self._lock:
+            loaded, self._loaded = self._loaded, None
         if not older:
             return None, 0
         newest = older[-1]
+        if loaded is not None and loaded != newest:
+            log.info("[step=%d] writing a full checkpoint: the step loaded from the remote (%d) is not committed in %s "
+                     "(the load left no local copy)", step, loaded, self._root)
+            return None, 0
         if self._last is not None and self._last.step == newest:
             return self._last, self._since_full
         try:  # another engine's (a restart), or one a load set the run back to

@@ -1,10 +1,12 @@
 """One upload job (:class:`SyncJob`: a committed local checkpoint and the handle whose remote phase it ends),
-and how a job ends without an upload (:func:`end_superseded`) or with a failure (:func:`explain`).
+how a job ends without an upload (:func:`end_superseded`, :func:`not_uploaded_at_close`) or with a failure
+(:func:`explain`), and how far behind jobs leave the remote (:func:`behind`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,3 +61,17 @@ def wrapped(message: str, error: BaseException) -> BaseException:
     out = kind(f"{message}: {type(error).__name__}: {error}")
     out.__cause__ = error
     return out
+
+
+def behind(jobs: list[SyncJob], failures: int) -> dict[str, float | int | None]:
+    """How far behind the remote is, for a summary: un-synced ``jobs``, their bytes, the oldest one's age (s)."""
+    oldest = min((j.committed_at for j in jobs), default=None)
+    return {"remote_behind_steps": len(jobs), "remote_behind_bytes": sum(j.manifest.nbytes for j in jobs),
+            "oldest_unsynced_age_s": None if oldest is None else time.monotonic() - oldest, "upload_failures": failures}
+
+
+def not_uploaded_at_close(job: SyncJob, url: str) -> RemoteError:
+    """What the handle of a job that ``close()`` gave up on says."""
+    return RemoteError(f"checkpoint step={job.step} was not uploaded to {url} before the engine closed (the remote did "
+                       "not answer within remote_timeout_s); it stays committed locally and the next engine on this "
+                       "directory uploads it")

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from persist_core.policies.retention import RetentionContext, RetentionPolicy, to_delete
+from persist_core.sync.dependencies import dependencies_first, spared
 from persist_core.sync.job import SyncJob
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.tier import CheckpointInfo
@@ -32,6 +33,7 @@ class KnownRemote:
     def __init__(self, tier: RemoteTier) -> None:
         self._tier = tier
         self.infos: dict[int, CheckpointInfo] = {}
+        self._depends: dict[int, set[int]] = {}  # step -> the steps its manifest references (incremental saves)
         self.lock = threading.Lock()
         self.listed = False  # listed once (until then nobody knows what the remote lacks)
         self._tried = threading.Event()  # the start-up listing was tried (listed, or it failed)
@@ -46,9 +48,10 @@ class KnownRemote:
         Raises:
             RemoteError: the remote cannot be listed.
         """
-        listing = self._tier.list()
+        listing = self._tier.listing()
         with self.lock:
-            self.infos = {i.step: i for i in listing}
+            self.infos = {i.step: i for i, _ in listing}
+            self._depends = {i.step: m.depends_on() for i, m in listing}
             if self._first is None:
                 self._first = set(self.infos)
                 if self._make_refusal is not None and self._first:
@@ -92,13 +95,20 @@ class KnownRemote:
         with self.lock:
             return set(self.infos)
 
-    def add(self, info: CheckpointInfo) -> None:
+    def depends_on(self, step: int) -> set[int]:
+        """The steps remote checkpoint ``step`` references (a :class:`Retainer`'s ``dependencies``)."""
+        with self.lock:
+            return set(self._depends.get(step, ()))
+
+    def add(self, info: CheckpointInfo, depends_on: set[int] | frozenset[int] = frozenset()) -> None:
         with self.lock:
             self.infos[info.step] = info
+            self._depends[info.step] = set(depends_on)
 
     def forget(self, step: int) -> None:
         with self.lock:
             self.infos.pop(step, None)
+            self._depends.pop(step, None)
 
     def remove(self, step: int) -> None:
         self._tier.remove(step)
@@ -113,13 +123,15 @@ class UploadOrder:
         self._keep = keep
         self._known = known
 
-    def superseded(self, queue: list[SyncJob], active: SyncJob | None) -> list[SyncJob]:
-        """The queued jobs, except the newest, that the remote policy would not keep."""
+    def superseded(self, queue: list[SyncJob], active: SyncJob | None, others: Sequence[SyncJob] = ()) -> list[SyncJob]:
+        """The queued jobs, except the newest, that the remote policy would not keep, and that no other un-synced
+        job (queued, ``active`` or one of ``others``: failed, waiting) references."""
         if self._keep is None or len(queue) < 2:
             return []
         doomed = self.doomed(([active] if active else []) + queue)
         newest = max(j.step for j in queue)
-        return [j for j in queue if j.step in doomed and j.step != newest]
+        dropped = [j for j in queue if j.step in doomed and j.step != newest]
+        return spared(dropped, [j for j in [*queue, *([active] if active else []), *others] if j not in dropped])
 
     def doomed(self, jobs: list[SyncJob]) -> set[int]:
         """Steps ``keep_remote`` would delete from what the remote holds plus ``jobs``."""
@@ -130,7 +142,7 @@ class UploadOrder:
 
     def ordered(self, jobs: list[SyncJob]) -> list[SyncJob]:
         """The newest first, then what the remote policy keeps for good (milestones), then the rest, each
-        oldest first."""
+        oldest first; a job after the jobs it references, whatever else."""
         jobs = sorted({j.step: j for j in jobs}.values(), key=lambda j: j.step)
         if not jobs:
             return []
@@ -140,4 +152,5 @@ class UploadOrder:
             log.warning("ordering the retries by keep_remote failed: %s", e)
             doomed = set()
         rest = jobs[:-1]
-        return [jobs[-1], *[j for j in rest if j.step not in doomed], *[j for j in rest if j.step in doomed]]
+        return dependencies_first([jobs[-1], *[j for j in rest if j.step not in doomed],
+                                   *[j for j in rest if j.step in doomed]])

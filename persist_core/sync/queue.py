@@ -9,7 +9,7 @@ remote phase (or records its failure in the ledger), then calls ``after_upload``
 retention, since what waited for this upload may go now).
 
 Start-up happens on the sync thread too, never on the caller's: it lists the remote once and
-queues the committed local checkpoints the remote lacks (an earlier run died before syncing). A
+queues what an earlier run left un-synced (``backlog``: what its record names, that the remote lacks). A
 remote that cannot be reached is found out there, like any upload failure.
 
 Outages: a job whose upload fails stays *un-synced* (protected from local retention) and is retried
@@ -20,7 +20,9 @@ Until the remote has been listed once, every local checkpoint counts as un-synce
 
 Back-pressure: when a new job arrives, queued jobs that have not started and that the remote
 retention policy would not keep are superseded by it. Milestones (kept by the policy) are never
-superseded; with no remote policy, every checkpoint is kept, so none is.
+superseded; with no remote policy, every checkpoint is kept, so none is. Incremental saves: a job another
+un-synced job references is never superseded, goes up before it, and stays on the remote while it is
+un-synced (:mod:`persist_core.sync.dependencies`).
 
 The pieces without the queue's state are elsewhere: the job and what a failure says in
 :mod:`persist_core.sync.job`; the remote as known and the order in :mod:`persist_core.sync.order`; what one
@@ -36,13 +38,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from persist_core.errors import RemoteError
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger
 from persist_core.layout import MANIFEST_NAME
 from persist_core.policies.retention import Retainer, RetentionPolicy
 from persist_core.sync.aside import RemoteAside
-from persist_core.sync.job import SyncJob, end_superseded, wrapped
+from persist_core.sync.dependencies import References
+from persist_core.sync.job import SyncJob, behind, end_superseded, not_uploaded_at_close, wrapped
 from persist_core.sync.lease import RemoteLease
 from persist_core.sync.nodes import Coordinator
 from persist_core.sync.order import KnownRemote, UploadOrder
@@ -70,12 +72,15 @@ class RemoteSync:
         latest_step: the newest step saved so far (for ``lag_steps``).
         lease: this run's lease on the remote, taken or renewed before every write there.
         abandoned: the local set-aside checkpoints (their remote copies are set aside too, at start).
+        local_job: a job for committed local checkpoint ``step`` (``None``: not there), queued when a job references
+            it and the remote lacks it.
     """
 
     def __init__(self, tier: RemoteTier, *, keep_remote: RetentionPolicy | None, ledger: ErrorLedger,
                  backlog: Backlog, after_upload: Callable[[SyncJob], None], latest_step: Callable[[], int],
                  lease: RemoteLease | None = None,
-                 abandoned: Callable[[], list[tuple[int, int, Manifest, str]]] | None = None) -> None:
+                 abandoned: Callable[[], list[tuple[int, int, Manifest, str]]] | None = None,
+                 local_job: Callable[[int], SyncJob | None] = lambda step: None) -> None:
         self._tier = tier
         #: rank 0's side of the upload rounds with the other ranks (several nodes), set once they are found
         self.peers: Coordinator | None = None
@@ -87,10 +92,13 @@ class RemoteSync:
         self._after_upload = after_upload
         self._latest_step = latest_step
         self._known = KnownRemote(tier)
+        self._refs = References(self._known, self._unsynced, local_job, abandoned)
         self._order = UploadOrder(keep_remote, self._known)
         self._aside = RemoteAside(tier, self._known, abandoned)
         self._uploader = Uploader(tier, known=self._known, lease=lease, aside=self._aside, ledger=ledger,
-                                  retainer=Retainer(self._known, keep_remote, protected=self._queued_steps))
+                                  retainer=Retainer(self._known, keep_remote, protected=self._queued_steps,
+                                                    depended_on=self._refs.kept_remotely,
+                                                    dependencies=self._known.depends_on))
         self._cond = threading.Condition()
         self._queue: list[SyncJob] = []
         self._failed: dict[int, SyncJob] = {}  # uploads that failed: retried, protected meanwhile
@@ -162,11 +170,7 @@ class RemoteSync:
 
     def backlog(self) -> dict[str, float | int | None]:
         """How far behind the remote is: un-synced checkpoints, their bytes, the oldest one's age (s)."""
-        jobs = self._unsynced()
-        oldest = min((j.committed_at for j in jobs.values()), default=None)
-        return {"remote_behind_steps": len(jobs), "remote_behind_bytes": sum(j.manifest.nbytes for j in jobs.values()),
-                "oldest_unsynced_age_s": None if oldest is None else time.monotonic() - oldest,
-                "upload_failures": self.failures}
+        return behind(list(self._unsynced().values()), self.failures)
 
     def _queued_steps(self) -> set[int]:
         with self._cond:
@@ -180,6 +184,7 @@ class RemoteSync:
         """
         with self._cond:
             self._failed.pop(job.step, None)
+            self._queue.extend(self._refs.lacking([job]))
             self._queue.append(job)
             try:
                 superseded = self._supersede()
@@ -189,7 +194,8 @@ class RemoteSync:
 
     def _supersede(self) -> list[SyncJob]:
         """Drop queued jobs, except the newest, that the remote policy would not keep (lock held)."""
-        dropped = self._order.superseded(self._queue, self._active)
+        dropped = self._order.superseded(self._queue, self._active, [*self._failed.values(), *self._waiting.values(),
+                                                                    *self._refused.values()])
         self._queue = [j for j in self._queue if j not in dropped]
         return dropped
 
@@ -239,10 +245,7 @@ class RemoteSync:
                 self._gave_up = True
         for job in dropped:
             if not self._uploader.reported(job.step):
-                self._ledger.fail(job.handle, RemoteError(
-                    f"checkpoint step={job.step} was not uploaded to {self._tier.url} before the engine closed (the "
-                    "remote did not answer within remote_timeout_s); it stays committed locally and the next engine "
-                    "on this directory uploads it"), remote=True)
+                self._ledger.fail(job.handle, not_uploaded_at_close(job, self._tier.url), remote=True)
         self._stop()
         self._thread.join(give_up_after_s if give_up else None)
         if self._thread.is_alive():  # stuck in a request the remote never answers: leave it (a daemon thread)
@@ -276,12 +279,13 @@ class RemoteSync:
         backlog = self._backlog(self._known.steps())
         for job in backlog:
             log.info("[step=%d] queueing the upload of %s left unsynced by an earlier run", job.step, job.local_ckpt)
-        superseded: list[SyncJob] = []
-        if backlog:
-            with self._cond:  # the newest first, then milestones, then the rest; superseded as at submit
-                self._queue = self._order.ordered([*self._queue, *backlog])
-                superseded = self._supersede()
-                self._cond.notify_all()
+        with self._cond:  # the newest first, then milestones, then the rest; superseded as at submit
+            jobs = [*self._queue, *backlog]
+            jobs += self._refs.lacking(jobs)  # what they reference that the remote lacks (before them)
+            if len(jobs) != len(self._queue):
+                self._queue = self._order.ordered(jobs)
+            superseded = self._supersede() if backlog else []
+            self._cond.notify_all()
         end_superseded(superseded, "upload superseded by a newer checkpoint (remote is behind)")
 
     def _run(self) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from persist_core._knobs import remote_lease_s, run_id_from_env
 from persist_core.distributed import Collectives
-from persist_core.errors import RemoteError, WriteError
+from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError, RemoteError, WriteError
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.policies.retention import RetentionPolicy
@@ -32,8 +32,8 @@ from persist_core.sync.job import SyncJob
 from persist_core.sync.lease import RemoteLease, local_run_id
 from persist_core.sync.nodes import Coordinator, Follower, uploads_channel
 from persist_core.sync.queue import RemoteSync
-from persist_core.sync.record import UnsyncedRecord
-from persist_core.tiers.local import checkpoint_dir, discover
+from persist_core.sync.record import UnsyncedRecord, read_backlog
+from persist_core.tiers.local import checkpoint_dir, discover, read_manifest
 from persist_core.tiers.remote import RemoteTier
 
 if TYPE_CHECKING:  # the save flow's type only: the save flow hands to sync, never the other way
@@ -83,13 +83,14 @@ class Syncer:
         self._max_unsynced = max_unsynced_bytes
         self._gave_up = False  # the last drain gave up on the remote
         self.follower: Follower | None = None  # every other rank's part in the upload rounds (several nodes)
-        self._record = None if tier is None else UnsyncedRecord(root, tier.url, self.protected)
+        self._record = None if tier is None else UnsyncedRecord(
+            root, tier.url, self.protected, newest=lambda: max(self._committed_steps(), default=None))
         #: the upload queue (rank 0 with a remote), else ``None``
         self.queue = None if tier is None or coll.rank != 0 else RemoteSync(
             tier, keep_remote=keep_remote, ledger=ledger, backlog=self._backlog, after_upload=after_upload,
             latest_step=latest_step, lease=RemoteLease(tier, run_id or run_id_from_env() or local_run_id(root),
                                                        ttl_s=remote_lease_s()),
-            abandoned=abandoned)
+            abandoned=abandoned, local_job=self._local_job)
 
     def start(self) -> None:
         """Start the sync thread (once the callbacks given can run: it may upload a backlog at once)."""
@@ -162,12 +163,35 @@ class Syncer:
         self._record.write()
 
     def _backlog(self, remote_steps: set[int]) -> list[SyncJob]:
-        """Sync thread, at start-up: the committed local checkpoints the remote lacks (an earlier run's)."""
+        """Sync thread, at start-up: the committed local checkpoints an earlier run left un-synced: those its record
+        names and those committed after it was written (:func:`~persist_core.sync.record.read_backlog`), that the
+        remote lacks; without a record that can say, every one the remote lacks."""
         ours = self._ours()  # read first: a step it saves is reserved before it can be found committed
+        assert self._url is not None
+        recorded = read_backlog(self._root, self._url)
+
+        def wanted(step: int) -> bool:
+            if step in remote_steps or step in ours:
+                return False
+            return recorded is None or step in recorded[0] or step > recorded[1]
+
         return [SyncJob(local_ckpt=Path(info.path), manifest=manifest, committed_at=time.monotonic(),
                         handle=SaveHandle(SaveStats(step=info.step, nbytes=info.nbytes)))
-                for info, manifest in discover(self._root)
-                if info.step not in remote_steps and info.step not in ours]
+                for info, manifest in discover(self._root) if wanted(info.step)]
+
+    def _local_job(self, step: int) -> SyncJob | None:
+        """Sync thread: a job for committed local checkpoint ``step`` (one an upload references and the remote
+        lacks), or ``None`` when it is not here."""
+        ckpt = checkpoint_dir(self._root, step)
+        try:
+            manifest = read_manifest(ckpt)
+        except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+            log.warning("[step=%d] referenced by a checkpoint to upload, but not on %s nor readable in %s: %s", step,
+                        self._url, self._root, e)
+            return None
+        log.info("[step=%d] uploading it again from %s: a checkpoint to upload references it", step, ckpt)
+        return SyncJob(local_ckpt=ckpt, manifest=manifest, committed_at=time.monotonic(),
+                       handle=SaveHandle(SaveStats(step=step, nbytes=manifest.nbytes)))
 
     def backlog(self) -> dict[str, float | int | None]:
         """How far behind the remote is (see :meth:`RemoteSync.backlog`); empty where this rank has no queue."""

@@ -15,6 +15,7 @@ from persist_core.errors import DirectoryInUseError
 from persist_core.handle import ErrorLedger
 from persist_core.policies.retention import Retainer
 from persist_core.sync.aside import RemoteAside
+from persist_core.sync.dependencies import check_on_remote
 from persist_core.sync.job import SyncJob, explain
 from persist_core.sync.lease import RemoteLease
 from persist_core.sync.nodes import Coordinator
@@ -62,6 +63,7 @@ class Uploader:
             if self._lease is not None:
                 self._lease.ensure()  # another run's live lease: nothing is written, retried later
             self._aside.apply()  # a new branch's first upload waits for the old branch to move aside
+            check_on_remote(job, self._known.steps(), self._tier.url)  # what it references is there first
             if job.manifest.node is None:  # this directory holds every file
                 self._tier.upload(job.local_ckpt, job.manifest)
             else:  # a node's copy: every rank uploads its own files, the manifest after all of them
@@ -70,7 +72,7 @@ class Uploader:
                 announced = True
                 self._tier.upload(job.local_ckpt, job.manifest, files=tuple(f for f in job.manifest.held() if f.rank == 0))
             uploaded = True
-            self._known.add(job.info(self._tier.url))
+            self._known.add(job.info(self._tier.url), job.manifest.depends_on())
             self._retainer.apply()
         except BaseException as e:  # recorded on the handle, raised once by the engine
             return uploaded, announced, e

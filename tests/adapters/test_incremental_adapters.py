@@ -165,6 +165,29 @@ def test_accelerate_incremental_save_state_of_a_peft_model_references_the_base_a
     assert_state_equal(weights(parts[0]), reference)
 
 
+def test_accelerate_incremental_with_a_remote_uploads_only_the_adapter_and_a_fresh_machine_resumes_exactly(tmp_path):
+    acc = fresh_accelerator()
+    parts = _build_lora(acc)
+    _steps(acc, *parts, start=0, stop=6)
+    reference = weights(parts[0])
+
+    remote = tmp_path / "remote"
+    acc = fresh_accelerator(project_dir=str(tmp_path / "project"))
+    parts = _build_lora(acc)
+    with PersistHook(local_dir=tmp_path / "a", remote_url=remote.as_uri(), incremental=True).register(acc) as hook:
+        _steps(acc, *parts, start=0, stop=4, hook=hook)  # then this machine is gone
+    uploaded = _manifests(remote)
+    assert sorted(uploaded) == [1, 2, 3, 4] and all(_depends_on(uploaded[s]) == {1} for s in (2, 3, 4))
+    assert all(_own_bytes(remote, s) < _own_bytes(remote, 1) / 5 for s in (2, 3, 4))  # the base went up once
+
+    acc = fresh_accelerator(project_dir=str(tmp_path / "project-b"))
+    parts = _build_lora(acc)
+    with PersistHook(local_dir=tmp_path / "b", remote_url=remote.as_uri(), incremental=True).register(acc) as hook:
+        assert hook.resume() == 4  # from the remote: ranged reads of step 1's base
+        _steps(acc, *parts, start=4, stop=6)
+    assert_state_equal(weights(parts[0]), reference)
+
+
 def test_the_adapters_check_incremental_and_full_every(tmp_path):
     from persist_core import ConfigError
 

@@ -54,4 +54,5 @@ def test_du_gives_every_kind_the_same_keys_locally_and_on_a_remote(tmp_path):
     reports = [json.loads(CliRunner().invoke(cli, ["du", where, "--json"], catch_exceptions=False).output)
                for where in (str(tmp_path / "local"), remote)]
     assert reports[0].keys() == reports[1].keys() >= {"full", "weights-only", "bytes"}
-    assert reports[0]["weights-only"] == {"checkpoints": 0, "bytes": 0} == reports[1]["weights-only"]
+    assert reports[0]["weights-only"] == {"checkpoints": 0, "bytes": 0, "referencing": 0, "shared_bytes": 0} == \
+        reports[1]["weights-only"]

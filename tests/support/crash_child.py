@@ -3,7 +3,9 @@
 Prints ``saved <step>`` after each ``save`` returns (staged; the write goes on in the background).
 ``python -m tests.support.crash_child LOCAL_DIR FIRST_STEP [incremental]``: with ``incremental``, a state with a
 frozen base saved incrementally (a full checkpoint every third save, the newest two kept: retention removes
-checkpoints that others reference only with them).
+checkpoints that others reference only with them). ``incremental-remote URL ENDPOINT``: the same, uploading to the S3
+``URL`` at ``ENDPOINT`` (the moto server), the newest two kept there too; from a ``FIRST_STEP`` above 1 it resumes
+(``engine.load()``) first.
 """
 
 from __future__ import annotations
@@ -31,9 +33,16 @@ def incremental_state_for(step: int) -> dict:
 
 def main() -> None:
     local_dir, first = sys.argv[1], int(sys.argv[2])
-    incremental = sys.argv[3:] == ["incremental"]
-    if incremental:
+    mode = sys.argv[3:]
+    if mode == ["incremental"]:
         engine = CheckpointEngine(local_dir, incremental=True, full_every=3, keep_local=KeepLastN(2))
+        make = incremental_state_for
+    elif mode[:1] == ["incremental-remote"]:
+        engine = CheckpointEngine(local_dir, incremental=True, full_every=3, keep_local=KeepLastN(2),
+                                  remote_url=mode[1], keep_remote=KeepLastN(2),
+                                  storage_options={"client_kwargs": {"endpoint_url": mode[2]}})
+        if first > 1:  # a restart resumes the run (a run that loaded nothing is not let beside its checkpoints)
+            engine.load()
         make = incremental_state_for
     else:
         engine = CheckpointEngine(local_dir, chunk_bytes=1 << 20)
