@@ -34,6 +34,12 @@ def test_fsdp2_shards_of_a_frozen_base_are_referenced_and_every_save_loads_bit_e
             model = reader.load(s)["model"]
             for k, v in result["saved"][s].items():
                 assert torch.equal(model[k], v), (s, k)
+    with CheckpointReader(tmp_path / "fresh", remote_url=(out / "remote").as_uri()) as fresh:  # a fresh machine
+        assert [c.step for c in fresh.list("remote")] == [1, 2, 3]
+        model = fresh.load(3)["model"]
+        assert all(torch.equal(model[k], v) for k, v in result["saved"][3].items())
+    uploaded = sum(p.stat().st_size for p in (out / "remote" / "step-000000000003").iterdir())
+    assert uploaded < full / 10, uploaded  # the remote got the changed chunks only
     exported = tmp_path / "step3.safetensors"  # persist verify and export follow the chunks' references
     for args in (["verify", str(root)], ["export", str(root), "--step", "3", "--format", "safetensors", "--to", str(exported)]):
         done = CliRunner().invoke(main, args)

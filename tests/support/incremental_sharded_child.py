@@ -31,7 +31,7 @@ def run(rank: int, world: int, port: int, root: str, out: str) -> None:
     g = torch.Generator().manual_seed(3)
     saved = {}
     with CheckpointEngine(root, collectives=TorchCollectives.new_group(timeout_s=60), incremental=True,
-                          full_every=5) as engine:
+                          full_every=5, remote_url=(Path(out) / "remote").as_uri()) as engine:
         for step in range(1, 4):
             m(torch.randn(4, 256, generator=g)).pow(2).sum().backward()
             opt.step()
