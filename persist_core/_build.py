@@ -139,14 +139,15 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
 
 
 def _snapshots(config: Config, root: Path, coll: Collectives) -> Snapshots | None:
-    """The memory tier's save side for ``config.memory`` (one process; several: disk only, said once)."""
+    """The memory tier's save side for ``config.memory``: this rank's snapshots under ``<run-id>/rank-R`` (several
+    ranks: rank 0's run id, which every rank takes, a collective call; a node's own ``local_dir`` may keep another)."""
     assert config.memory is not None
-    if coll.world_size > 1:
-        log.warning("[rank=%d] the memory tier holds one process's snapshots for now; with %d processes this run "
-                    "saves to disk only", coll.rank, coll.world_size)
-        return None
     run_id = config.run_id or run_id_from_env() or local_run_id(root)
-    if config.run_id is not None:
+    if coll.world_size > 1:
+        run_id = coll.broadcast(run_id)  # before any save: the writer thread makes no call on coll yet
+        if local_run_id(root) != run_id:  # a node's local_dir made its own (a replaced node, or a race at first use)
+            keep_run_id(root, run_id)
+    elif config.run_id is not None:
         keep_run_id(root, run_id)  # where a CheckpointReader(local_dir, memory=...) looks for this run's snapshots
     store = config.memory.store(run_id, coll.rank, root)
 

@@ -104,7 +104,7 @@ class CheckpointEngine:
         """
         self._check_open()
         if self._parts.snapshots is None:
-            raise ConfigError("snapshot() needs CheckpointEngine(memory=MemoryTier(...)) (with one process)")
+            raise ConfigError("snapshot() needs CheckpointEngine(memory=MemoryTier(...))")
         self._parts.saver.snapshot(state, step, metadata=metadata, resumed_at=self.resumed_step)
 
     def maybe_snapshot(self, make_state: Callable[[], Any], step: int, *,
@@ -151,9 +151,10 @@ class CheckpointEngine:
         decides for all (:meth:`decide`). Raises ``ConfigError`` without a ``save_policy``; otherwise as :meth:`save`.
         """
         decided, preempting = self.decide(step)
-        handle = self.save(make_state(), step, metadata=metadata) if decided else None
-        if not decided:  # a step saved to disk is a snapshot already
-            self.maybe_snapshot(make_state, step, metadata=metadata)
+        state = make_state() if decided else None
+        handle = self.save(state, step, metadata=metadata) if decided else None
+        if not decided or not self._parts.saver.disk_is_snapshot:  # one process: a step saved to disk is one already
+            self.maybe_snapshot(make_state if state is None else lambda: state, step, metadata=metadata)
         if preempting:
             self.finish_preemption()
         return handle

@@ -95,6 +95,7 @@ class CheckpointReader:
         self._restore = RemoteRestore(self._root, self._tier, self._pool) if self._tier is not None else None
         self.loaded_step: int | None = None  # the step the last successful load() returned (a resume point)
         self.loaded_from_remote = False  # ... and it was downloaded (a fresh machine resuming the remote's run)
+        self.loaded_source: str | None = None  # ... and the source it was read from (load/choose.py's names)
         self.last_load = LoadStats()  # what the last load(into=...) needed and read
         self._on_loaded = on_loaded
         self._manifest: Manifest | None = None  # the manifest the last read went by
@@ -255,13 +256,13 @@ class CheckpointReader:
         _knobs.check_into(into)
         for candidate in order:
             try:
-                state, from_remote = self._read(candidate, listing.sources(candidate), into, opts)
+                state, source = self._read(candidate, listing.sources(candidate), into, opts)
             except CorruptCheckpointError as e:
                 if step is not None:
                     raise
                 log.warning("[step=%d] skipping: %s", candidate, e)
                 continue
-            self.loaded_step, self.loaded_from_remote = candidate, from_remote
+            self.loaded_step, self.loaded_from_remote, self.loaded_source = candidate, source == REMOTE, source
             if self._on_loaded is not None and self._manifest is not None:
                 self._on_loaded(self._manifest)
             return state
@@ -282,13 +283,13 @@ class CheckpointReader:
         where = f"{self._root}" + (f" or {self._tier.url}" if self._tier else "")
         return listing.candidates(step, where), listing
 
-    def _read(self, step: int, sources: list[str], into: Any, opts: LoadOptions) -> tuple[Any, bool]:
-        """``(the state, whether it was read from the remote)``: from the first of ``sources`` (in the
-        restore-source order) whose copy verifies."""
+    def _read(self, step: int, sources: list[str], into: Any, opts: LoadOptions) -> tuple[Any, str]:
+        """``(the state, the source it was read from)``: from the first of ``sources`` (in the restore-source
+        order) whose copy verifies."""
         self.last_load = LoadStats()
         for i, source in enumerate(sources):
             try:
-                return self._reads[source](step, into, opts), source == REMOTE
+                return self._reads[source](step, into, opts), source
             except CorruptCheckpointError as e:
                 if i + 1 == len(sources):
                     raise
