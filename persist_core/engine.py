@@ -25,7 +25,7 @@ from persist_core.format.manifest import Manifest
 from persist_core.handle import SaveHandle
 from persist_core.save.overlap import Guard
 from persist_core.policies.save import Clock, DecisionContext, SavePolicy
-from persist_core.load.choose import agreed_load
+from persist_core.load.agree import agreed_load
 from persist_core.load.reader import CheckpointReader
 from persist_core.tiers.tier import CheckpointInfo
 
@@ -220,6 +220,8 @@ class CheckpointEngine:
         self._overlap.fence()
         if self._parts.snapshots is not None:
             self._parts.snapshots.wait()
+        if self._parts.partner is not None:  # the newest snapshot's partner copy too
+            self._parts.partner.flush(timeout)
         try:
             self._pipeline.drain(timeout)
         except RemoteError:
@@ -313,7 +315,7 @@ class CheckpointEngine:
                       weights_only=weights_only)
         chan = decision_channel(self._coll)
         if step is None and chan is not None and chan.world_size > 1:
-            state = agreed_load(self._reader, chan, **kwargs)
+            state = agreed_load(self._reader, chan, self._parts.partner_link, **kwargs)
         else:
             state = self._reader.load(step, **kwargs)
         if self._reader.loaded_from_remote:  # a fresh machine: this run continues the one that wrote it

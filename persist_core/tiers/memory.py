@@ -27,7 +27,8 @@ from typing import Any
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format.manifest import Manifest
 from persist_core.layout import (DEFAULT_MEMORY_DIR, LOCAL_DIR_NAME, SLOT_RECORD_SUFFIX, is_life_dirname,
-                                 life_dirname, memory_rank_dirname, parse_slot_record_name)
+                                 life_dirname, memory_rank_dirname, parse_partner_dirname, parse_slot_record_name,
+                                 partner_dirname)
 from persist_core.sidefiles import is_link, read_side_file, write_side_file
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,10 @@ class MemoryTier:
 
     def store(self, run_id: str, rank: int, local_dir: Path) -> MemoryStore:
         return MemoryStore(self.base / run_id / memory_rank_dirname(rank), local_dir=local_dir)
+
+    def partner_store(self, run_id: str, of_rank: int, local_dir: Path) -> MemoryStore:
+        """The copies of rank ``of_rank``'s snapshots that this node holds as its partner."""
+        return MemoryStore(self.base / run_id / partner_dirname(of_rank), local_dir=local_dir)
 
 
 def check_memory(value: Any) -> MemoryTier | None:
@@ -268,13 +273,15 @@ def _remove(life: Path) -> None:
 
 
 def run_lives(base: Path, run_id: str, local_dir: Path | None = None) -> list[tuple[Path, bool, list[Snapshot]]]:
-    """Every slot directory of run ``run_id`` under ``base`` (each rank's, each engine's): its path, whether a live
-    process holds it, and its committed snapshots (newest first)."""
+    """Every slot directory of run ``run_id`` under ``base`` (each rank's, each engine's, and the partner copies this
+    node holds for other ranks, ``partner-of-rank-R``): its path, whether a live process holds it, and its committed
+    snapshots (newest first)."""
     run = base / run_id
     if is_link(run):
         return []
     try:
-        ranks = [run / n for n in sorted(os.listdir(run)) if n.startswith("rank-") and not is_link(run / n)]
+        ranks = [run / n for n in sorted(os.listdir(run))
+                 if (n.startswith("rank-") or parse_partner_dirname(n) is not None) and not is_link(run / n)]
     except OSError:
         return []
     found = []

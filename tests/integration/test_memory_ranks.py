@@ -8,6 +8,7 @@ restores from node 0's partner copies, bit-exact, nothing lost since the last pa
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,3 +109,14 @@ def test_a_torn_slot_on_one_rank_makes_every_rank_resume_from_the_older_step_all
         f.write(bytes([b[0] ^ 0xFF]))
     assert _resume(tmp_path, 2, 1) == [(7, "memory", True)] * 2  # rank 0 has 8 whole, but rank 1 has 7 at most
 
+
+def test_a_lost_node_is_restored_from_the_partner_copies_in_the_other_nodes_memory(tmp_path):
+    resumed, ready = _run(tmp_path, 4, 2, 8)
+    assert ready == [8] * 4
+    for r in (2, 3):  # node 0 holds node 1's ranks' newest snapshots
+        assert 8 in _records(tmp_path / "node0" / "shm", f"partner-of-rank-{r:05d}")
+    for r in (0, 1):
+        assert 8 in _records(tmp_path / "node1" / "shm", f"partner-of-rank-{r:05d}")
+    shutil.rmtree(tmp_path / "node1")  # node 1 lost: its host memory and its disk
+    resumed = _resume(tmp_path, 4, 2)
+    assert resumed == [(8, "memory", True)] * 2 + [(8, "partner", True)] * 2  # nothing lost, no remote read
