@@ -104,3 +104,39 @@ def test_a_copy_in_flight_is_given_up_for_a_newer_snapshot_and_a_copy_that_does_
     assert not any(t.is_alive() for t in sender._threads + receiver._threads)  # STOP ended the receiver
     copy = held.snapshots()[0]
     assert copy.path.read_bytes()[: new.manifest.files[0].size] == new.path.read_bytes()[: new.manifest.files[0].size]
+
+
+def test_persist_ls_shows_the_partner_copies_a_node_holds_and_gc_never_removes_a_live_receivers(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from persist_core.cli import main
+
+    _, new = _snapshots(tmp_path)
+    shm, ckpt = tmp_path / "shm", str(tmp_path / "ckpt")
+    run = next(shm.iterdir())
+    wire = Wire()
+    held = MemoryStore(run / "partner-of-rank-00001", local_dir=tmp_path / "ckpt")  # this node holds rank 1's
+    sender = PartnerCopies(wire.end(1), rank=1, partner=0, source=None, held=None, chunk_bytes=64 << 10)
+    receiver = PartnerCopies(wire.end(0), rank=0, partner=None, source=1, held=held, chunk_bytes=64 << 10)
+    try:
+        sender.offer(new)
+        assert sender.flush(30) and sender.copied_step == 2
+
+        def ls() -> list[dict]:
+            out = CliRunner().invoke(main, ["ls", ckpt, "--json", "--memory-dir", str(shm)]).output
+            return [r for r in json.loads(out) if r["kind"].startswith("memory")]
+
+        assert ("memory-partner", 2, [1], "live") in [(r["kind"], r["step"], r["ranks"], r["process"]) for r in ls()]
+        done = CliRunner().invoke(main, ["gc", ckpt, "--memory", "--memory-dir", str(shm), "--json"])
+        assert done.exit_code == 0, done.output
+        assert not [p for p in json.loads(done.output)["memory_removed"] if "partner-of-rank" in p]  # it is live
+        assert [s.step for s in held.snapshots()] == [2]
+    finally:
+        sender.close(finished=False)
+        receiver.close(finished=False)  # as a killed process leaves them: stopped
+    assert [(r["kind"], r["process"]) for r in ls() if r["kind"] == "memory-partner"] == [("memory-partner", "stopped")]
+    done = CliRunner().invoke(main, ["gc", ckpt, "--memory", "--memory-dir", str(shm), "--json"])
+    assert [p for p in json.loads(done.output)["memory_removed"] if "partner-of-rank-00001" in p]
+    assert not held.snapshots()
