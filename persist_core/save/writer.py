@@ -183,13 +183,13 @@ class Writer:
                                      f"{type(e).__name__}: {e}")
                 error.__cause__ = e
         finally:
+            if error is not None:  # in the ledger before the step stops being pending: a wait() that finds nothing
+                log.error("[rank=%d][step=%d] %s", self._coll.rank, step, error)  # pending raises it
+                self._ledger.fail(handle, error)
             with self._lock:
                 self._pending.pop(step, None)
             if error is None:
                 handle._set_local_done()
-            else:
-                log.error("[rank=%d][step=%d] %s", self._coll.rank, step, error)
-                self._ledger.fail(handle, error)
 
     def _commit(self, job: WriteJob) -> Manifest:
         """Write the staged shard and commit it with the other ranks; returns the manifest committed."""
