@@ -123,6 +123,10 @@ class Saver:
         plan = plan_rank(state, rank=0, world_size=1, torch_loadable=self._torch_loadable and one,
                          replica_check=self._replica_check, seed=step,
                          cache=self._plans if one else self._snapshot_plans)
+        if not one and plan.shardings:  # a rank's part of a DTensor is no whole state to restore from alone
+            self._snapshots.give_up(f"with {self._coll.world_size} ranks, a state with DTensor leaves "
+                                    f"({len(plan.shardings)}) is not snapshot yet")
+            return
         self._snapshots.wait()  # the previous snapshot is committed before this one may take a slot
         staged = stage_into(self._pool, plan.shard, self._streams, claim=False)
         try:

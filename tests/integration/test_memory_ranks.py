@@ -120,3 +120,17 @@ def test_a_lost_node_is_restored_from_the_partner_copies_in_the_other_nodes_memo
     shutil.rmtree(tmp_path / "node1")  # node 1 lost: its host memory and its disk
     resumed = _resume(tmp_path, 4, 2)
     assert resumed == [(8, "memory", True)] * 2 + [(8, "partner", True)] * 2  # nothing lost, no remote read
+
+
+def test_a_state_with_dtensor_leaves_on_several_ranks_is_not_snapshot_said_once_and_saved_to_disk(tmp_path):
+    import torch
+
+    from tests.support import memory_ranks_child
+    from tests.support.ranks import exit_codes
+
+    assert exit_codes(memory_ranks_child.sharded, 2, str(tmp_path / "ckpt"), str(tmp_path)) == [0, 0]
+    for r in range(2):
+        got = torch.load(tmp_path / f"sharded-rank{r}.pt", weights_only=False)
+        assert got["snapshots"] == []  # never an unreadable record (a rank's part of a DTensor is no whole state)
+        assert sum("takes no snapshots" in m and "DTensor" in m for m in got["said"]) == 1
+        assert (got["step"], got["equal"]) == (2, True)  # the disk saves went on

@@ -77,3 +77,33 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def sharded(rank: int, world: int, port: int, base: str, out: str) -> None:
+    """A state with a DTensor leaf on ``world`` ranks: the memory tier says once that it takes no snapshot of it
+    (each rank's part is no state to restore from alone) and the disk saves go on; the result goes to ``out``."""
+    import logging
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from persist_core import CheckpointEngine, EveryNSteps, MemoryTier, TorchCollectives
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("persist_core").addHandler(handler)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    coll, mesh = TorchCollectives.new_group(timeout_s=60), init_device_mesh("cpu", (world,))
+    full = torch.arange(64.0).reshape(8, 8)
+    with CheckpointEngine(base, collectives=coll, save_policy=EveryNSteps(2), preemption=None,
+                          memory=MemoryTier(memory_dir=Path(base) / "shm")) as engine:
+        for step in (1, 2, 3):
+            engine.maybe_save(lambda: {"d": distribute_tensor(full * step, mesh, [Shard(0)]), "step": step}, step)
+        engine.wait()
+        snapshots = sorted(engine.reader.memory_steps())
+        loaded = engine.load()
+    torch.save({"said": said, "snapshots": snapshots, "step": loaded["step"],
+                "equal": torch.equal(loaded["d"], full * 2)}, Path(out) / f"sharded-rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
