@@ -12,6 +12,7 @@ the set. Who sends what when is :mod:`persist_core.sync.partner`'s (background) 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import struct
 from collections.abc import Callable
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 BEGIN, CHUNK, END, ABORT, STOP, NONE, ACK = range(1, 8)
 _HEADER = struct.Struct("<4q")  # op, step, a, b
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # the pages mapped at once, not faulted in one by one
 
 
 def send_header(p2p: PointToPoint, peer: int, tag: int, op: int, step: int = 0, a: int = 0, b: int = 0) -> None:
@@ -50,24 +52,24 @@ def send_image(p2p: PointToPoint, peer: int, tag: int, snap: Snapshot, *, chunk_
     nbytes = snap.manifest.files[0].size
     send_header(p2p, peer, tag, BEGIN, snap.step, len(record), nbytes)
     p2p.send(record, peer, tag)
-    try:
-        fd = os.open(snap.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
+    try:  # sent straight from the slot's pages (a private mapping: writable for the channel, never written)
+        with open(snap.path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW | os.O_CLOEXEC)) as f:
+            image = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_PRIVATE | _POPULATE) if nbytes else None
+    except (OSError, ValueError) as e:
         log.warning("[step=%d] the memory snapshot %s cannot be read for its partner copy: %s", snap.step, snap.path, e)
         send_header(p2p, peer, tag, ABORT, snap.step)
         return False
     try:
-        buf = bytearray(min(chunk_bytes, nbytes))
         for offset in range(0, nbytes, chunk_bytes):
-            n = min(chunk_bytes, nbytes - offset)
-            view = memoryview(buf)[:n]
-            if newer() or os.preadv(fd, [view], offset) != n:
+            if newer():
                 send_header(p2p, peer, tag, ABORT, snap.step)
                 return False
+            n = min(chunk_bytes, nbytes - offset)
             send_header(p2p, peer, tag, CHUNK, snap.step, offset, n)
-            p2p.send(view, peer, tag)
+            p2p.send(memoryview(image)[offset : offset + n], peer, tag)
     finally:
-        os.close(fd)
+        if image is not None:
+            image.close()
     send_header(p2p, peer, tag, END, snap.step)
     return True
 
@@ -83,55 +85,62 @@ def recv_image(p2p: PointToPoint, peer: int, tag: int, begin: tuple[int, int, in
     _, step, record_len, nbytes = begin
     record = bytearray(record_len)
     p2p.recv_into(record, peer, tag)
-    fd = None
-    if path is not None:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            os.ftruncate(fd, max(nbytes, os.fstat(fd).st_size))
-        except OSError as e:
-            log.warning("[step=%d] no room for the partner copy at %s (%s): received and dropped", step, path, e)
-            if fd is not None:
-                os.close(fd)
-            fd = None
-    buf = bytearray(min(chunk_bytes, max(nbytes, 1)))
+    image = _mapped(path, nbytes, step)  # received straight into the slot's pages (None: dropped)
+    spare = bytearray(min(chunk_bytes, max(nbytes, 1)))
     try:
         while True:
             op, _, offset, n = recv_header(p2p, peer, tag)
             if op == CHUNK:
-                if n > len(buf):
-                    buf = bytearray(n)
-                view = memoryview(buf)[:n]
-                p2p.recv_into(view, peer, tag)
-                if fd is not None:
-                    try:
-                        os.pwrite(fd, view, offset)
-                    except OSError as e:
-                        log.warning("[step=%d] the partner copy at %s failed writing (%s): dropped", step, path, e)
-                        os.close(fd)
-                        fd = None
+                if image is not None and 0 <= offset and offset + n <= nbytes:
+                    p2p.recv_into(memoryview(image)[offset : offset + n], peer, tag)
+                else:
+                    spare = spare if n <= len(spare) else bytearray(n)
+                    p2p.recv_into(memoryview(spare)[:n], peer, tag)
                 continue
-            if op != END or fd is None:
+            if op != END or image is None:
                 return op == END, None
-            return True, _verified(fd, bytes(record), path, step)
+            return True, _verified(image, bytes(record), path, step)
     finally:
-        if fd is not None:
-            os.close(fd)
+        if image is not None:
+            image.close()
 
 
-def _verified(fd: int, record: bytes, path: Path | None, step: int) -> Manifest | None:
-    """The manifest ``record`` when the image in ``fd`` matches its checksums, every block; else ``None``."""
+def _mapped(path: Path | None, nbytes: int, step: int) -> mmap.mmap | None:
+    """``path`` (0600, never through a link) with room for ``nbytes`` reserved up front (so writing its pages never
+    raises a SIGBUS on a full tmpfs), mapped shared; ``None`` where there is no room (said in the log)."""
+    if path is None or nbytes <= 0:
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        log.warning("[step=%d] the partner copy cannot be made at %s (%s): received and dropped", step, path, e)
+        return None
+    try:
+        if os.fstat(fd).st_size < nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+    except OSError as e:
+        log.warning("[step=%d] no room for the partner copy at %s (%s): received and dropped", step, path, e)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _verified(image: mmap.mmap, record: bytes, path: Path | None, step: int) -> Manifest | None:
+    """The manifest ``record`` when ``image`` matches its checksums, every block; else ``None``."""
     try:
         manifest = Manifest.from_bytes(record, where=str(path))
         (fe,) = manifest.files
-        view = memoryview(bytearray(fe.chunk_bytes or fe.size or 1))
-        for i, expected in enumerate(fe.chunks or ()):
-            offset = i * fe.chunk_bytes
-            n = min(fe.chunk_bytes, fe.size - offset)
-            if os.preadv(fd, [view[:n]], offset) != n or crc32c.crc32c(view[:n]) != expected:
-                raise CorruptCheckpointError(f"block {i} of {path} does not match its checksum")
-        if not fe.chunks:
-            raise CorruptCheckpointError(f"the record of {path} has no checksums")
+        if not fe.chunks or fe.size > len(image):
+            raise CorruptCheckpointError(f"the record of {path} has no checksums, or more bytes than came")
+        view = memoryview(image)
+        try:
+            for i, expected in enumerate(fe.chunks):
+                if crc32c.crc32c(view[i * fe.chunk_bytes : min((i + 1) * fe.chunk_bytes, fe.size)]) != expected:
+                    raise CorruptCheckpointError(f"block {i} of {path} does not match its checksum")
+        finally:
+            view.release()
         return manifest
-    except (CorruptCheckpointError, ConfigError, ValueError, OSError) as e:
+    except (CorruptCheckpointError, ConfigError, ValueError) as e:
         log.warning("[step=%d] the partner copy does not verify (%s): not kept", step, e)
         return None
