@@ -117,8 +117,12 @@ def _exchange(partner: PartnerLink, pulls: list[tuple[int, int]], step: int, ran
     for holder, puller in pulls:
         if rank not in (holder, puller):
             continue
-        if rank == holder:
-            snap = _held_snapshot(partner, step)
+        if rank == holder:  # it always answers, so its puller never waits for nothing
+            try:
+                snap = _held_snapshot(partner, step)
+            except OSError as e:
+                log.warning("[rank=%d][step=%d] the partner copies cannot be listed: %s", rank, step, e)
+                snap = None
             if snap is None:
                 send_header(partner.p2p, puller, _PULL_TAG, NONE, step)
             else:
@@ -128,11 +132,16 @@ def _exchange(partner: PartnerLink, pulls: list[tuple[int, int]], step: int, ran
         if header[0] != BEGIN:
             log.warning("[rank=%d][step=%d] rank %d no longer holds the partner copy", rank, step, holder)
             continue
-        partner.scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = partner.scratch / pulled_filename(secrets.token_hex(8))
+        path: Path | None = partner.scratch / pulled_filename(secrets.token_hex(8))
+        try:
+            partner.scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:  # the image is still received (and dropped): the holder never waits
+            log.warning("[rank=%d][step=%d] no room for a pulled partner copy in %s: %s", rank, step, partner.scratch, e)
+            path = None
         _, manifest = recv_image(partner.p2p, holder, _PULL_TAG, header, path, chunk_bytes=partner.chunk_bytes)
-        if manifest is None:
-            path.unlink(missing_ok=True)
+        if manifest is None or path is None:
+            if path is not None:
+                path.unlink(missing_ok=True)
             continue
         pulled = Snapshot(manifest, path)
         log.info("[rank=%d][step=%d] pulled the partner copy back from rank %d (%d bytes)", rank, step, holder,
