@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 BEGIN, CHUNK, END, ABORT, STOP, NONE, ACK = range(1, 8)
 _HEADER = struct.Struct("<4q")  # op, step, a, b
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # the pages mapped at once, not faulted in one by one
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_NO_ROOM: set[Path] = set()  # directories whose lack of room was said  # the pages mapped at once, not faulted in one by one
 
 
 def send_header(p2p: PointToPoint, peer: int, tag: int, op: int, step: int = 0, a: int = 0, b: int = 0) -> None:
@@ -119,8 +120,11 @@ def _mapped(path: Path | None, nbytes: int, step: int) -> mmap.mmap | None:
         if os.fstat(fd).st_size < nbytes:
             os.posix_fallocate(fd, 0, nbytes)
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
-    except OSError as e:
-        log.warning("[step=%d] no room for the partner copy at %s (%s): received and dropped", step, path, e)
+    except OSError as e:  # said once per directory (every copy would say it again)
+        said = path.parent in _NO_ROOM
+        _NO_ROOM.add(path.parent)
+        (log.debug if said else log.warning)("[step=%d] no room for the partner copy at %s (%s): received and "
+                                             "dropped", step, path, e)
         return None
     finally:
         os.close(fd)
