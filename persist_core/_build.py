@@ -31,11 +31,13 @@ from persist_core.load.agree import PartnerLink
 from persist_core.load.reader import CheckpointReader
 from persist_core.save.overlap import Overlap
 from persist_core.save.allocators import SlotAllocator
-from persist_core.save.commit import discover_nodes
+from persist_core.save.commit import Nodes, discover_nodes
 from persist_core.save.saver import Saver
 from persist_core.save.snapshots import Snapshots
 from persist_core.save.staging import StagingPool
 from persist_core.scheduler import SaveScheduler
+from persist_core.layout import RUN_ID_NAME
+from persist_core.sidefiles import read_side_file
 from persist_core.sync.lease import keep_run_id, local_run_id
 from persist_core.sync.partner import PartnerCopies, partners
 from persist_core.tiers.local import open_local_dir
@@ -118,7 +120,9 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
         raise
     ledger = ErrorLedger()
     history = SaveHistory(clock, prior=recent_costs(root))  # a restarted job: what saves cost
-    snapshots = None if config.memory is None else _snapshots(config, root, coll)
+    # several ranks with a memory tier: which ranks share local_dir (a collective call; no save has started yet)
+    nodes = None if config.memory is None or coll.world_size == 1 else discover_nodes(root, coll)
+    snapshots = None if config.memory is None else _snapshots(config, root, coll, nodes)
     if snapshots is None:
         pool = StagingPool(config.max_pending, pin=torch.cuda.is_available(), turn=overlap.turn)
     else:  # the staging buffers are the memory tier's slots: the newest snapshot's, one to fill, the writes'
@@ -140,20 +144,19 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     reader = CheckpointReader(root, verify=config.verify, tier=tier, on_loaded=on_loaded,
                               memory=None if snapshots is None else snapshots.store)
     own_notice = preemption if preemption is not None and preemption.exit_after else None
-    partner, link = (None, None) if snapshots is None else _partner(config, root, coll, snapshots)
+    partner, link = (None, None) if snapshots is None else _partner(config, root, coll, snapshots, nodes)
     return Parts(root=root, coll=coll, dir_lock=dir_lock, tier=tier, ledger=ledger, history=history, overlap=overlap,
                  pool=pool, pipeline=pipeline, saver=saver, scheduler=scheduler, reader=reader, own_notice=own_notice,
                  snapshots=snapshots, partner=partner, partner_link=link)
 
 
-def _partner(config: Config, root: Path, coll: Collectives,
-             snapshots: Snapshots) -> tuple[PartnerCopies | None, PartnerLink | None]:
+def _partner(config: Config, root: Path, coll: Collectives, snapshots: Snapshots,
+             nodes: Nodes | None) -> tuple[PartnerCopies | None, PartnerLink | None]:
     """Several nodes (found out here, as the commit finds them): each rank's snapshots also go to its partner on the
     next node (:mod:`persist_core.sync.partner`), on two channels of their own, made by every rank alike. One node:
     said once, no partner."""
-    if coll.world_size == 1:
+    if nodes is None:
         return None, None
-    nodes = discover_nodes(root, coll)  # before any save: the writer makes no call on coll yet
     if len(nodes.groups) == 1:
         if coll.rank == 0:
             log.info("the memory tier's snapshots have no partner copies: every rank is on one node (one local_dir)")
@@ -175,17 +178,32 @@ def _partner(config: Config, root: Path, coll: Collectives,
     return copies, PartnerLink(restore, source=source, held=held, scratch=snapshots.store.root)
 
 
-def _snapshots(config: Config, root: Path, coll: Collectives) -> Snapshots | None:
-    """The memory tier's save side for ``config.memory``: this rank's snapshots under ``<run-id>/rank-R`` (several
-    ranks: rank 0's run id, which every rank takes, a collective call; a node's own ``local_dir`` may keep another)."""
+def _snapshots(config: Config, root: Path, coll: Collectives, nodes: Nodes | None) -> Snapshots | None:
+    """The memory tier's save side for ``config.memory``: this rank's snapshots under ``<run-id>/rank-R``. Several
+    ranks (``nodes``: which share ``local_dir``) take rank 0's run id (a collective call); the first rank of each node
+    keeps it in its ``local_dir``, where that keeps another (a replaced node's fresh disk)."""
     assert config.memory is not None
+    if coll.world_size > 1:  # rank 0's (made in its local_dir at first use); each node's first rank keeps it too
+        given = config.run_id or run_id_from_env()
+        run_id = coll.broadcast((given or local_run_id(root)) if coll.rank == 0 else None)  # no save has started yet
+        if nodes is not None and nodes.groups[nodes.mine][0] == coll.rank and _kept_run_id(root) != run_id:
+            keep_run_id(root, run_id)  # a replaced node's fresh disk: a reader there finds the run (one writer)
+        return _snapshots_of(config, root, coll, run_id)
     run_id = config.run_id or run_id_from_env() or local_run_id(root)
-    if coll.world_size > 1:
-        run_id = coll.broadcast(run_id)  # before any save: the writer thread makes no call on coll yet
-        if local_run_id(root) != run_id:  # a node's local_dir made its own (a replaced node, or a race at first use)
-            keep_run_id(root, run_id)
-    elif config.run_id is not None:
+    if config.run_id is not None:
         keep_run_id(root, run_id)  # where a CheckpointReader(local_dir, memory=...) looks for this run's snapshots
+    return _snapshots_of(config, root, coll, run_id)
+
+
+def _kept_run_id(root: Path) -> str | None:
+    try:
+        return read_side_file(root / RUN_ID_NAME).decode().strip() or None
+    except (OSError, UnicodeDecodeError, ConfigError):
+        return None
+
+
+def _snapshots_of(config: Config, root: Path, coll: Collectives, run_id: str) -> Snapshots:
+    assert config.memory is not None
     store = config.memory.store(run_id, coll.rank, root)
 
     def full(why: str) -> None:

@@ -86,28 +86,28 @@ def _records(shm: Path, rank_dir: str) -> dict[int, Path]:
     return {json.loads(p.read_text())["step"]: p for p in shm.glob(f"*/{rank_dir}/life-*/slot-*.json")}
 
 
-def test_two_ranks_killed_resume_from_their_own_memory_bit_exact_without_the_disk(tmp_path):
+def _tear(record: Path) -> None:
+    """A byte of the slot's data changed after its record was written (what a torn fill leaves, or a bad page)."""
+    slot = record.with_suffix("")
+    with open(slot, "r+b") as f:
+        f.seek(8192)
+        b = f.read(1)
+        f.seek(8192)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_two_ranks_killed_resume_from_their_own_memory_bit_exact_and_a_torn_slot_makes_both_take_the_older_step(
+        tmp_path):
     resumed, ready = _run(tmp_path, 2, 1, 8)
     assert resumed == [(-1, "none", True)] * 2
     assert ready == [8, 8]
     resumed, ready = _run(tmp_path, 2, 1, 3)  # killed again, after resuming
     assert resumed == [(8, "memory", True)] * 2  # step 8 is on no disk (5 is): from memory, every byte verified
     assert ready == [11, 11]
-    assert _resume(tmp_path, 2, 1) == [(11, "memory", True)] * 2
-
-
-def test_a_torn_slot_on_one_rank_makes_every_rank_resume_from_the_older_step_all_have(tmp_path):
-    _run(tmp_path, 2, 1, 8)
-    shm = tmp_path / "node0" / "shm"
-    newest = _records(shm, "rank-00001")
-    assert {7, 8} <= set(newest)
-    slot = newest[8].with_suffix("")
-    with open(slot, "r+b") as f:  # rank 1's step 8 torn: a byte of its data changed after its record
-        f.seek(8192)
-        b = f.read(1)
-        f.seek(8192)
-        f.write(bytes([b[0] ^ 0xFF]))
-    assert _resume(tmp_path, 2, 1) == [(7, "memory", True)] * 2  # rank 0 has 8 whole, but rank 1 has 7 at most
+    records = _records(tmp_path / "node0" / "shm", "rank-00001")
+    assert {10, 11} <= set(records)
+    _tear(records[11])  # rank 1's step 11 torn; rank 0's is whole
+    assert _resume(tmp_path, 2, 1) == [(10, "memory", True)] * 2  # the newest step both have whole
 
 
 def test_a_lost_node_is_restored_from_the_partner_copies_in_the_other_nodes_memory(tmp_path):
@@ -120,6 +120,21 @@ def test_a_lost_node_is_restored_from_the_partner_copies_in_the_other_nodes_memo
     shutil.rmtree(tmp_path / "node1")  # node 1 lost: its host memory and its disk
     resumed = _resume(tmp_path, 4, 2)
     assert resumed == [(8, "memory", True)] * 2 + [(8, "partner", True)] * 2  # nothing lost, no remote read
+
+
+def test_a_lost_node_whose_newest_partner_copy_does_not_verify_resumes_with_every_rank_at_the_older_copy(tmp_path):
+    _run(tmp_path, 4, 2, 8)
+    shm = tmp_path / "node0" / "shm"
+    held = {r: _records(shm, f"partner-of-rank-{r:05d}") for r in (2, 3)}  # two slots each: the newest, one older
+    assert 8 in held[2] and 8 in held[3]
+    _tear(held[3][8])
+    shutil.rmtree(tmp_path / "node1")
+    # the newest step every rank can still get whole: node 0's own memory, rank 2's copies, rank 3's older copy
+    common = set(_records(shm, "rank-00000")) & set(_records(shm, "rank-00001")) & set(held[2]) & (set(held[3]) - {8})
+    assert common
+    older = max(common)
+    # rank 3's pulled copy of 8 fails its checksums where it lands: every rank moves to the older step together
+    assert _resume(tmp_path, 4, 2) == [(older, "memory", True)] * 2 + [(older, "partner", True)] * 2
 
 
 def test_a_state_with_dtensor_leaves_on_several_ranks_is_not_snapshot_said_once_and_saved_to_disk(tmp_path):

@@ -6,8 +6,8 @@
 memory)). It resumes from the freshest source (``engine.load()``, every rank agreeing), checks the state bit for bit,
 prints ``resumed <step> <source> <equal>`` (the source the state was read from: ``memory``, ``partner``, ``local``,
 ``remote``; ``-1 none`` when there was nothing), then takes
-``STEPS`` more steps (a snapshot every step, a disk save every 5th) and prints ``ready <step>`` once every snapshot and
-its partner copy are done; then it waits to be killed. ``STEPS=0``: it closes and exits after the resume.
+``STEPS`` more steps (a snapshot every step, a disk save every 5th; after each, ``engine.wait()``: its snapshot and
+its partner copy are done) and prints ``ready <step>``; then it waits to be killed. ``STEPS=0``: it closes and exits after the resume.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main() -> None:
         return
     for step in range(start, start + steps):
         engine.maybe_save(lambda: state_for(step, rank), step)
-    engine.wait()
+        engine.wait()  # each snapshot and its partner copy done: the slots each node holds do not depend on timing
     print(f"ready {start + steps - 1}", flush=True)
     sys.stdin.read()  # until killed
     os._exit(0)
