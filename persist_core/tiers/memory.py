@@ -46,8 +46,13 @@ class MemoryTier:
     Args:
         every_n_steps: snapshot every this many steps (1: every step).
         memory_dir: a tmpfs to keep the snapshots in (default ``/dev/shm/torch-persist``); it needs room for
-            ``max_pending + 2`` copies of each rank's share of the state. Where it has less, the engine warns
-            once and saves to disk only.
+            ``max_pending + 2`` copies of each rank's state, and with several nodes two more of each partner's (the
+            copies this node holds for the previous node's ranks). Where it has less, the engine warns once and
+            saves to disk only (partner copies: dropped, said once).
+
+    Several ranks: each snapshots its whole state; ``engine.load()`` agrees on the newest step every rank has whole.
+    Several nodes: each rank's newest snapshot is also copied to its partner (the same local rank on the next
+    node), so a lost node restores from the other node's memory (:mod:`persist_core.sync.partner`).
     """
 
     every_n_steps: int = 1
