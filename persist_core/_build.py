@@ -17,8 +17,8 @@ import torch
 
 from persist_core._knobs import check_callable, run_id_from_env
 from persist_core.config import Config
-from persist_core.distributed import Collectives, check_collectives
-from persist_core.errors import PersistError
+from persist_core.distributed import Collectives, check_collectives, point_to_point
+from persist_core.errors import ConfigError, PersistError
 from persist_core.fileio import FileOps, OsFileOps
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger
@@ -27,14 +27,19 @@ from persist_core.ownership import DirLock
 from persist_core.pipeline import Pipeline
 from persist_core.policies.save import Clock
 from persist_core.preemption import PreemptionNotice, default_notice
+from persist_core.load.agree import PartnerLink
 from persist_core.load.reader import CheckpointReader
 from persist_core.save.overlap import Overlap
 from persist_core.save.allocators import SlotAllocator
+from persist_core.save.commit import Nodes, discover_nodes
 from persist_core.save.saver import Saver
 from persist_core.save.snapshots import Snapshots
 from persist_core.save.staging import StagingPool
 from persist_core.scheduler import SaveScheduler
+from persist_core.layout import RUN_ID_NAME
+from persist_core.sidefiles import read_side_file
 from persist_core.sync.lease import keep_run_id, local_run_id
+from persist_core.sync.partner import PartnerCopies, partners
 from persist_core.tiers.local import open_local_dir
 from persist_core.tiers.remote import RemoteTier
 
@@ -62,6 +67,8 @@ class Parts:
     reader: CheckpointReader
     own_notice: PreemptionNotice | None  # the engine's own SIGTERM notice, put back at close
     snapshots: Snapshots | None = None  # the memory tier's save side
+    partner: PartnerCopies | None = None  # the memory tier's copies on another node (several nodes)
+    partner_link: PartnerLink | None = None  # ... and how a restore pulls them back
 
     def summary(self) -> dict[str, float | int | None]:
         """``CheckpointEngine.summary``: the history's, the overlapped saves, how far behind the remote is."""
@@ -78,6 +85,8 @@ class Parts:
             self.own_notice.restore()
         self.overlap.close()
         self.pool.close()
+        if self.partner is not None:  # before the slots it reads from go
+            self.partner.close(finished=finished)
         if self.snapshots is not None:
             self.snapshots.close(finished=finished)
         self.pipeline.close()
@@ -108,7 +117,9 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
         raise
     ledger = ErrorLedger()
     history = SaveHistory(clock, prior=recent_costs(root))  # a restarted job: what saves cost
-    snapshots = None if config.memory is None else _snapshots(config, root, coll)
+    # several ranks with a memory tier: which ranks share local_dir (a collective call; no save has started yet)
+    nodes = None if config.memory is None or coll.world_size == 1 else discover_nodes(root, coll)
+    snapshots = None if config.memory is None else _snapshots(config, root, coll, nodes)
     if snapshots is None:
         pool = StagingPool(config.max_pending, pin=torch.cuda.is_available(), turn=overlap.turn)
     else:  # the staging buffers are the memory tier's slots: the newest snapshot's, one to fill, the writes'
@@ -133,21 +144,66 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     reader = CheckpointReader(root, verify=config.verify, tier=tier, on_loaded=on_loaded,
                               memory=None if snapshots is None else snapshots.store)
     own_notice = preemption if preemption is not None and preemption.exit_after else None
+    partner, link = (None, None) if snapshots is None else _partner(config, root, coll, snapshots, nodes)
     return Parts(root=root, coll=coll, dir_lock=dir_lock, tier=tier, ledger=ledger, history=history, overlap=overlap,
                  pool=pool, pipeline=pipeline, saver=saver, scheduler=scheduler, reader=reader, own_notice=own_notice,
-                 snapshots=snapshots)
+                 snapshots=snapshots, partner=partner, partner_link=link)
 
 
-def _snapshots(config: Config, root: Path, coll: Collectives) -> Snapshots | None:
-    """The memory tier's save side for ``config.memory`` (one process; several: disk only, said once)."""
+def _partner(config: Config, root: Path, coll: Collectives, snapshots: Snapshots,
+             nodes: Nodes | None) -> tuple[PartnerCopies | None, PartnerLink | None]:
+    """Several nodes (found out here, as the commit finds them): each rank's snapshots also go to its partner on the
+    next node (:mod:`persist_core.sync.partner`), on two channels of their own, made by every rank alike. One node:
+    said once, no partner."""
+    if nodes is None:
+        return None, None
+    if len(nodes.groups) == 1:
+        if coll.rank == 0:
+            log.info("the memory tier's snapshots have no partner copies: every rank is on one node (one local_dir)")
+        return None, None
+    background = point_to_point(coll, background=True)
+    restore = point_to_point(coll, background=False)
+    if background is None or restore is None:
+        log.warning("[rank=%d] %d nodes, but the collectives make no point-to-point channel: no partner copies "
+                    "(pass TorchCollectives.new_group())", coll.rank, len(nodes.groups))
+        return None, None
+    partner, source = partners(nodes.groups, coll.rank)
     assert config.memory is not None
-    if coll.world_size > 1:
-        log.warning("[rank=%d] the memory tier holds one process's snapshots for now; with %d processes this run "
-                    "saves to disk only", coll.rank, coll.world_size)
-        return None
+    run_id = snapshots.store.root.parent.name
+    held = None if source is None else config.memory.partner_store(run_id, source, root)
+    log.info("[rank=%d] memory snapshots are copied to rank %s on the next node; this rank holds rank %s's",
+             coll.rank, partner, source)
+    copies = PartnerCopies(background, rank=coll.rank, partner=partner, source=source, held=held)
+    snapshots.on_committed = copies.offer
+    return copies, PartnerLink(restore, source=source, held=held, scratch=snapshots.store.root)
+
+
+def _snapshots(config: Config, root: Path, coll: Collectives, nodes: Nodes | None) -> Snapshots | None:
+    """The memory tier's save side for ``config.memory``: this rank's snapshots under ``<run-id>/rank-R``. Several
+    ranks (``nodes``: which share ``local_dir``) take rank 0's run id (a collective call); the first rank of each node
+    keeps it in its ``local_dir``, where that keeps another (a replaced node's fresh disk)."""
+    assert config.memory is not None
+    if coll.world_size > 1:  # rank 0's (made in its local_dir at first use); each node's first rank keeps it too
+        given = config.run_id or run_id_from_env()
+        run_id = coll.broadcast((given or local_run_id(root)) if coll.rank == 0 else None)  # no save has started yet
+        if nodes is not None and nodes.groups[nodes.mine][0] == coll.rank and _kept_run_id(root) != run_id:
+            keep_run_id(root, run_id)  # a replaced node's fresh disk: a reader there finds the run (one writer)
+        return _snapshots_of(config, root, coll, run_id)
     run_id = config.run_id or run_id_from_env() or local_run_id(root)
     if config.run_id is not None:
         keep_run_id(root, run_id)  # where a CheckpointReader(local_dir, memory=...) looks for this run's snapshots
+    return _snapshots_of(config, root, coll, run_id)
+
+
+def _kept_run_id(root: Path) -> str | None:
+    try:
+        return read_side_file(root / RUN_ID_NAME).decode().strip() or None
+    except (OSError, UnicodeDecodeError, ConfigError):
+        return None
+
+
+def _snapshots_of(config: Config, root: Path, coll: Collectives, run_id: str) -> Snapshots:
+    assert config.memory is not None
     store = config.memory.store(run_id, coll.rank, root)
 
     def full(why: str) -> None:

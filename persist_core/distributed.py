@@ -53,6 +53,25 @@ def decision_channel(coll: Collectives) -> Collectives | None:
     return getattr(coll, "decisions", None)
 
 
+@runtime_checkable
+class PointToPoint(Protocol):
+    """Byte messages between two ranks, over a process group of their own (the memory tier's partner copies,
+    :mod:`persist_core.sync.partner`). A message is received into a buffer of its exact length; ``send`` returns
+    once the peer has it. Messages between two ranks with one tag arrive in order; tags keep streams apart."""
+
+    def send(self, data: bytes | bytearray | memoryview, peer: int, tag: int) -> None: ...
+
+    def recv_into(self, buf: bytearray | memoryview, peer: int, tag: int) -> None: ...
+
+
+def point_to_point(coll: Collectives, *, background: bool) -> PointToPoint | None:
+    """A new :class:`PointToPoint` channel over all ranks of ``coll`` (a collective call: every rank makes it,
+    in the same order), or ``None`` where ``coll`` cannot make one. ``background``: for a thread that waits on its
+    peer as long as the run lasts (no timeout to speak of)."""
+    make = getattr(coll, "new_point_to_point", None)
+    return None if make is None else make(background=background)
+
+
 class SingleProcess:
     """The collectives of a job with one process."""
 
@@ -91,6 +110,7 @@ class TorchCollectives:
         self._rank = dist.get_rank(group)
         self._world = dist.get_world_size(group)
         self._src = dist.get_global_rank(group, 0)
+        self._timeout = timedelta(seconds=1800)  # a restore's messages (new_point_to_point)
 
     @classmethod
     def new_group(cls, timeout_s: float = 1800.0) -> TorchCollectives:
@@ -108,8 +128,15 @@ class TorchCollectives:
         import torch.distributed as dist
 
         timeout = timedelta(seconds=timeout_s)
-        return cls(dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout),
+        made = cls(dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout),
                    dist.new_group(backend="gloo", timeout=timedelta(days=7)))
+        made._timeout = timeout
+        return made
+
+    def new_point_to_point(self, *, background: bool) -> TorchPointToPoint:
+        """A gloo group of its own for byte messages (:func:`point_to_point`; every rank calls it at once)."""
+        timeout = timedelta(days=7) if background else self._timeout
+        return TorchPointToPoint(self._dist.new_group(backend="gloo", timeout=timeout))
 
     @property
     def rank(self) -> int:
@@ -142,6 +169,23 @@ class TorchCollectives:
 
     def __repr__(self) -> str:
         return f"TorchCollectives(rank={self._rank}, world_size={self._world})"
+
+
+class TorchPointToPoint:
+    """:class:`PointToPoint` over a gloo group (``peer``: the global rank)."""
+
+    def __init__(self, group: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch, self._dist, self._group = torch, dist, group
+
+    def send(self, data: bytes | bytearray | memoryview, peer: int, tag: int) -> None:
+        buf = data if isinstance(data, (bytearray, memoryview)) and not memoryview(data).readonly else bytearray(data)
+        self._dist.send(self._torch.frombuffer(buf, dtype=self._torch.uint8), dst=peer, group=self._group, tag=tag)
+
+    def recv_into(self, buf: bytearray | memoryview, peer: int, tag: int) -> None:
+        self._dist.recv(self._torch.frombuffer(buf, dtype=self._torch.uint8), src=peer, group=self._group, tag=tag)
 
 
 def check_collectives(value: Any) -> Collectives:

@@ -25,7 +25,7 @@ from persist_core.format.manifest import Manifest
 from persist_core.handle import SaveHandle
 from persist_core.save.overlap import Guard
 from persist_core.policies.save import Clock, DecisionContext, SavePolicy
-from persist_core.load.choose import agreed_load
+from persist_core.load.agree import agreed_load
 from persist_core.load.reader import CheckpointReader
 from persist_core.tiers.tier import CheckpointInfo
 
@@ -104,7 +104,7 @@ class CheckpointEngine:
         """
         self._check_open()
         if self._parts.snapshots is None:
-            raise ConfigError("snapshot() needs CheckpointEngine(memory=MemoryTier(...)) (with one process)")
+            raise ConfigError("snapshot() needs CheckpointEngine(memory=MemoryTier(...))")
         self._parts.saver.snapshot(state, step, metadata=metadata, resumed_at=self.resumed_step)
 
     def maybe_snapshot(self, make_state: Callable[[], Any], step: int, *,
@@ -151,9 +151,10 @@ class CheckpointEngine:
         decides for all (:meth:`decide`). Raises ``ConfigError`` without a ``save_policy``; otherwise as :meth:`save`.
         """
         decided, preempting = self.decide(step)
-        handle = self.save(make_state(), step, metadata=metadata) if decided else None
-        if not decided:  # a step saved to disk is a snapshot already
-            self.maybe_snapshot(make_state, step, metadata=metadata)
+        state = make_state() if decided else None
+        handle = self.save(state, step, metadata=metadata) if decided else None
+        if not decided or not self._parts.saver.disk_is_snapshot:  # one process: a step saved to disk is one already
+            self.maybe_snapshot(make_state if state is None else lambda: state, step, metadata=metadata)
         if preempting:
             self.finish_preemption()
         return handle
@@ -219,6 +220,8 @@ class CheckpointEngine:
         self._overlap.fence()
         if self._parts.snapshots is not None:
             self._parts.snapshots.wait()
+        if self._parts.partner is not None:  # the newest snapshot's partner copy too
+            self._parts.partner.flush(timeout)
         try:
             self._pipeline.drain(timeout)
         except RemoteError:
@@ -312,7 +315,7 @@ class CheckpointEngine:
                       weights_only=weights_only)
         chan = decision_channel(self._coll)
         if step is None and chan is not None and chan.world_size > 1:
-            state = agreed_load(self._reader, chan, **kwargs)
+            state = agreed_load(self._reader, chan, self._parts.partner_link, **kwargs)
         else:
             state = self._reader.load(step, **kwargs)
         if self._reader.loaded_from_remote:  # a fresh machine: this run continues the one that wrote it

@@ -213,6 +213,10 @@ def node_probe_filename(token: str, rank: int) -> str:
 #                 slot-0  slot-1 ...         mapped staging buffers: a shard file image each
 #                 slot-0.json ...            a slot's commit record (its manifest), written after its bytes
 #                 .local-dir                 the local_dir of the engine that mapped them
+#         <run-id>/partner-of-rank-00002/    the copy of rank 2's newest snapshot this node holds (its partner, the
+#             life-5e6f7a8b/                 same local rank on the previous node; sync/partner.py): slots and
+#                 slot-0  slot-0.json ...    records as above, a record written once every byte verified
+#         <run-id>/rank-00002/pulled-<token> a partner's copy pulled back on restore (removed once read)
 DEFAULT_MEMORY_DIR = "/dev/shm/torch-persist"
 _LIFE_RE = re.compile(r"life-([0-9a-f]{8,32})")
 _SLOT_RE = re.compile(r"slot-([0-9]{1,6})")
@@ -223,6 +227,25 @@ LOCAL_DIR_NAME = ".local-dir"  # in a life's directory: the local_dir of the eng
 def memory_rank_dirname(rank: int) -> str:
     """The directory of one rank's snapshots under ``memory_dir/<run-id>``."""
     return f"rank-{rank:05d}"
+
+
+_PARTNER_RE = re.compile(r"partner-of-rank-" + _INDEX)
+
+
+def partner_dirname(rank: int) -> str:
+    """The directory of the partner copies of rank ``rank``'s snapshots (on the node that holds them)."""
+    return f"partner-of-rank-{rank:05d}"
+
+
+def parse_partner_dirname(name: str) -> int | None:
+    """The rank whose snapshots the partner directory ``name`` holds copies of, or ``None``."""
+    m = _fullmatch(_PARTNER_RE, name)
+    return None if m is None else int(m.group(1))
+
+
+def pulled_filename(token: str) -> str:
+    """A partner's copy pulled back into this rank's directory on restore (removed once read)."""
+    return f"pulled-{token}"
 
 
 def life_dirname(token: str) -> str:

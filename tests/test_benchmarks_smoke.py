@@ -39,6 +39,7 @@ SMOKES = {
     "bench_incremental": ("xxhash", "| incremental=True |"),
     "bench_memory": (None, "kills lost <= 1 step"),
     "bench_memory_adapters": ("lightning", "every kill lost <= 1 step"),
+    "bench_partner": (None, "partner copy / floor"),
     "fault_sweep": ("moto", "OK: "),
     "lightning_kill_trials": ("lightning", "1 of 1 trials left a last.ckpt that loads and resumes"),
 }

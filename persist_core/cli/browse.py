@@ -55,7 +55,7 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None,
             rows.append({"step": info.step, "kind": kind, "time": info.time, "bytes": info.nbytes, "files": None,
                          "ranks": None, "path": info.path, "milestone": False, "abandoned": True})
     rows += memory_rows(location, memory_dir)  # a local directory's run's snapshots in memory (kind "memory")
-    order = (*KINDS, "memory")
+    order = (*KINDS, "memory", "memory-partner")
     rows.sort(key=lambda r: (r["abandoned"], r["step"], order.index(r["kind"])))
     if not rows and not as_json:  # a parent directory, a bucket root, a typo: say so, and what is below
         runs = _runs_below(ctx, location)

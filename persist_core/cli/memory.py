@@ -1,4 +1,5 @@
-"""The memory tier in the ``persist`` command: ``ls`` lists a local directory's run's snapshots in memory, ``gc
+"""The memory tier in the ``persist`` command: ``ls`` lists a local directory's run's snapshots in memory (kind
+``memory``: its ranks' own; ``memory-partner``: the copies this node holds for another node's ranks), ``gc
 --memory`` removes those no live process holds (a run killed for good leaves them in ``/dev/shm``)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Any
 
 from persist_core import _knobs
 from persist_core.errors import ConfigError
-from persist_core.layout import DEFAULT_MEMORY_DIR, RUN_ID_NAME, is_url
+from persist_core.layout import DEFAULT_MEMORY_DIR, RUN_ID_NAME, is_url, parse_partner_dirname
 from persist_core.sidefiles import read_side_file
 from persist_core.tiers.memory import remove_stale, run_lives
 
@@ -32,10 +33,12 @@ def memory_rows(location: str, memory_dir: str | None) -> list[dict[str, Any]]:
     rows = []
     local_dir = Path(location.removeprefix("file://"))
     for life, live, snaps in run_lives(Path(os.path.expanduser(memory_dir or DEFAULT_MEMORY_DIR)), run_id, local_dir):
+        of_rank = parse_partner_dirname(life.parent.name)
         for s in snaps:
-            rows.append({"step": s.step, "kind": "memory", "time": s.manifest.time, "bytes": s.manifest.nbytes,
-                         "files": 1, "ranks": None, "path": str(s.path), "milestone": False, "abandoned": False,
-                         "process": "live" if live else "stopped"})
+            rows.append({"step": s.step, "kind": "memory" if of_rank is None else "memory-partner",
+                         "time": s.manifest.time, "bytes": s.manifest.nbytes, "files": 1,
+                         "ranks": None if of_rank is None else [of_rank], "path": str(s.path), "milestone": False,
+                         "abandoned": False, "process": "live" if live else "stopped"})
     return rows
 
 

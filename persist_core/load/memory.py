@@ -3,21 +3,24 @@ byte checked against its record's checksums (a torn slot falls back to an older 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from persist_core import _knobs
 from persist_core.errors import ConfigError, CorruptCheckpointError
-from persist_core.format.manifest import Manifest
+from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.layout import RUN_ID_NAME
-from persist_core.load.assemble import load_into
-from persist_core.load.blocks import LoadStats
+from persist_core.load.assemble import load_checkpoint, load_into
+from persist_core.load.blocks import LoadStats, read_shard
 from persist_core.load.plan import LoadOptions
 from persist_core.sidefiles import read_side_file
-from persist_core.tiers.local import read_blocks
+from persist_core.tiers.local import ShardFile, read_blocks
 from persist_core.tiers.memory import MemoryStore, MemoryTier
 from persist_core.tiers.tier import CheckpointInfo
 
@@ -68,13 +71,36 @@ def read_snapshot(store: MemoryStore, step: int, into: Any, *, options: LoadOpti
     slots = [s for s in store.snapshots() if s.step == step]
     for i, snap in enumerate(slots):
         try:
-            state = load_into(snap.manifest, {} if into is None else into, pool=pool, options=options,
-                              where=str(snap.path), stats=stats,
-                              read_blocks=lambda f, first, views, p=snap.path: read_blocks(
-                                  p, f, first, views, verify=options.verify))
-            return state, snap.manifest
+            return read_image(snap.manifest, snap.path, into, options=options, pool=pool, stats=stats), snap.manifest
         except CorruptCheckpointError:
             if i + 1 == len(slots):
                 raise
             log.warning("[step=%d] memory snapshot %s does not verify; trying another slot", step, snap.path)
     raise CorruptCheckpointError(f"no memory snapshot of step={step} is left in {store.root}")
+
+
+def read_image(manifest: Manifest, path: Path, into: Any, *, options: LoadOptions, pool: Executor,
+               stats: LoadStats) -> Any:
+    """The state of the snapshot image in the file ``path`` (a slot, or a partner's copy pulled back), every byte
+    verified: ``into`` filled in place, or read whole as a disk load reads it (tensors that shared storage when
+    saved share it again: tied weights, views). A snapshot is its rank's own one-rank image: its ``PerRank``
+    values are the ones it holds, whatever the reading process's rank.
+
+    Raises:
+        CorruptCheckpointError: a byte does not verify, or the file is shorter than the record says.
+    """
+    options = dataclasses.replace(options, rank=0)
+    if into is None:
+        def shard(fe: FileEntry) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+            try:
+                file = ShardFile(path, fe, at_least=True)
+            except OSError as e:
+                raise CorruptCheckpointError(f"memory snapshot {path} cannot be read ({e.strerror or e})") from e
+            with file:
+                return read_shard(fe, head=file.head, fill=file.fill, pool=pool, verify=options.verify,
+                                  where=str(path))
+        state = load_checkpoint(path, manifest, pool=pool, options=options, shard=shard)
+        stats.needed_bytes = stats.read_bytes = manifest.files[0].size
+        return state
+    return load_into(manifest, into, pool=pool, options=options, where=str(path), stats=stats,
+                     read_blocks=lambda f, first, views: read_blocks(path, f, first, views, verify=options.verify))

@@ -30,12 +30,12 @@ from persist_core.ownership import discard
 from persist_core.format.manifest import Manifest
 from persist_core.load.assemble import load_checkpoint, load_into
 from persist_core.load.blocks import LoadStats, node_copy_blocks
-from persist_core.load.choose import LOCAL, MEMORY, REMOTE, Listing
-from persist_core.load.memory import newest_snapshot, read_snapshot, run_store, slot_step
+from persist_core.load.choose import LOCAL, MEMORY, PARTNER, REMOTE, Listing
+from persist_core.load.memory import newest_snapshot, read_image, read_snapshot, run_store, slot_step
 from persist_core.load.plan import LoadOptions, check_weights_only
 from persist_core.load.references import load_referencing
 from persist_core.load.remote import RemoteRestore, set_aside_here
-from persist_core.tiers.memory import MemoryStore, MemoryTier, check_memory
+from persist_core.tiers.memory import MemoryStore, MemoryTier, Snapshot, check_memory
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_manifest
 from persist_core.tiers.tier import CheckpointInfo
@@ -95,12 +95,14 @@ class CheckpointReader:
         self._restore = RemoteRestore(self._root, self._tier, self._pool) if self._tier is not None else None
         self.loaded_step: int | None = None  # the step the last successful load() returned (a resume point)
         self.loaded_from_remote = False  # ... and it was downloaded (a fresh machine resuming the remote's run)
+        self.loaded_source: str | None = None  # ... and the source it was read from (load/choose.py's names)
         self.last_load = LoadStats()  # what the last load(into=...) needed and read
         self._on_loaded = on_loaded
         self._manifest: Manifest | None = None  # the manifest the last read went by
         # how each source in the restore-source order (load/choose.py) reads a step: (step, into, options) -> state
-        self._reads: dict[str, Callable[[int, Any, LoadOptions], Any]] = {LOCAL: self._local, REMOTE: self._remote,
-                                                                           MEMORY: self._memory}
+        self._reads: dict[str, Callable[[int, Any, LoadOptions], Any]] = {
+            LOCAL: self._local, REMOTE: self._remote, MEMORY: self._memory, PARTNER: self._partner}
+        self.pulled: Snapshot | None = None  # a partner's copy pulled back for this load (load/agree.py)
         if not isinstance(memory, MemoryStore):
             memory = run_store(check_memory(memory), self._root)
         self._memory_store = memory
@@ -255,13 +257,13 @@ class CheckpointReader:
         _knobs.check_into(into)
         for candidate in order:
             try:
-                state, from_remote = self._read(candidate, listing.sources(candidate), into, opts)
+                state, source = self._read(candidate, listing.sources(candidate), into, opts)
             except CorruptCheckpointError as e:
                 if step is not None:
                     raise
                 log.warning("[step=%d] skipping: %s", candidate, e)
                 continue
-            self.loaded_step, self.loaded_from_remote = candidate, from_remote
+            self.loaded_step, self.loaded_from_remote, self.loaded_source = candidate, source == REMOTE, source
             if self._on_loaded is not None and self._manifest is not None:
                 self._on_loaded(self._manifest)
             return state
@@ -282,13 +284,13 @@ class CheckpointReader:
         where = f"{self._root}" + (f" or {self._tier.url}" if self._tier else "")
         return listing.candidates(step, where), listing
 
-    def _read(self, step: int, sources: list[str], into: Any, opts: LoadOptions) -> tuple[Any, bool]:
-        """``(the state, whether it was read from the remote)``: from the first of ``sources`` (in the
-        restore-source order) whose copy verifies."""
+    def _read(self, step: int, sources: list[str], into: Any, opts: LoadOptions) -> tuple[Any, str]:
+        """``(the state, the source it was read from)``: from the first of ``sources`` (in the restore-source
+        order) whose copy verifies."""
         self.last_load = LoadStats()
         for i, source in enumerate(sources):
             try:
-                return self._reads[source](step, into, opts), source == REMOTE
+                return self._reads[source](step, into, opts), source
             except CorruptCheckpointError as e:
                 if i + 1 == len(sources):
                     raise
@@ -297,8 +299,8 @@ class CheckpointReader:
 
     def _passed_over(self, source: str, step: int, error: CorruptCheckpointError, *, whole: bool) -> None:
         """``source``'s copy of ``step`` did not verify; the next source (the disk, the remote) is read instead."""
-        if source == MEMORY:
-            log.warning("[step=%d] the memory snapshot does not verify (%s); reading the next copy", step, error)
+        if source in (MEMORY, PARTNER):
+            log.warning("[step=%d] the %s copy does not verify (%s); reading the next copy", step, source, error)
             self.last_load = LoadStats()
             return
         assert source == LOCAL and self._tier is not None
@@ -332,6 +334,12 @@ class CheckpointReader:
         state, self._manifest = read_snapshot(self._memory_store, step, into, options=opts, pool=self._pool,
                                               stats=self.last_load)
         return state
+
+    def _partner(self, step: int, into: Any, opts: LoadOptions) -> Any:
+        """The state from the partner's copy pulled back (:mod:`~persist_core.load.agree`), every byte verified."""
+        assert self.pulled is not None and self.pulled.step == step
+        self._manifest = self.pulled.manifest
+        return read_image(self._manifest, self.pulled.path, into, options=opts, pool=self._pool, stats=self.last_load)
 
     def _local_referencing(self, ckpt: Path, manifest: Manifest, into: Any, opts: LoadOptions) -> Any:
         """The state of a local incremental checkpoint (:func:`~persist_core.load.references.load_referencing`)."""

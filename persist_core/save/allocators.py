@@ -125,6 +125,20 @@ class SlotAllocator:
         with self._lock:  # a save's thread and the warm-up's may allocate at once
             return self._allocate(capacity)
 
+    def fits(self, capacity: int) -> bool:
+        """Whether the budget for slots of ``capacity`` would fit (a stopped process's slots removed first where it
+        would not); ``True`` once the budget is decided (by the first allocation, or the tier ran out of room)."""
+        with self._lock:
+            if self.full or self._files is not None:
+                return True
+            try:
+                self._directory()
+                if self._slots * capacity > self._free_bytes():
+                    self._make_room()
+                return self._slots * capacity <= self._free_bytes()
+            except (ConfigError, OSError):
+                return True  # the first allocation says why, and warns
+
     def _allocate(self, capacity: int) -> torch.Tensor:
         if not self.full:
             try:

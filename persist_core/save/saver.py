@@ -52,6 +52,7 @@ class Saver:
         self._check_step, self._check_backlog = check_step, check_backlog
         self._snapshots = snapshots
         self._plans = PlanCache()  # the same structure every save: laid out once
+        self._snapshot_plans = PlanCache()  # several ranks: a snapshot is the rank's whole state, laid out apart
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.latest_step = -1  # the newest step saved (the upload lag counts from it)
 
@@ -91,7 +92,7 @@ class Saver:
         # training goes on from here: a guarded save's background copy is part of what slows it (and of D)
         self._history.meter.staged(step, self._history.now())
         if staged.later is None:
-            if self._snapshots is not None:  # before the writer may release it: the slot stays a snapshot
+            if self.disk_is_snapshot and self._snapshots is not None:  # before the writer may release it
                 self._snapshots.taken(staged.buf, base, plan_bytes, job.filename)
             self._writer.submit(job)
         else:
@@ -100,9 +101,17 @@ class Saver:
                   handle.stats.staging_s)
         return handle
 
+    @property
+    def disk_is_snapshot(self) -> bool:
+        """A disk save's staged shard is also a whole snapshot: one process. With several, each rank's shard holds
+        about ``1/world_size`` of the replicated state, so a step saved to disk is snapshot apart."""
+        return self._coll.world_size == 1
+
     def snapshot(self, state: Any, step: int, *, metadata: dict[str, Any] | None, resumed_at: int | None) -> None:
         """Stage ``state`` as ``step`` into a slot of the memory tier, and nothing more (no disk): the copy
-        runs on the caller's thread; the slot's record is written in the background."""
+        runs on the caller's thread; the slot's record is written in the background. With several ranks, each
+        rank's snapshot is its whole state as one process would save it (a restart of this rank reads it alone,
+        whatever the other ranks hold)."""
         assert self._snapshots is not None
         self._overlap.fence()
         self._ledger.raise_first()
@@ -110,9 +119,14 @@ class Saver:
         _knobs.check_metadata(metadata)
         self._check_step(step, resumed_at)  # a snapshot past an older step resumed from starts the branch, as a save
         self._snapshots.branch(step)
-        plan = plan_rank(state, rank=self._coll.rank, world_size=self._coll.world_size,
-                         torch_loadable=self._torch_loadable, replica_check=self._replica_check, seed=step,
-                         cache=self._plans)
+        one = self.disk_is_snapshot
+        plan = plan_rank(state, rank=0, world_size=1, torch_loadable=self._torch_loadable and one,
+                         replica_check=self._replica_check, seed=step,
+                         cache=self._plans if one else self._snapshot_plans)
+        if not one and plan.shardings:  # a rank's part of a DTensor is no whole state to restore from alone
+            self._snapshots.give_up(f"with {self._coll.world_size} ranks, a state with DTensor leaves "
+                                    f"({len(plan.shardings)}) is not snapshot yet")
+            return
         self._snapshots.wait()  # the previous snapshot is committed before this one may take a slot
         staged = stage_into(self._pool, plan.shard, self._streams, claim=False)
         try:

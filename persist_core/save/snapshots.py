@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from persist_core.fileio import CHECKSUM_ALGORITHM, checksum_block
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.save.allocators import SlotAllocator
 from persist_core.save.staging import StagingBuffer, StagingPool
-from persist_core.tiers.memory import MemoryStore, MemoryTier
+from persist_core.tiers.memory import MemoryStore, MemoryTier, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,19 @@ class Snapshots:
         self._last: Future[None] | None = None  # the last commit submitted
         self._taken_max = -1  # the newest step saved or snapshot by this engine
         self._others_gone = False  # an earlier process's slots were removed (at the first commit)
+        self.given_up = False  # a state the snapshots cannot hold (give_up)
+        self.on_committed: Callable[[Snapshot], None] | None = None  # each committed snapshot (the partner copies)
 
     @property
     def active(self) -> bool:
         """Snapshots are kept in memory (not given up for lack of room)."""
-        return not self.allocator.full
+        return not self.allocator.full and not self.given_up
+
+    def give_up(self, why: str) -> None:
+        """Take no more snapshots (said once, with ``why``): the run saves to disk only."""
+        if not self.given_up:
+            self.given_up = True
+            log.warning("[rank=%d] the memory tier takes no snapshots: %s; this run saves to disk only", self._rank, why)
 
     def due(self, step: int) -> bool:
         return self.active and self.tier.due(step)
@@ -93,7 +102,8 @@ class Snapshots:
             crc = tuple(crc32c.crc32c(view[o : o + self._block]) for o in range(0, nbytes, self._block))
             entry = FileEntry(name=filename, rank=self._rank, size=nbytes, checksum=CHECKSUM_ALGORITHM,
                               chunk_bytes=self._block, chunks=crc)
-            self.store.commit(path, dataclasses.replace(base, files=(entry,)))
+            manifest = dataclasses.replace(base, files=(entry,))
+            self.store.commit(path, manifest)
             self.store.drop_newer(base.step)  # the run went back to an older step: the newer ones are a branch
         except BaseException as e:  # the previous snapshot stays the newest
             log.warning("[rank=%d][step=%d] the memory snapshot was not committed: %s", self._rank, base.step, e)
@@ -110,6 +120,8 @@ class Snapshots:
             self.store.remove_other_lives()
             self._others_gone = True
         log.debug("[rank=%d][step=%d] memory snapshot committed in %s", self._rank, base.step, path)
+        if self.on_committed is not None:
+            self.on_committed(Snapshot(manifest, path))
 
     def wait(self) -> None:
         """Until the snapshots taken so far are committed. A save calls it before it stages: the step before it

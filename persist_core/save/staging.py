@@ -136,6 +136,11 @@ class StagingPool:
                 log.info("not warming %d staging buffer(s) of %d bytes: less memory is available; the first "
                          "save's copy faults its pages in", slots, capacity)
                 return None
+            fits = getattr(self._allocator, "fits", None)  # the memory tier's budget: sized by the first allocation
+            if fits is not None and not fits(capacity):  # headroom must not turn a tier that fits the state off
+                log.info("not warming the memory tier's slots at %d bytes (with headroom): its room fits less; the "
+                         "first snapshot sizes them", capacity)
+                return None
             self._warming = threading.Thread(target=self._warm, args=(capacity,), name="persist-warm", daemon=True)
             self._warming.start()
             return self._warming

@@ -175,15 +175,19 @@ class ShardFile:
     """One local shard file open for reading, its size checked against the manifest: :meth:`head` and
     :meth:`fill` are what a whole-file read takes (the load flow's ``read_shard``). Use it as a context manager.
 
+    ``at_least``: the file may be longer than the manifest says (a memory tier's slot, whose file is the size of
+    the largest snapshot it held).
+
     Raises:
-        CorruptCheckpointError: the file's size differs from the manifest's.
+        CorruptCheckpointError: the file's size differs from the manifest's (is short of it, ``at_least``).
     """
 
-    def __init__(self, path: Path, fe: FileEntry) -> None:
+    def __init__(self, path: Path, fe: FileEntry, *, at_least: bool = False) -> None:
         self.path = path
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            if os.fstat(self._fd).st_size != fe.size:
+            size = os.fstat(self._fd).st_size
+            if size < fe.size or (size != fe.size and not at_least):
                 raise CorruptCheckpointError(f"{path} has {os.fstat(self._fd).st_size} bytes; the manifest says {fe.size}")
         except BaseException:
             os.close(self._fd)

@@ -27,7 +27,8 @@ from typing import Any
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format.manifest import Manifest
 from persist_core.layout import (DEFAULT_MEMORY_DIR, LOCAL_DIR_NAME, SLOT_RECORD_SUFFIX, is_life_dirname,
-                                 life_dirname, memory_rank_dirname, parse_slot_record_name)
+                                 life_dirname, memory_rank_dirname, parse_partner_dirname, parse_slot_record_name,
+                                 partner_dirname)
 from persist_core.sidefiles import is_link, read_side_file, write_side_file
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,13 @@ class MemoryTier:
     Args:
         every_n_steps: snapshot every this many steps (1: every step).
         memory_dir: a tmpfs to keep the snapshots in (default ``/dev/shm/torch-persist``); it needs room for
-            ``max_pending + 2`` copies of each rank's share of the state. Where it has less, the engine warns
-            once and saves to disk only.
+            ``max_pending + 2`` copies of each rank's state, and with several nodes two more of each partner's (the
+            copies this node holds for the previous node's ranks). Where it has less, the engine warns once and
+            saves to disk only (partner copies: dropped, said once).
+
+    Several ranks: each snapshots its whole state; ``engine.load()`` agrees on the newest step every rank has whole.
+    Several nodes: each rank's newest snapshot is also copied to its partner (the same local rank on the next
+    node), so a lost node restores from the other node's memory (:mod:`persist_core.sync.partner`).
     """
 
     every_n_steps: int = 1
@@ -71,6 +77,10 @@ class MemoryTier:
 
     def store(self, run_id: str, rank: int, local_dir: Path) -> MemoryStore:
         return MemoryStore(self.base / run_id / memory_rank_dirname(rank), local_dir=local_dir)
+
+    def partner_store(self, run_id: str, of_rank: int, local_dir: Path) -> MemoryStore:
+        """The copies of rank ``of_rank``'s snapshots that this node holds as its partner."""
+        return MemoryStore(self.base / run_id / partner_dirname(of_rank), local_dir=local_dir)
 
 
 def check_memory(value: Any) -> MemoryTier | None:
@@ -268,13 +278,15 @@ def _remove(life: Path) -> None:
 
 
 def run_lives(base: Path, run_id: str, local_dir: Path | None = None) -> list[tuple[Path, bool, list[Snapshot]]]:
-    """Every slot directory of run ``run_id`` under ``base`` (each rank's, each engine's): its path, whether a live
-    process holds it, and its committed snapshots (newest first)."""
+    """Every slot directory of run ``run_id`` under ``base`` (each rank's, each engine's, and the partner copies this
+    node holds for other ranks, ``partner-of-rank-R``): its path, whether a live process holds it, and its committed
+    snapshots (newest first)."""
     run = base / run_id
     if is_link(run):
         return []
     try:
-        ranks = [run / n for n in sorted(os.listdir(run)) if n.startswith("rank-") and not is_link(run / n)]
+        ranks = [run / n for n in sorted(os.listdir(run))
+                 if (n.startswith("rank-") or parse_partner_dirname(n) is not None) and not is_link(run / n)]
     except OSError:
         return []
     found = []

@@ -251,3 +251,25 @@ def test_going_back_to_an_older_step_never_restores_the_abandoned_branch_from_me
     with CheckpointReader(tmp_path / "ckpt", memory=memory) as reader:
         assert_state_equal(reader.load(), state_for(6, seed=0.5))  # not step 10 of the abandoned branch
         assert [c.step for c in reader.abandoned()] == [10]  # set aside on disk, as a save of step 6 would
+
+
+def test_a_load_from_memory_keeps_tied_weights_and_views_shared_as_a_disk_load_does(tmp_path):
+    import torch
+
+    w = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    state = {"model": {"embed": w, "head": w, "row": w[2], "col": w[:, 3]}, "step": 3}
+    memory = _memory(tmp_path)
+    engine = CheckpointEngine(tmp_path / "ckpt", memory=memory)
+    engine.save(state, 2).wait()
+    engine.snapshot(state, 3)
+    engine.wait()
+    engine._close(finished=False)
+    with CheckpointReader(tmp_path / "ckpt", memory=memory) as reader:
+        for step in (3, 2):  # memory, then the disk: the same sharing
+            loaded = reader.load(step)
+            m = loaded["model"]
+            assert_state_equal(loaded, state)
+            ptr = m["embed"].untyped_storage().data_ptr()
+            assert all(m[k].untyped_storage().data_ptr() == ptr for k in ("head", "row", "col")), step
+            m["embed"][2, 3] = -1.0  # one write is seen through every alias
+            assert m["head"][2, 3] == m["row"][3] == m["col"][2] == -1.0, step

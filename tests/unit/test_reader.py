@@ -115,7 +115,7 @@ class _OneRank:
 
 
 def test_agreeing_on_the_restore_lists_the_remote_once(tmp_path, monkeypatch):
-    from persist_core.load.choose import agreed_load
+    from persist_core.load.agree import agreed_load
     from persist_core.tiers.remote import RemoteTier
 
     url = f"memory:///reader-{uuid.uuid4().hex[:8]}"

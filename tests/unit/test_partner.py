@@ -1,0 +1,142 @@
+"""Partner copies (issue 42 b, ``persist_core.sync.partner``) between two ranks joined by an in-process channel: who
+partners whom, a copy whole or ignored, newest wins (a copy in flight given up for a newer snapshot)."""
+
+from __future__ import annotations
+
+import collections
+import queue
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from persist_core import CheckpointEngine, MemoryTier
+from persist_core.sync.partner import PartnerCopies, partners
+from persist_core.tiers.memory import MemoryStore, Snapshot
+from tests.support.states import state_for
+
+
+class Wire:
+    """Byte messages between ranks of one process (what gloo's send/recv are to the partner copies)."""
+
+    def __init__(self) -> None:
+        self.queues: dict[tuple[int, int, int], queue.Queue] = collections.defaultdict(queue.Queue)
+
+    def end(self, rank: int) -> End:
+        return End(self, rank)
+
+
+class End:
+    def __init__(self, wire: Wire, rank: int) -> None:
+        self.wire, self.rank = wire, rank
+        self.sent = 0
+        self.hold_at: int | None = None  # the send that waits for `release` (after setting `held`)
+        self.held, self.release = threading.Event(), threading.Event()
+
+    def send(self, data, peer: int, tag: int) -> None:
+        self.sent += 1
+        if self.sent == self.hold_at:
+            self.held.set()
+            assert self.release.wait(30)
+        self.wire.queues[(self.rank, peer, tag)].put(bytes(data))
+
+    def recv_into(self, buf, peer: int, tag: int) -> None:
+        data = self.wire.queues[(peer, self.rank, tag)].get(timeout=30)
+        assert len(data) == len(buf)
+        memoryview(buf)[:] = data
+
+
+@pytest.mark.parametrize("groups, rank, expected", [
+    (((0, 1), (2, 3)), 0, (2, 2)), (((0, 1), (2, 3)), 3, (1, 1)),
+    (((0, 1), (2, 3), (4, 5)), 1, (3, 5)), (((0, 1), (2, 3), (4, 5)), 4, (0, 2)),
+    (((0, 1, 2, 3),), 2, (None, None)),  # one node: no partner
+    (((0, 1), (2,)), 1, (None, None)), (((0, 1), (2,)), 2, (0, 0)),  # a node with fewer ranks
+])
+def test_the_partner_is_the_same_local_rank_on_the_next_node(groups, rank, expected):
+    assert partners(groups, rank) == expected
+
+
+def _snapshots(tmp_path: Path) -> list[Snapshot]:
+    """Committed snapshots of steps 1 and 2 (1 MiB each) left in ``tmp_path/shm`` by an engine."""
+    memory = MemoryTier(memory_dir=tmp_path / "shm")
+    engine = CheckpointEngine(tmp_path / "ckpt", memory=memory)
+    for step in (1, 2):
+        engine.snapshot(state_for(step, (512, 512), random=True), step)
+    engine.wait()
+    engine._close(finished=False)
+    snaps = sorted(MemoryStore(next((tmp_path / "shm").iterdir()) / "rank-00000").snapshots(), key=lambda s: s.step)
+    assert [s.step for s in snaps] == [1, 2]
+    return snaps
+
+
+def test_a_copy_in_flight_is_given_up_for_a_newer_snapshot_and_a_copy_that_does_not_verify_is_not_kept(tmp_path):
+    old, new = _snapshots(tmp_path)
+    wire = Wire()
+    sending = wire.end(0)
+    held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", local_dir=tmp_path / "node1")
+    sender = PartnerCopies(sending, rank=0, partner=1, source=None, held=None, chunk_bytes=64 << 10)
+    receiver = PartnerCopies(wire.end(1), rank=1, partner=None, source=0, held=held, chunk_bytes=64 << 10)
+    try:
+        sending.hold_at = 6  # BEGIN, record, then chunk 1 and 2 (a header and its bytes each): the copy is in flight
+        sender.offer(old)
+        assert sending.held.wait(30)
+        sender.offer(new)  # newest wins
+        sending.release.set()
+        assert sender.flush(30)
+        assert sender.abandoned == 1 and sender.copied_step == 2
+        assert [s.step for s in held.snapshots()] == [2]  # the whole newer one, nothing of the older
+
+        torn = tmp_path / "torn"
+        shutil.copyfile(old.path, torn)
+        with open(torn, "r+b") as f:  # a byte changed after its record was written
+            f.seek(100_000)
+            b = f.read(1)
+            f.seek(100_000)
+            f.write(bytes([b[0] ^ 0xFF]))
+        sender.offer(Snapshot(old.manifest, torn))
+        assert sender.flush(30)
+        assert sender.copied_step == 2  # not acknowledged as kept
+        assert [s.step for s in held.snapshots()] == [2]  # a copy is whole or ignored
+    finally:
+        sender.close(finished=False)
+        receiver.close(finished=False)
+    assert not any(t.is_alive() for t in sender._threads + receiver._threads)  # STOP ended the receiver
+    copy = held.snapshots()[0]
+    assert copy.path.read_bytes()[: new.manifest.files[0].size] == new.path.read_bytes()[: new.manifest.files[0].size]
+
+
+def test_persist_ls_shows_the_partner_copies_a_node_holds_and_gc_never_removes_a_live_receivers(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from persist_core.cli import main
+
+    _, new = _snapshots(tmp_path)
+    shm, ckpt = tmp_path / "shm", str(tmp_path / "ckpt")
+    run = next(shm.iterdir())
+    wire = Wire()
+    held = MemoryStore(run / "partner-of-rank-00001", local_dir=tmp_path / "ckpt")  # this node holds rank 1's
+    sender = PartnerCopies(wire.end(1), rank=1, partner=0, source=None, held=None, chunk_bytes=64 << 10)
+    receiver = PartnerCopies(wire.end(0), rank=0, partner=None, source=1, held=held, chunk_bytes=64 << 10)
+    try:
+        sender.offer(new)
+        assert sender.flush(30) and sender.copied_step == 2
+
+        def ls() -> list[dict]:
+            out = CliRunner().invoke(main, ["ls", ckpt, "--json", "--memory-dir", str(shm)]).output
+            return [r for r in json.loads(out) if r["kind"].startswith("memory")]
+
+        assert ("memory-partner", 2, [1], "live") in [(r["kind"], r["step"], r["ranks"], r["process"]) for r in ls()]
+        done = CliRunner().invoke(main, ["gc", ckpt, "--memory", "--memory-dir", str(shm), "--json"])
+        assert done.exit_code == 0, done.output
+        assert not [p for p in json.loads(done.output)["memory_removed"] if "partner-of-rank" in p]  # it is live
+        assert [s.step for s in held.snapshots()] == [2]
+    finally:
+        sender.close(finished=False)
+        receiver.close(finished=False)  # as a killed process leaves them: stopped
+    assert [(r["kind"], r["process"]) for r in ls() if r["kind"] == "memory-partner"] == [("memory-partner", "stopped")]
+    done = CliRunner().invoke(main, ["gc", ckpt, "--memory", "--memory-dir", str(shm), "--json"])
+    assert [p for p in json.loads(done.output)["memory_removed"] if "partner-of-rank-00001" in p]
+    assert not held.snapshots()
