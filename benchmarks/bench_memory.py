@@ -16,7 +16,7 @@ disk-only continuous saving and the floors measured in the same run.
    dropped where the kernel lets us), and from a ``file://`` remote (a fresh local_dir), medians of ``--repeat``.
 
 Usage: ``python benchmarks/bench_memory.py [--width 1536] [--step-ms 80] [--trials 20] [--memory-dir /dev/shm/...]
-[--dir bench-out]``; ``--smoke``: a tiny model and two trials (a check that it runs; its figures mean nothing).
+[--dir bench-out]``; ``--smoke``: a tiny model and one trial (a check that it runs; its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.smoke:
         args.width, args.step_ms, args.steps, args.trials, args.kill_min, args.kill_max, args.repeat = \
-            64, 5.0, 6, 2, 2, 4, 1
+            64, 5.0, 6, 1, 2, 4, 1
     base = Path(args.dir).absolute() / "memory"
     base.mkdir(parents=True, exist_ok=True)
     shm = Path("/dev/shm")
