@@ -100,9 +100,7 @@ def under_failures(command: list[str], env: dict[str, str], *, local: Path, memo
     failures) and restarted at once each time; its progress is the newest step it reached by the horizon, the work
     a failure lost is the last step reached less the step the next start resumed from. ``smoke``: the clock starts
     at the first start, however long that took. ``local`` and ``memory_dir`` are emptied before and after."""
-    for d in (local, memory_dir):
-        if d is not None:
-            shutil.rmtree(d, ignore_errors=True)
+    _empty(local, memory_dir)
     t0 = time.perf_counter()
     horizon = t0 + horizon_s
     kills = [t0 + f for f in failures if f < horizon_s]
@@ -160,9 +158,7 @@ def under_failures(command: list[str], env: dict[str, str], *, local: Path, memo
             killed_at = reached
     if killed_at is not None:  # the horizon fell during a restart: the job stands where that restart would resume
         reached, lost = _resumable(local, memory_dir, killed_at, lost)
-    for d in (local, memory_dir):
-        if d is not None:
-            shutil.rmtree(d, ignore_errors=True)
+    _empty(local, memory_dir)
     # steps per second from the first process's third step on: its first save copied into memory the process
     # had never touched, which on this VM costs up to 15x a copy (the hypervisor backs each page on first
     # touch) and makes the next update wait ~1 s at 1.2 GB; a restart pays that again (it is in the
@@ -171,6 +167,12 @@ def under_failures(command: list[str], env: dict[str, str], *, local: Path, memo
             if first_step and last_step and last_step[0] > first_step[0] else None)
     return {"progress": reached, "failures": len(kills), "lost": lost, "restarts": restarts, "summary": best,
             "rate": rate, "steady": steady}
+
+
+def _empty(*dirs: Path | None) -> None:
+    for d in dirs:
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _resumable(local: Path, memory_dir: Path | None, killed_at: int, lost: list[int]) -> tuple[int, list[int]]:

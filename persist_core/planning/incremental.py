@@ -154,16 +154,20 @@ def reference_unchanged(records: Sequence[TensorRecord | None], hashes: Mapping[
 
 @dataclass(frozen=True)
 class Compaction:
-    """A staged shard without its dropped entries, made in place: the new ``header`` at byte 0, each ``moves``
-    ``(from, to, nbytes)`` (absolute offsets, ascending, ``to <= from``: safe in order with ``memmove``), the
-    ``zeros`` ranges (the new padding), and the new file size. ``copies``: every kept entry's ``(from, to,
-    nbytes)``, the moves with those that stay where they are (to make the shard in a zeroed buffer of its own)."""
+    """A staged shard without its dropped entries: the new ``header`` at byte 0, each kept entry's ``copies``
+    ``(from, to, nbytes)`` (absolute offsets, ascending, ``to <= from``: safe in order with ``memmove``; all of them
+    make the shard in a zeroed buffer of its own, the :attr:`moves` make it in place), the ``zeros`` ranges (the new
+    padding, in place), and the new file size."""
 
     header: bytes
     file_bytes: int
-    moves: tuple[tuple[int, int, int], ...]
+    copies: tuple[tuple[int, int, int], ...]
     zeros: tuple[tuple[int, int], ...]
-    copies: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def moves(self) -> tuple[tuple[int, int, int], ...]:
+        """The copies of the entries that do not stay where they are (the shard made in place)."""
+        return tuple(c for c in self.copies if c[0] != c[1])
 
 
 def compact(header: bytes, dropped: frozenset[str], *, image: int = 0) -> Compaction | None:
@@ -197,6 +201,5 @@ def compact(header: bytes, dropped: frozenset[str], *, image: int = 0) -> Compac
         return None
     old, h = image + len(header), len(new)
     copies = tuple((old + b, h + s, size) for b, s, size, _ in places if size)
-    moves = tuple(c for c in copies if c[0] != c[1])
     zeros = tuple((h + p, h + s) for _, s, _, p in places if s > p) + ((h + pos, h + pos + gap),) * bool(gap)
-    return Compaction(header=new, file_bytes=h + pos + gap, moves=moves, zeros=zeros, copies=copies)
+    return Compaction(header=new, file_bytes=h + pos + gap, copies=copies, zeros=zeros)
