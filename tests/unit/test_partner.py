@@ -22,9 +22,17 @@ class Wire:
 
     def __init__(self) -> None:
         self.queues: dict[tuple[int, int, int], queue.Queue] = collections.defaultdict(queue.Queue)
+        self._lock = threading.Lock()
 
     def end(self, rank: int) -> End:
         return End(self, rank)
+
+    def queue(self, key: tuple[int, int, int]) -> queue.Queue:
+        """The queue of ``key``, made once: the sending and the receiving thread may ask for it first at the same
+        moment (a defaultdict's factory runs Python code, so two threads could each make one and a message went
+        into the queue nobody read)."""
+        with self._lock:
+            return self.queues[key]
 
 
 class End:
@@ -39,10 +47,10 @@ class End:
         if self.sent == self.hold_at:
             self.held.set()
             assert self.release.wait(30)
-        self.wire.queues[(self.rank, peer, tag)].put(bytes(data))
+        self.wire.queue((self.rank, peer, tag)).put(bytes(data))
 
     def recv_into(self, buf, peer: int, tag: int) -> None:
-        data = self.wire.queues[(peer, self.rank, tag)].get(timeout=30)
+        data = self.wire.queue((peer, self.rank, tag)).get(timeout=30)
         assert len(data) == len(buf)
         memoryview(buf)[:] = data
 
