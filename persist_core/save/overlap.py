@@ -74,9 +74,9 @@ class Overlap:
         self._lock = threading.Lock()
         self._optimizers: list[Any] = []
         self._pending: Future[None] | None = None
-        self._last: SaveHandle | None = None  # the last save whose copy went to the background
+        self._last: SaveHandle | None = None  # the last save whose copy went to the background (None: a snapshot)
         self.fence_s = 0.0  # total time fences waited (the overlap's cost to training)
-        self.runs = 0  # saves whose copy ran in the background
+        self.runs = 0  # saves and memory snapshots whose copy ran in the background
 
     @property
     def active(self) -> bool:
@@ -124,8 +124,9 @@ class Overlap:
                             if isinstance(v, torch.Tensor) and v.numel() > 0)
         return ptrs
 
-    def run(self, handle: SaveHandle, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (``handle``'s deferred copy, then the write's submission) on the copy thread."""
+    def run(self, handle: SaveHandle | None, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (``handle``'s deferred copy, then the write's submission; no handle: a memory snapshot's
+        deferred copy, then its record) on the copy thread."""
         self.runs += 1
         self._last = handle  # the next update's fence waits for this one's copy
         self._pending = self._thread.submit(fn)

@@ -19,7 +19,7 @@ from persist_core.history import SaveHistory
 from persist_core.planning.save import PlanCache, plan_rank
 from persist_core.save.overlap import Overlap
 from persist_core.save.snapshots import Snapshots
-from persist_core.save.staging import StagingPool, stage_into
+from persist_core.save.staging import Staged, StagingPool, stage_into
 from persist_core.save.writer import WriteJob, Writer
 
 log = logging.getLogger(__name__)
@@ -91,12 +91,16 @@ class Saver:
         handle._update(stall_s=time.perf_counter() - t0)
         # training goes on from here: a guarded save's background copy is part of what slows it (and of D)
         self._history.meter.staged(step, self._history.now())
+        keep = None  # one process: the staged shard is also the step's memory snapshot (kept before the writer
+        if self.disk_is_snapshot and self._snapshots is not None:  # may release the buffer)
+            snapshots = self._snapshots
+            keep = lambda: snapshots.taken(staged.buf, base, plan_bytes, job.filename)  # noqa: E731
         if staged.later is None:
-            if self.disk_is_snapshot and self._snapshots is not None:  # before the writer may release it
-                self._snapshots.taken(staged.buf, base, plan_bytes, job.filename)
+            if keep is not None:
+                keep()
             self._writer.submit(job)
-        else:
-            self._overlap.run(handle, lambda: self._writer.submit_after(job, staged.later))
+        else:  # guarded: the snapshot is kept once its deferred copies are made
+            self._overlap.run(handle, lambda: self._writer.submit_after(job, _then(staged.later, keep)))
         log.debug("[rank=%d][step=%d] staged %d bytes in %.3f s", self._coll.rank, step, handle.stats.nbytes,
                   handle.stats.staging_s)
         return handle
@@ -128,12 +132,33 @@ class Saver:
                                     f"({len(plan.shardings)}) is not snapshot yet")
             return
         self._snapshots.wait()  # the previous snapshot is committed before this one may take a slot
-        staged = stage_into(self._pool, plan.shard, self._streams, claim=False)
+        staged = stage_into(self._pool, plan.shard, self._streams, claim=False, defer=self._overlap.deferral())
+        base, nbytes, filename = plan.manifest(step=step, time=self._wall_clock(), metadata=metadata), \
+            plan.shard.file_bytes, plan.filename
+        del plan  # a guarded snapshot's deferred copy needs its sources only
+
+        def keep() -> None:
+            try:
+                self._snapshots.taken(staged.buf, base, nbytes, filename)  # type: ignore[union-attr]
+            finally:
+                self._pool.release(staged.buf)  # free again, but kept while it is a snapshot
+
+        if staged.later is None:
+            keep()
+        else:  # guarded: the parameters and optimizer state are copied while the next step computes
+            self._overlap.run(None, lambda: self._snapshot_after(staged, keep, step))
+
+    def _snapshot_after(self, staged: Staged, keep: Callable[[], None], step: int) -> None:
+        """Copy thread: a guarded snapshot's deferred copies, then the slot is kept. If they fail, the slot goes
+        back and the newest committed snapshot stays the newest (said once per failure; the disk saves go on)."""
+        assert staged.later is not None
         try:
-            self._snapshots.taken(staged.buf, plan.manifest(step=step, time=self._wall_clock(), metadata=metadata),
-                                  plan.shard.file_bytes, plan.filename)
-        finally:
-            self._pool.release(staged.buf)  # free again, but kept while it is a snapshot
+            staged.later()
+        except BaseException as e:
+            self._pool.abandon(staged.buf)
+            log.warning("[rank=%d][step=%d] the memory snapshot's copy failed: %s", self._coll.rank, step, e)
+            return
+        keep()
 
     def warm(self, manifest: Manifest) -> None:
         """A load returned ``manifest``'s checkpoint: the next saves will be about as large, so the staging buffers
@@ -143,3 +168,15 @@ class Saver:
         if manifest.world_size != self._coll.world_size or not sizes:  # another world size: an even share
             sizes = [-(-sum(f.size for f in manifest.files) // self._coll.world_size)]
         self._pool.warm(max(sizes))
+
+
+def _then(copy: Callable[[], float], after: Callable[[], None] | None) -> Callable[[], float]:
+    """``copy``, then ``after`` once it succeeded (a guarded save's snapshot is kept once its bytes are all there)."""
+    if after is None:
+        return copy
+
+    def run() -> float:
+        behind = copy()
+        after()
+        return behind
+    return run

@@ -60,16 +60,14 @@ def test_snapshots_stay_whole_while_the_disk_saves_from_the_same_slots_reference
         for s in (2, 4, 6):
             assert_state_equal(disk.load(s), saved[s])
 
-    # memory: the newest snapshot is whole, read with no disk checkpoint it could lean on. Unguarded, it is step 6's
-    # slot, which the referencing disk save was written from; a guarded disk save is no snapshot (docs/memory.md):
-    # then step 5's
+    # memory: the newest snapshot is whole, read with no disk checkpoint it could lean on: step 6's slot, which the
+    # referencing disk save was written from (guarded, once the deferred copy of the adapter was made)
     for s in (2, 4, 6):
         shutil.rmtree(_ckpt(local, s))
-    newest = 5 if guarded else 6
     with CheckpointReader(local, memory=memory) as reader:
         got = reader.load()
-        assert reader.loaded_step == newest
-    assert_state_equal(got, saved[newest])
+        assert reader.loaded_step == 6
+    assert_state_equal(got, saved[6])
 
 
 def test_a_restart_from_memory_goes_on_referencing_the_disk_checkpoints(tmp_path):
