@@ -6,7 +6,8 @@ disk-only continuous saving and the floors measured in the same run.
    ``--step-ms`` of "device time" with the host free, then updates in place): ``maybe_save`` with
    ``MemoryTier(every_n_steps=1)`` and no disk policy, the time it blocks the loop per step (median), against the
    floor: a raw copy of the same tensors into one mapped buffer of the same size in the same tmpfs, on the same
-   thread, right after the same update.
+   thread, right after the same update. Also behind ``engine.guard(opt)``: what ``maybe_save`` blocks plus what the
+   next update waits for the snapshot's deferred copy.
 2. **Kill trials**: a job (the same model) resumes from the freshest source and trains until SIGKILLed at a random
    step (uniform in ``[--kill-min, --kill-max]`` steps after its start); the next trial restarts it on the same
    machine. Per trial: steps lost = the last step the job finished - the step the restart resumed from. Memory
@@ -97,8 +98,9 @@ def kill_series(kind: str, base: Path, memory_root: Path, args: argparse.Namespa
     return lost
 
 
-def c_per_step(memory_root: Path, args: argparse.Namespace) -> tuple[float, float, float]:
-    """``(snapshot's blocking time per step, the floor's, the step)``, medians, in seconds."""
+def c_per_step(memory_root: Path, args: argparse.Namespace) -> tuple[float, float, float, float]:
+    """``(snapshot's blocking time per step, the floor's, the step, a guarded snapshot's cost per step)``, medians,
+    in seconds."""
     model, opt = accel_model(args.width, stepped=True)
     state = training_state(model, opt, step=0)
     size = nbytes(state)
@@ -130,11 +132,25 @@ def c_per_step(memory_root: Path, args: argparse.Namespace) -> tuple[float, floa
             t3 = time.perf_counter()
             floor.append(t1 - t0)
             snap.append(t3 - t2)
+    guarded = []  # the same loop behind engine.guard(opt): what maybe_save blocks, plus the next update's wait
+    with CheckpointEngine(Path(floor_dir) / "guarded", memory=MemoryTier(memory_dir=memory_root / "g"),
+                          preemption=None) as engine:
+        engine.guard(opt)
+        for step in range(1, args.steps + 1):
+            time.sleep(args.step_ms / 1000)  # the device time: the deferred copy of the last snapshot runs now
+            t0 = time.perf_counter()
+            engine.fence()  # what the update's pre-hook would wait for (it then finds nothing pending)
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            engine.maybe_save(lambda: training_state(model, opt, step=step), step)
+            guarded.append(t1 - t0 + time.perf_counter() - t2)
     del base
     mapping.close()
     shutil.rmtree(floor_dir, ignore_errors=True)
     warm = max(1, args.steps // 5)  # the first snapshots also map and fault in their slots
-    return statistics.median(snap[warm:]), statistics.median(floor[warm:]), args.step_ms / 1000
+    return (statistics.median(snap[warm:]), statistics.median(floor[warm:]), args.step_ms / 1000,
+            statistics.median(guarded[warm:]))
 
 
 def restart_loads(base: Path, memory_root: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -201,9 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"state {size / MB:.0f} MB (4 x Linear({args.width}) + SGD momentum), step {args.step_ms:.0f} ms of device "
           f"time, memory tier in {memory_root}", flush=True)
 
-    snap, floor, step = c_per_step(memory_root, args)
+    snap, floor, step, guarded = c_per_step(memory_root, args)
     print(f"C per step: snapshot {snap * 1e3:.1f} ms, floor (raw copy into a mapped buffer) {floor * 1e3:.1f} ms: "
           f"{snap / floor:.2f}x the floor; {snap / step:.1%} of a {step * 1e3:.0f} ms step", flush=True)
+    print(f"C per step, guarded (engine.guard(opt): maybe_save's block + the next update's wait for the copy): "
+          f"{guarded * 1e3:.1f} ms, {guarded / floor:.2f}x the floor; {guarded / step:.1%} of the step", flush=True)
 
     rng = random.Random(0)
     print(f"kill trials ({args.trials} each, killed {args.kill_min}-{args.kill_max} steps after each start):", flush=True)
@@ -218,9 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| load of the state from | seconds |\n|---|---:|")
     for where, seconds in loads.items():
         print(f"| {where} | {seconds:.3f} |")
-    print(f"\nC per step {snap / floor:.2f}x the floor (bar <= 1.25x); memory tier: "
+    print(f"\nC per step {snap / floor:.2f}x the floor (bar <= 1.25x), guarded {guarded / floor:.2f}x; memory tier: "
           f"{sum(v <= 1 for v in lost['memory'])} of {len(lost['memory'])} kills lost <= 1 step (bar >= 99%)")
     shutil.rmtree(memory_root / "c", ignore_errors=True)
+    shutil.rmtree(memory_root / "g", ignore_errors=True)
     return 0
 
 
