@@ -41,6 +41,8 @@ class SaveStats:
         lag_s: from the local commit to the remote commit (queueing included).
         lag_steps: how many steps newer the newest saved checkpoint was at the remote commit.
         superseded: the upload was skipped for a newer checkpoint (the remote was behind).
+        unchanged_bytes: ``incremental=True``: bytes of host tensors found unchanged before the copy (hashed where
+            they lie, equal to the newest committed checkpoint's): neither copied nor written, referenced.
     """
 
     step: int
@@ -58,6 +60,7 @@ class SaveStats:
     lag_s: float | None = None
     lag_steps: int | None = None
     superseded: bool = False
+    unchanged_bytes: int = 0
 
     def metrics(self, prefix: str = "persist/") -> dict[str, float]:
         """The numbers adapters report to loggers: stall, the fence's wait, bytes, save -> durable, write/upload

@@ -3,7 +3,10 @@ newest committed checkpoint instead of being written again, and the layout of th
 
 Who calls what: the writer thread (:class:`~persist_core.save.dedup.Incremental`) hashes each whole-entry tensor of
 the staged shard, then calls :func:`reference_unchanged` with the newest committed manifest, then :func:`compact`
-for the header and the moves that leave only the changed entries in the staging buffer. Pure: no I/O.
+for the header and the moves that leave only the changed entries in the staging buffer. Before the copy, the saver's
+:meth:`~persist_core.save.dedup.Incremental.before_copy` calls :func:`unchanged_before_copy` with the hashes of host
+tensors hashed where they lie: those entries are never staged, and the writer references them (``known``). Pure: no
+I/O.
 
 Rules: an entry of plain tensors (one alone in its storage, or several sharing one: tied weights, views) is
 referenced when the previous checkpoint's entry of the same name holds the same tensors (dtype, shape, stride,
@@ -101,9 +104,53 @@ class Decision:
         return {s for r in self.records if r is not None for s, _ in r.references()}
 
 
+#: entry -> each of its records' key -> (the step holding its bytes, the previous checkpoint's record)
+Held = dict[str, dict[tuple, tuple[int, TensorRecord]]]
+
+
+def _held(previous: Manifest) -> dict[str, list[tuple[int, TensorRecord]]]:
+    """Each whole entry of ``previous`` with a hash: the step holding its bytes and each of its records."""
+    held: dict[str, list[tuple[int, TensorRecord]]] = {}
+    for p in previous.tensors:
+        if p.chunks is None and p.hash is not None and p.entry is not None:
+            held.setdefault(p.entry, []).append((previous.step if p.step is None else p.step, p))
+    return held
+
+
+def _same(mine: Sequence[TensorRecord], theirs: Sequence[tuple[int, TensorRecord]], digest: str | None,
+          missing: frozenset[int]) -> dict[tuple, tuple[int, TensorRecord]] | None:
+    """Where the records ``mine`` of one entry (its bytes hashing to ``digest``) are held by ``theirs`` (the previous
+    checkpoint's records of the same entry): one step, one file, the same hash, every record's key; else ``None``."""
+    steps = {h for h, _ in theirs}
+    if digest is None or len(steps) != 1 or steps & missing or any(p.hash != digest for _, p in theirs):
+        return None
+    by_key = {_key(p): (h, p) for h, p in theirs}
+    if not all(_key(r) in by_key for r in mine) or len({p.file for _, p in theirs}) != 1:
+        return None
+    return {_key(r): by_key[_key(r)] for r in mine}
+
+
+def unchanged_before_copy(records: Sequence[TensorRecord | None], hashes: Mapping[str, str],
+                          previous: Manifest) -> Held:
+    """The entries a save references before it copies them (issue 43: a host tensor hashed where it lies): those of
+    ``hashes`` (the xxh3-128 of each candidate entry's source bytes) that ``previous``, the newest committed
+    checkpoint, holds with the same hash; where their bytes are. The writer then references them whatever it
+    decides for the rest (:func:`reference_unchanged`'s ``known``): their bytes were never staged."""
+    held, out = _held(previous), {}
+    mine: dict[str, list[TensorRecord]] = {}
+    for r in records:
+        if hashable(r) and r.entry in hashes:  # type: ignore[union-attr]
+            mine.setdefault(r.entry, []).append(r)  # type: ignore[union-attr,arg-type]
+    for entry, rs in mine.items():
+        found = _same(rs, held.get(entry, []), hashes[entry], frozenset())
+        if found is not None:
+            out[entry] = found
+    return out
+
+
 def reference_unchanged(records: Sequence[TensorRecord | None], hashes: Mapping[str, str], previous: Manifest | None,
                         *, since_full: int, full_every: int, max_span: int,
-                        missing: frozenset[int] = frozenset()) -> Decision:
+                        missing: frozenset[int] = frozenset(), known: Held | None = None) -> Decision:
     """The records of a save whose whole-entry tensors hash to ``hashes`` (by entry name), referencing those equal
     to ``previous``'s (the newest committed checkpoint; ``None``: none).
 
@@ -115,41 +162,47 @@ def reference_unchanged(records: Sequence[TensorRecord | None], hashes: Mapping[
         full_every: a full checkpoint at least every this many saves.
         max_span: the most checkpoints one save's references may name.
         missing: checkpoints ``previous`` references that are gone (never referenced).
+        known: entries found unchanged before they were copied (:func:`unchanged_before_copy`): referenced where
+            they were found, always (their bytes are not in the staged shard).
     """
     hashed = tuple(_hashed(r, hashes) for r in records)
+    moved: dict[tuple, tuple[int, TensorRecord]] = {}
+    dropped: set[str] = set()
+    for entry, where in (known or {}).items():
+        moved.update({(entry, k): v for k, v in where.items()})
+        dropped.add(entry)
+    forced = Decision(_moved(hashed, moved, dropped, None, missing), frozenset(dropped), hashed)
     if previous is None or since_full + 1 >= full_every:
-        return Decision(hashed, frozenset(), hashed)
-    held: dict[str, list[tuple[int, TensorRecord]]] = {}  # entry -> (the step holding it, its record) of each
-    for p in previous.tensors:
-        if p.chunks is None and p.hash is not None and p.entry is not None:
-            held.setdefault(p.entry, []).append((previous.step if p.step is None else p.step, p))
+        return forced
+    held = _held(previous)
     new: dict[str, list[TensorRecord]] = {}
     for r in hashed:
-        if r is not None and r.hash is not None:
+        if r is not None and r.hash is not None and r.entry not in dropped:
             new.setdefault(r.entry, []).append(r)  # type: ignore[arg-type]
-    moved: dict[tuple, tuple[int, TensorRecord]] = {}
-    dropped = set()
     for entry, mine in new.items():
-        theirs = held.get(entry, [])
-        steps = {h for h, _ in theirs}
-        if len(steps) != 1 or steps & missing or any(p.hash != mine[0].hash for _, p in theirs):
-            continue
-        by_key = {_key(p): (h, p) for h, p in theirs}
-        if all(_key(r) in by_key for r in mine) and len({p.file for _, p in theirs}) == 1:
-            moved.update({(entry, _key(r)): by_key[_key(r)] for r in mine})
+        found = _same(mine, held.get(entry, []), mine[0].hash, missing)
+        if found is not None:
+            moved.update({(entry, k): v for k, v in found.items()})
             dropped.add(entry)
+    decision = Decision(_moved(hashed, moved, dropped, previous, missing), frozenset(dropped), hashed)
+    if len(decision.depends_on()) > max_span:
+        return forced
+    return decision
+
+
+def _moved(hashed: tuple[TensorRecord | None, ...], moved: Mapping[tuple, tuple[int, TensorRecord]],
+           dropped: set[str], previous: Manifest | None, missing: frozenset[int]) -> tuple[TensorRecord | None, ...]:
+    """The records with each dropped entry's records turned into references (``moved``), and, with ``previous``,
+    each sharded tensor's unchanged chunks (their entries added to ``dropped``)."""
     out: list[TensorRecord | None] = []
     for i, r in enumerate(hashed):
         if r is not None and r.chunks is not None:  # a sharded tensor: chunk by chunk
-            out.append(_reference_chunks(r, previous, i, missing, dropped))
+            out.append(r if previous is None else _reference_chunks(r, previous, i, missing, dropped))
             continue
         found = None if r is None or r.entry not in dropped else moved[(r.entry, _key(r))]
         out.append(r if found is None else dataclasses.replace(r, file=found[1].file, entry=found[1].entry,
                                                                step=found[0]))
-    decision = Decision(tuple(out), frozenset(dropped), hashed)
-    if len(decision.depends_on()) > max_span:
-        return Decision(hashed, frozenset(), hashed)
-    return decision
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.history import SaveHistory
 from persist_core.planning.save import PlanCache, plan_rank
 from persist_core.save.overlap import Overlap
+from persist_core.save.dedup import Unstaged
 from persist_core.save.snapshots import Snapshots
 from persist_core.save.staging import Staged, StagingPool, stage_into
 from persist_core.save.writer import WriteJob, Writer
@@ -75,17 +76,20 @@ class Saver:
                              torch_loadable=self._torch_loadable, replica_check=self._replica_check, seed=step,
                              cache=self._plans)
             self._check_backlog(step, plan.shard.file_bytes)
-            staged = stage_into(self._pool, plan.shard, self._streams, defer=self._overlap.deferral())
+            base = plan.manifest(step=step, time=self._wall_clock(), metadata=metadata)
+            unstaged = self._unchanged(base, plan.shard.copies, step)
+            staged = stage_into(self._pool, plan.shard, self._streams, defer=self._overlap.deferral(),
+                                skip=None if unstaged is None else unstaged.skips)
         except BaseException:
             self._writer.unreserve(step)
             raise
-        base = plan.manifest(step=step, time=self._wall_clock(), metadata=metadata)
         handle = SaveHandle(SaveStats(step=step, nbytes=plan.shard.file_bytes, wait_s=staged.wait_s,
-                                      staging_s=staged.staging_s))
+                                      staging_s=staged.staging_s,
+                                      unchanged_bytes=0 if unstaged is None else unstaged.nbytes))
         self.latest_step = max(self.latest_step, step)
         self._history.add(decided_at, step, handle)
         job = WriteJob(handle=handle, buf=staged.buf, base=base, staged_at=staged.done_at, signature=plan.signature,
-                       replace=replace, filename=plan.filename, digests=tuple(plan.digests))
+                       replace=replace, filename=plan.filename, digests=tuple(plan.digests), unstaged=unstaged)
         plan_bytes = plan.shard.file_bytes
         del plan  # the writer needs only the staged bytes (and the deferred copy its sources), not the tensors
         handle._update(stall_s=time.perf_counter() - t0)
@@ -104,6 +108,16 @@ class Saver:
         log.debug("[rank=%d][step=%d] staged %d bytes in %.3f s", self._coll.rank, step, handle.stats.nbytes,
                   handle.stats.staging_s)
         return handle
+
+    def _unchanged(self, base: Manifest, copies: list, step: int) -> Unstaged | None:
+        """Incremental, one process: the host tensors the newest committed checkpoint holds, hashed where they lie and
+        left out of the copy (:meth:`~persist_core.save.dedup.Incremental.before_copy`)."""
+        incremental = self._writer.incremental
+        nodes = self._writer.nodes
+        if incremental is None or self._coll.world_size != 1 or nodes is None or not nodes.shared:
+            return None
+        in_flight = sum(1 for s in self._writer.pending_steps() if s < step)
+        return incremental.before_copy(base.tensors, copies, step, in_flight=in_flight)
 
     @property
     def disk_is_snapshot(self) -> bool:

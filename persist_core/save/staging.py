@@ -250,7 +250,8 @@ class StagingPool:
 
 def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch.cuda.Stream],
           wait_free: Callable[[int], float] = lambda end: 0.0,
-          defer: Callable[[EntryCopy], bool] | None = None) -> tuple[float, Callable[[], float] | None]:
+          defer: Callable[[EntryCopy], bool] | None = None,
+          skip: Callable[[EntryCopy], bool] | None = None) -> tuple[float, Callable[[], float] | None]:
     """Copy ``plan``'s header and sources into ``buf``; returns once the bytes are there.
 
     CUDA sources are copied ``non_blocking`` on a per-device side stream (created on demand in
@@ -261,6 +262,8 @@ def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch
     With ``defer``, the copies it picks are left out and returned as a function that makes them
     (the overlap: a background thread runs it while training goes on; the side stream waits for an
     event recorded now, on the caller's stream, so the copies see exactly the values of this moment).
+    The copies ``skip`` picks are not made at all (an incremental save's unchanged tensors: their range of ``buf``
+    keeps whatever it held, and is never written).
 
     Returns:
         ``(seconds spent in wait_free, the deferred copies' function or None)``; that function
@@ -282,6 +285,8 @@ def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch
             waited += wait_free(base + c.begin)
             ctypes.memset(data.data_ptr() + base + pos, 0, c.begin - pos)
         pos = c.end
+        if skip is not None and skip(c):
+            continue
         if defer is not None and defer(c):
             later.append(c)
         else:
@@ -389,7 +394,8 @@ class Staged:
 
 
 def stage_into(pool: StagingPool, plan: ShardPlan, streams: dict[torch.device, torch.cuda.Stream],
-               defer: Callable[[EntryCopy], bool] | None = None, *, claim: bool = True) -> Staged:
+               defer: Callable[[EntryCopy], bool] | None = None, *, claim: bool = True,
+               skip: Callable[[EntryCopy], bool] | None = None) -> Staged:
     """Take a buffer from ``pool`` (waiting if all are busy; ``claim``: or one being written) and copy ``plan``
     into it (but the copies ``defer`` picks: :attr:`Staged.later` makes those).
 
@@ -398,7 +404,7 @@ def stage_into(pool: StagingPool, plan: ShardPlan, streams: dict[torch.device, t
     buf, waited = pool.acquire(plan.file_bytes, claim=claim)
     try:
         t1 = time.perf_counter()
-        behind, later = stage(plan, buf, streams, lambda end: pool.wait_free(buf, end), defer=defer)
+        behind, later = stage(plan, buf, streams, lambda end: pool.wait_free(buf, end), defer=defer, skip=skip)
         done = time.perf_counter()
     except BaseException:
         pool.abandon(buf)

@@ -28,7 +28,7 @@ from persist_core.fileio import CHECKSUM_ALGORITHM, FileOps, write_file
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.layout import shard_filename
-from persist_core.save.dedup import Incremental
+from persist_core.save.dedup import Incremental, Unstaged
 from persist_core.save.staging import StagingBuffer, StagingPool
 from persist_core.tiers.local import checkpoint_dir
 from persist_core.turn import NO_TURN, Turn
@@ -48,6 +48,7 @@ class WriteJob:
     replace: bool = False  # a re-save of the committed step a run resumed from: exchanged atomically
     filename: str = ""  # the shard file's name (layout.shard_filename); default: this rank's .safetensors
     digests: tuple[int | None, ...] = ()  # of the tensors taken to be replicated, compared across ranks
+    unstaged: Unstaged | None = None  # incremental: entries found unchanged before the copy (not in ``buf``)
 
 
 #: ``after_commit(handle, manifest)``: writer thread, after the commit; may raise
@@ -75,6 +76,7 @@ class Writer:
                  incremental: Incremental | None = None) -> None:
         self._root = root
         self._incremental = incremental
+        self.incremental = incremental  # the saver asks it, before a copy, what is unchanged
         self._turn = turn
         #: which ranks share local_dir: found out at the first save (one process: itself alone)
         self.nodes: Nodes | None = None if coll.world_size > 1 else discover_nodes(root, coll)
@@ -168,6 +170,8 @@ class Writer:
     def close(self) -> None:
         self._thread.shutdown(wait=True)
         self._io.shutdown(wait=True)
+        if self._incremental is not None:
+            self._incremental.close()
 
     # ---- writer thread
 
@@ -243,7 +247,7 @@ class Writer:
         if self._incremental is not None and self.nodes.shared:  # each node its own disk: written whole
             try:  # what did not change is referenced; the buffer then holds only the rest
                 base, nbytes, side = self._incremental.prepare(job.base, buf, handle.stats.nbytes, pool=self._io,
-                                                                    turn=self._turn.wait)
+                                                                    turn=self._turn.wait, unstaged=job.unstaged)
             except BaseException:
                 self._pool.release(buf)
                 self._incremental.settle(None)
