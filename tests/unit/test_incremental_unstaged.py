@@ -83,3 +83,28 @@ def test_a_guarded_loop_references_the_frozen_base_and_loads_what_each_step_held
             for part in ("frozen", "adapter"):
                 for k, v in want[part].items():
                     assert torch.equal(got[part][k], v), (step, part, k)
+
+
+def test_what_a_save_in_flight_found_unchanged_is_kept_by_retention_until_it_is_committed(tmp_path):
+    from persist_core import KeepLastN
+    from tests.support.fakes import GatedStepOps
+
+    b0, b1 = _frozen(), _frozen() + 1.0
+
+    def state(step: int, base: torch.Tensor) -> dict:
+        return {"base": base, "adapter": torch.full((64,), float(step)), "step": step}
+
+    ops = GatedStepOps(3)
+    with CheckpointEngine(tmp_path, incremental=True, keep_local=KeepLastN(1), max_pending=2, file_ops=ops,
+                          direct_io="off") as engine:
+        engine.save(state(1, b0), step=1).wait()  # full: holds b0
+        engine.save(state(2, b0), step=2).wait()  # references step 1's b0
+        engine.save(state(3, b1), step=3)  # b1 written: step 3 references nothing; its commit waits at the gate
+        assert ops.entered.wait(30)
+        fourth = engine.save(state(4, b0), step=4)  # b0 again: hashed where it lies, equal to step 2's, not copied
+        assert fourth.stats.unchanged_bytes >= 4 * BASE
+        ops.gate.set()  # step 3 commits; KeepLastN(1) keeps it alone, but step 1 holds what step 4 references
+        fourth.wait()
+        assert _manifest(tmp_path, 4).depends_on() == {1}
+        assert [c.step for c in engine.list()] == [1, 4]
+        assert_state_equal(engine.load(step=4), state(4, b0))
