@@ -111,6 +111,9 @@ class Manifest:
             empty when every rank wrote into one directory (one node, a shared file system).
         node: which of ``nodes`` this copy is (its directory holds that node's ranks' files only);
             ``None`` for a copy that holds every file (the remote's, one directory, a download).
+        part: a memory snapshot of rank ``part``'s own state (several ranks, ``DTensor`` leaves): its sharded
+            records hold that rank's boxes alone, so it loads into targets whose parts it holds, never whole;
+            ``None`` (every checkpoint on disk): the chunks tile each sharded tensor.
     """
 
     step: int
@@ -124,6 +127,7 @@ class Manifest:
     per_rank: tuple[tuple[tuple[str, int, int], ...], ...] = ()
     nodes: tuple[tuple[int, ...], ...] = ()
     node: int | None = None
+    part: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -177,6 +181,8 @@ class Manifest:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["tensors"] = [t.to_json() for t in self.tensors]
         fields["files"] = [asdict(f) for f in self.files]
+        if self.part is None:  # only a rank's memory snapshot has it
+            del fields["part"]
         body = json.dumps({"format": FORMAT_NAME, "version": self.version, **fields}, separators=(",", ":")).encode()
         return body[:-1] + f',"{_CHECKSUM_KEY}":{crc32c.crc32c(body)}}}'.encode()
 
@@ -217,13 +223,15 @@ class Manifest:
                 time=float(body["time"]),
                 world_size=int(body["world_size"]),
                 tree=body["tree"],
-                tensors=tuple(TensorRecord.parse(r, i, where, version) for i, r in enumerate(body["tensors"])),
+                tensors=tuple(TensorRecord.parse(r, i, where, version, part=body.get("part") is not None)
+                              for i, r in enumerate(body["tensors"])),
                 objects=tuple((str(f), int(b), int(n)) for f, b, n in body["objects"]),
                 files=tuple(FileEntry(**{**f, "chunks": tuple(f["chunks"])}) for f in body["files"]),
                 metadata=dict(body.get("metadata") or {}),
                 per_rank=tuple(tuple((str(f), int(b), int(n)) for f, b, n in r) for r in body.get("per_rank", ())),
                 nodes=tuple(tuple(n) for n in body.get("nodes", ())),
                 node=body.get("node"),
+                part=body.get("part"),
             )
             _check_places(manifest, where)
             _check_schema(manifest, where)
@@ -281,6 +289,8 @@ def _check_schema(m: Manifest, where: str) -> None:
         raise bad(f"nodes={str(m.nodes)[:80]} do not split its {m.world_size} ranks")
     if m.node is not None and (not _whole(m.node) or m.node >= len(m.nodes)):
         raise bad(f"node={m.node!r} is not one of its {len(m.nodes)} nodes")
+    if m.part is not None and not _whole(m.part):
+        raise bad(f"part={m.part!r} is not a rank")
     if m.per_rank and len(m.per_rank) != m.world_size:
         raise bad(f"per_rank lists {len(m.per_rank)} ranks for a world of {m.world_size}")
     for fname, begin, length in [*m.objects, *(p for r in m.per_rank for p in r)]:

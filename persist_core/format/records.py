@@ -110,8 +110,10 @@ class TensorRecord:
         return out
 
     @classmethod
-    def parse(cls, raw: Any, i: int, where: str, version: int = REFERENCES_VERSION - 1) -> TensorRecord:
-        """Record ``i`` of the manifest read from ``where``, every field of the type and range a reader needs.
+    def parse(cls, raw: Any, i: int, where: str, version: int = REFERENCES_VERSION - 1, *,
+              part: bool = False) -> TensorRecord:
+        """Record ``i`` of the manifest read from ``where``, every field of the type and range a reader needs
+        (``part``: a rank's memory snapshot, whose sharded records may hold that rank's boxes alone).
 
         Raises:
             CorruptCheckpointError: a field a reader uses is missing, of another type, or out of range (a crafted
@@ -132,7 +134,7 @@ class TensorRecord:
         if not _ints(shape):
             raise bad(f"tensor record {i} has shape {shape!r}")
         if "chunks" in raw:
-            chunks = _chunks(raw["chunks"], i, shape, bad, version)
+            chunks = _chunks(raw["chunks"], i, shape, bad, version, part=part)
             mesh = raw.get("mesh")
             return cls(dtype=raw["dtype"], shape=tuple(shape), placements=raw.get("placements"),
                        mesh=None if mesh is None else tuple(mesh), chunks=chunks)
@@ -157,7 +159,7 @@ class TensorRecord:
                    step=step, hash=digest)
 
 
-def _chunks(raw: Any, i: int, shape: list[int], bad: Any, version: int) -> tuple[Chunk, ...]:
+def _chunks(raw: Any, i: int, shape: list[int], bad: Any, version: int, *, part: bool = False) -> tuple[Chunk, ...]:
     chunks = []
     for c in raw if isinstance(raw, list) else [None]:
         if not isinstance(c, dict) or not isinstance(c.get("entry"), str) or not _ints(c.get("offsets"), len(shape)) \
@@ -175,7 +177,7 @@ def _chunks(raw: Any, i: int, shape: list[int], bad: Any, version: int) -> tuple
         chunks.append(Chunk(file=c.get("file"), entry=c["entry"], offsets=tuple(c["offsets"]), sizes=tuple(c["sizes"]),
                             step=step, hash=digest))
     boxes = [(c.offsets, c.sizes) for c in chunks]
-    if sum(math.prod(n) for _, n in boxes) != math.prod(shape):
+    if sum(math.prod(n) for _, n in boxes) != math.prod(shape) and not part:
         raise bad(f"sharded tensor record {i}'s chunks do not cover its {math.prod(shape)} elements")
     for a in range(len(boxes)):  # equal total and no overlap: they tile it
         for b in range(a + 1, len(boxes)):

@@ -67,7 +67,7 @@ def agreed_load(reader: CheckpointReader, chan: Any, partner: PartnerLink | None
     Raises:
         CheckpointNotFoundError: no step every rank can load (each rank's steps named).
     """
-    listing = reader._list_sources()  # listed once: each round loads from this listing
+    listing = reader._list_sources(whole=kwargs.get("into") is None)  # listed once: each round loads from it
     held = {} if partner is None else partner.held_steps()
     views = chan.all_gather((sorted(listing.steps()), sorted(listing.held.get(MEMORY, ())), held))
     holders = {q: (r, set(steps)) for r, (_, _, h) in enumerate(views) for q, steps in h.items()}

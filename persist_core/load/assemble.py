@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 def assemble(rec: TensorRecord, entry_of: Callable[[Chunk], torch.Tensor], device: torch.device) -> torch.Tensor:
     """The whole tensor of a sharded record from the byte tensor of each chunk's entry."""
     dtype = dtype_from_name(rec.dtype)
+    if sum(math.prod(c.sizes) for c in rec.chunks or ()) != math.prod(rec.shape):  # a rank's part (a snapshot)
+        raise CorruptCheckpointError(f"a sharded tensor of shape {list(rec.shape)} is not whole here (a rank's memory "
+                                     "snapshot holds its own part: load it into sharded targets)")
     full = torch.empty(rec.shape, dtype=dtype, device=device)
     for c in rec.chunks or ():
         sizes = c.sizes
@@ -225,8 +228,12 @@ def _plan_tensor(plan: ReadPlan, path: str, rec: TensorRecord, target: torch.Ten
     if box is None or math.prod(box[1]) == 0:
         return result
     es = itemsize(dtype)
-    for c in chunks:
-        r = chunk_read(box, c, len(shape), es, path, where)
+    reads = [(c, chunk_read(box, c, len(shape), es, path, where)) for c in chunks]
+    if sum(math.prod(r.meet[1]) for _, r in reads if r is not None) != math.prod(box[1]):  # the chunks do not overlap
+        raise CorruptCheckpointError(f"{where} does not hold all of {path!r} that "
+                                     + ("a whole load" if target is None else "the target's part")
+                                     + " needs (a rank's memory snapshot holds its own part of a sharded tensor)")
+    for c, r in reads:
         if r is None:
             continue
         begin, entry_end = plan.entry(c["file"], c["entry"])

@@ -175,9 +175,14 @@ class CheckpointReader:
             return snap
         return newest[max(newest)] if newest else None
 
-    def memory_steps(self) -> set[int]:
-        """The steps of the memory snapshots this reader can read (none without a memory tier)."""
-        return set() if self._memory_store is None else self._memory_store.steps()
+    def memory_steps(self, *, whole: bool = False) -> set[int]:
+        """The steps of the memory snapshots this reader can read (none without a memory tier); ``whole``: those a
+        whole load can read (a rank's part of sharded tensors loads into targets only)."""
+        if self._memory_store is None:
+            return set()
+        if not whole:
+            return self._memory_store.steps()
+        return {s.step for s in self._memory_store.snapshots() if s.manifest.part is None}
 
     def memory_step(self, path: str | os.PathLike[str]) -> int | None:
         """The step of the memory snapshot whose slot ``path`` names (as :meth:`latest` gives it), or ``None``."""
@@ -242,7 +247,7 @@ class CheckpointReader:
             ConfigError: a bad argument (named); a target of another shape than saved, or one the checkpoint lacks.
         """
         step = None if step is None else _knobs.check_step(step)
-        order, listing = self._candidates(step)
+        order, listing = self._candidates(step, whole=into is None)
         return self._load_listed(step, order, listing, into=into, map_location=map_location, verify=verify,
                                  rank=rank, weights_only=weights_only)
 
@@ -270,17 +275,17 @@ class CheckpointReader:
         where = f"{self._root}" + (f" nor {self._tier.url}" if self._tier else "")
         raise CheckpointNotFoundError(f"no committed checkpoint that verifies in {where}")
 
-    def _list_sources(self) -> Listing:
+    def _list_sources(self, *, whole: bool = False) -> Listing:
         """The committed steps of each source (a remote that cannot be read holds none; a remote step this
-        directory set aside is not the remote's to give)."""
+        directory set aside is not the remote's to give; ``whole``: for a whole load)."""
         local = set(committed_steps(self._root))
         remote = set(self._remote_or_nothing(self._tier.committed_steps, [])) if self._tier is not None else set()
         remote -= self._set_aside_here(remote - local)
-        return Listing.of(**{LOCAL: local, REMOTE: remote, MEMORY: self.memory_steps()})
+        return Listing.of(**{LOCAL: local, REMOTE: remote, MEMORY: self.memory_steps(whole=whole)})
 
-    def _candidates(self, step: int | None) -> tuple[list[int], Listing]:
+    def _candidates(self, step: int | None, *, whole: bool = False) -> tuple[list[int], Listing]:
         """The steps to try, newest first (``[step]`` when given), and what each source holds."""
-        listing = self._list_sources()
+        listing = self._list_sources(whole=whole)
         where = f"{self._root}" + (f" or {self._tier.url}" if self._tier else "")
         return listing.candidates(step, where), listing
 

@@ -190,7 +190,8 @@ class PlanCache:
 
 
 def plan_rank(state: Any, *, rank: int, world_size: int, torch_loadable: bool = False,
-              replica_check: str = "sampled", seed: int = 0, cache: PlanCache | None = None) -> RankPlan:
+              replica_check: str = "sampled", seed: int = 0, cache: PlanCache | None = None,
+              split: bool = True) -> RankPlan:
     """Flatten ``state`` and lay out ``rank``'s shard of it: about ``1/world_size`` of its replicated
     tensors, the local parts of its ``DTensor`` leaves that this rank is the first replica of, and its
     :class:`~persist_core.format.tree.PerRank` values.
@@ -199,13 +200,14 @@ def plan_rank(state: Any, *, rank: int, world_size: int, torch_loadable: bool = 
     several, rank 0's is an archive whose loading raises an error naming how to load the checkpoint.
     ``replica_check``/``seed``: how the tensors taken to be replicated are digested for the ranks to
     compare (:func:`~persist_core.planning.sharding.replica_digests`). ``cache``: reuse the layout of the
-    last state of the same structure (:class:`PlanCache`).
+    last state of the same structure (:class:`PlanCache`). ``split=False``: each ``DTensor``'s whole local part,
+    also where other ranks hold the same (a memory snapshot of this rank's own state).
 
     Raises:
         UnsupportedStateError: a leaf cannot be saved (its key path is named).
     """
     cache = None if torch_loadable else cache  # torch.save's zip layout holds values: never cached
-    flat, shardings = localize(flatten(state) if cache is None else cache.flatten(state))
+    flat, shardings = localize(flatten(state) if cache is None else cache.flatten(state), split=split)
     groups = storage_groups(flat, skip=shardings)
     key = None if cache is None else PlanCache.key(flat, groups, shardings, rank, world_size)
     hit = None if cache is None else cache.get(key)

@@ -47,8 +47,9 @@ class Sharding:
     mesh: tuple[int, ...]
 
 
-def describe(t: Any, path: str) -> tuple[torch.Tensor, Sharding]:
-    """``(local tensor, Sharding)`` of the ``DTensor`` ``t`` (at key path ``path``).
+def describe(t: Any, path: str, *, split: bool = True) -> tuple[torch.Tensor, Sharding]:
+    """``(local tensor, Sharding)`` of the ``DTensor`` ``t`` (at key path ``path``). ``split=False``: the whole
+    local part, whatever other ranks hold the same (a memory snapshot: the rank's own state, restored alone).
 
     Raises:
         UnsupportedStateError: a ``Partial`` placement (no rank holds the value), or a layout whose
@@ -77,6 +78,8 @@ def describe(t: Any, path: str) -> tuple[torch.Tensor, Sharding]:
     index = 0
     for d in replicas:  # this rank's place among the ranks holding the same box
         index = index * mesh.shape[d] + coord[d]
+    if not split:
+        count, index = 1, 0
     if count > 1:  # the replicas split the box along its first dimension: each writes about 1/count of it
         if not sizes:
             return local, Sharding(tuple(t.shape), (), (), index == 0, str(placements), tuple(mesh.shape))
@@ -88,13 +91,14 @@ def describe(t: Any, path: str) -> tuple[torch.Tensor, Sharding]:
     return local, Sharding(tuple(t.shape), tuple(offsets), tuple(sizes), writes, str(placements), tuple(mesh.shape))
 
 
-def localize(flat: FlatState) -> tuple[FlatState, dict[int, Sharding]]:
-    """``flat`` with each ``DTensor`` replaced by its local tensor, and the :class:`Sharding` of each, by index."""
+def localize(flat: FlatState, *, split: bool = True) -> tuple[FlatState, dict[int, Sharding]]:
+    """``flat`` with each ``DTensor`` replaced by its local tensor, and the :class:`Sharding` of each, by index
+    (``split``: see :func:`describe`)."""
     shardings: dict[int, Sharding] = {}
     tensors = list(flat.tensors)
     for i, (path, t) in enumerate(tensors):
         if is_dtensor(t):
-            local, shardings[i] = describe(t, path)
+            local, shardings[i] = describe(t, path, split=split)
             tensors[i] = (path, local)
     if not shardings:
         return flat, shardings

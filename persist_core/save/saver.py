@@ -4,6 +4,7 @@ guard, to the overlap's copy thread (:mod:`persist_core.save.overlap`) — and r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -129,7 +130,8 @@ class Saver:
         """Stage ``state`` as ``step`` into a slot of the memory tier, and nothing more (no disk): the copy
         runs on the caller's thread; the slot's record is written in the background. With several ranks, each
         rank's snapshot is its whole state as one process would save it (a restart of this rank reads it alone,
-        whatever the other ranks hold)."""
+        whatever the other ranks hold); a ``DTensor`` leaf, its whole local part (a snapshot of rank ``part``,
+        loaded into sharded targets)."""
         assert self._snapshots is not None
         self._overlap.fence()
         self._ledger.raise_first()
@@ -140,15 +142,13 @@ class Saver:
         one = self.disk_is_snapshot
         plan = plan_rank(state, rank=0, world_size=1, torch_loadable=self._torch_loadable and one,
                          replica_check=self._replica_check, seed=step,
-                         cache=self._plans if one else self._snapshot_plans)
-        if not one and plan.shardings:  # a rank's part of a DTensor is no whole state to restore from alone
-            self._snapshots.give_up(f"with {self._coll.world_size} ranks, a state with DTensor leaves "
-                                    f"({len(plan.shardings)}) is not snapshot yet")
-            return
+                         cache=self._plans if one else self._snapshot_plans, split=False)
         self._snapshots.wait()  # the previous snapshot is committed before this one may take a slot
         staged = stage_into(self._pool, plan.shard, self._streams, claim=False, defer=self._overlap.deferral())
         base, nbytes, filename = plan.manifest(step=step, time=self._wall_clock(), metadata=metadata), \
             plan.shard.file_bytes, plan.filename
+        if not one and plan.shardings:  # its DTensor leaves' local parts: it loads into sharded targets only
+            base = dataclasses.replace(base, part=self._coll.rank)
         del plan  # a guarded snapshot's deferred copy needs its sources only
 
         def keep() -> None:

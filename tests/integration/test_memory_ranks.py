@@ -137,15 +137,16 @@ def test_a_lost_node_whose_newest_partner_copy_does_not_verify_resumes_with_ever
     assert _resume(tmp_path, 4, 2) == [(older, "memory", True)] * 2 + [(older, "partner", True)] * 2
 
 
-def test_a_state_with_dtensor_leaves_on_several_ranks_is_not_snapshot_said_once_and_saved_to_disk(tmp_path):
+def test_dtensor_leaves_on_several_ranks_are_snapshot_per_rank_and_restored_into_sharded_targets(tmp_path):
     import torch
 
     from tests.support import memory_ranks_child
     from tests.support.ranks import exit_codes
 
-    assert exit_codes(memory_ranks_child.sharded, 2, str(tmp_path / "ckpt"), str(tmp_path)) == [0, 0]
+    ckpt = str(tmp_path / "ckpt")
+    assert exit_codes(memory_ranks_child.sharded, 2, ckpt, str(tmp_path), "train") == [-signal.SIGKILL] * 2
+    assert exit_codes(memory_ranks_child.sharded, 2, ckpt, str(tmp_path), "restore") == [0, 0]
     for r in range(2):
         got = torch.load(tmp_path / f"sharded-rank{r}.pt", weights_only=False)
-        assert got["snapshots"] == []  # never an unreadable record (a rank's part of a DTensor is no whole state)
-        assert sum("takes no snapshots" in m and "DTensor" in m for m in got["said"]) == 1
-        assert (got["step"], got["equal"]) == (2, True)  # the disk saves went on
+        assert got["into"] == (3, "memory", True)  # each rank its own part, bit-exact, from its own memory
+        assert got["whole"] == (2, "local", True)  # a rank's part is no whole state: the newest whole one is disk's

@@ -79,31 +79,41 @@ if __name__ == "__main__":
     main()
 
 
-def sharded(rank: int, world: int, port: int, base: str, out: str) -> None:
-    """A state with a DTensor leaf on ``world`` ranks: the memory tier says once that it takes no snapshot of it
-    (each rank's part is no state to restore from alone) and the disk saves go on; the result goes to ``out``."""
-    import logging
+def sharded(rank: int, world: int, port: int, base: str, out: str, phase: str) -> None:
+    """A state with DTensor leaves (one sharded, one replicated) on ``world`` ranks. ``phase="train"``: steps 1-3,
+    a snapshot every step and a disk save every 2nd, then SIGKILL (the snapshots stay). ``"restore"``: a load into
+    sharded targets (each rank from its own snapshot of its own part) and a whole load (the newest whole
+    checkpoint: the disk's); what each gave goes to ``out``."""
+    import signal
 
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from persist_core import CheckpointEngine, EveryNSteps, MemoryTier, TorchCollectives
 
-    said: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("persist_core").addHandler(handler)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     coll, mesh = TorchCollectives.new_group(timeout_s=60), init_device_mesh("cpu", (world,))
     full = torch.arange(64.0).reshape(8, 8)
-    with CheckpointEngine(base, collectives=coll, save_policy=EveryNSteps(2), preemption=None,
-                          memory=MemoryTier(memory_dir=Path(base) / "shm")) as engine:
+
+    def state(step: int) -> dict:
+        return {"d": distribute_tensor(full * step, mesh, [Shard(0)]),
+                "r": distribute_tensor(full + step, mesh, [Replicate()]), "plain": torch.ones(3) * step, "step": step}
+
+    engine = CheckpointEngine(base, collectives=coll, save_policy=EveryNSteps(2), preemption=None,
+                              memory=MemoryTier(memory_dir=Path(base) / "shm"))
+    if phase == "train":
         for step in (1, 2, 3):
-            engine.maybe_save(lambda: {"d": distribute_tensor(full * step, mesh, [Shard(0)]), "step": step}, step)
+            engine.maybe_save(lambda: state(step), step)
         engine.wait()
-        snapshots = sorted(engine.reader.memory_steps())
-        loaded = engine.load()
-    torch.save({"said": said, "snapshots": snapshots, "step": loaded["step"],
-                "equal": torch.equal(loaded["d"], full * 2)}, Path(out) / f"sharded-rank{rank}.pt")
+        dist.barrier()
+        os.kill(os.getpid(), signal.SIGKILL)
+    into = engine.load(into=state(0))
+    got = {"into": (into["step"], engine.reader.loaded_source,
+                    all(torch.equal(into[k].to_local(), state(3)[k].to_local()) for k in ("d", "r"))
+                    and torch.equal(into["plain"], state(3)["plain"]))}
+    whole = engine.load()
+    got["whole"] = (whole["step"], engine.reader.loaded_source, torch.equal(whole["d"], full * 2))
+    engine.close()
+    torch.save(got, Path(out) / f"sharded-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -3,6 +3,7 @@ version's golden checkpoint still loads, and no damage to a manifest ever loads 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -117,6 +118,27 @@ def test_a_chunk_can_name_another_checkpoints_bytes_only_from_version_6():
 
     assert manifest(chunk).depends_on() == {30} and manifest(own).depends_on() == set()
 
+
+
+def test_chunks_that_do_not_tile_a_tensor_are_a_rank_s_memory_snapshot_or_corrupt():
+    from persist_core.format.manifest import Manifest
+    from persist_core.format.records import Chunk, TensorRecord
+
+    half = Chunk(file="rank-00000.safetensors", entry="w", offsets=(2,), sizes=(2,))
+    rec = TensorRecord(dtype="float32", shape=(4,), placements="(Shard(dim=0),)", mesh=(2,), chunks=(half,))
+    from persist_core.fileio import CHECKSUM_ALGORITHM
+    from persist_core.format.manifest import FileEntry
+
+    file = FileEntry(name="rank-00000.safetensors", rank=0, size=4096, checksum=CHECKSUM_ALGORITHM, chunk_bytes=4096,
+                     chunks=(0,))
+    disk = Manifest(step=3, time=0.0, world_size=1, tree={"tensor": 0}, tensors=(rec,), objects=(), files=(file,))
+    assert b'"part"' not in disk.to_bytes()  # every checkpoint on disk: the JSON as before
+    with pytest.raises(CorruptCheckpointError, match="do not cover its 4 elements"):
+        Manifest.from_bytes(disk.to_bytes(), where="m")
+    snapshot = Manifest.from_bytes(dataclasses.replace(disk, part=1).to_bytes(), where="m")
+    assert snapshot.part == 1 and snapshot.tensors[0].chunks == (half,)
+    with pytest.raises(CorruptCheckpointError, match="is not a rank"):
+        Manifest.from_bytes(dataclasses.replace(disk, part=-1).to_bytes(), where="m")
 
 def _incremental_pair(root: Path) -> None:
     """The golden files of version 6 (issue 43): the golden state saved full at step 11, then at step 12 with
