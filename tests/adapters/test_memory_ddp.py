@@ -1,0 +1,119 @@
+"""The memory tier through the adapters with two processes (issue 42): a Lightning DDP Trainer and an Accelerate job
+snapshot on every rank, every process of the job is SIGKILLed at a known step, and the restart resumes every rank
+from the step they all have in memory, bit-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.support.moto_server import free_port
+from tests.support.states import assert_state_equal
+
+SUPPORT = Path(__file__).parents[1] / "support"
+ROOT = Path(__file__).parents[2]
+
+
+class HeldJob:
+    """A job started with ``cmd`` whose ranks each print ``ready <step> <pid>`` and wait: :meth:`kill` SIGKILLs every
+    process of it (the ranks and the launcher, by id) and returns once each is gone."""
+
+    def __init__(self, cmd: list[str], ranks: int, log: Path) -> None:
+        self.ranks = ranks
+        self._log = log
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def ready(self) -> tuple[int, list[int]]:
+        """The step every rank holds at, and the ranks' process ids."""
+        said = []
+        while len(said) < self.ranks:
+            line = self.proc.stdout.readline()
+            assert line, f"the job ended before every rank was ready:\n{self._log.read_text()[-3000:]}"
+            if line.startswith("ready "):
+                said.append([int(w) for w in line.split()[1:]])
+        steps = {s for s, _ in said}
+        assert len(steps) == 1, said
+        return steps.pop(), [pid for _, pid in said]
+
+    def kill(self, pids: list[int]) -> None:
+        fds = [os.pidfd_open(pid) for pid in {*pids, self.proc.pid}]  # before the signal: no pid reused meanwhile
+        try:
+            for fd in fds:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            for fd in fds:  # readable once the process is gone (its locks with it)
+                assert select.select([fd], [], [], 60)[0], "a killed process did not end"
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert self.proc.wait(timeout=60) == -signal.SIGKILL
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+    def close(self) -> None:
+        """Whatever is left of the job, killed (a failed test)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _records(shm: Path, rank: int) -> dict[int, Path]:
+    """Rank ``rank``'s committed snapshot records under ``shm``, by step."""
+    return {json.loads(p.read_text())["step"]: p for p in shm.glob(f"*/rank-{rank:05d}/life-*/slot-*.json")}
+
+
+def _crash_and_restart(held: list[str], resumed: list[str], tmp_path: Path, *, drop_rank1_newest: bool) -> int:
+    """Run ``held`` until every rank waits, SIGKILL the job, optionally take rank 1's snapshot of the step it held
+    at back (as if the kill came before its record), run ``resumed``; the step both ranks resumed from, checked."""
+    job = HeldJob(held, 2, tmp_path / "first.log")
+    try:
+        step, pids = job.ready()
+        job.kill(pids)
+    finally:
+        job.close()
+    shm = tmp_path / "shm"
+    assert {0, 1} <= {r for r in (0, 1) if _records(shm, r)}, "every rank keeps its own snapshots"
+    if drop_rank1_newest:
+        newest = _records(shm, 1).get(step)
+        if newest is not None:
+            newest.unlink()
+    second = subprocess.run(resumed, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert second.returncode == 0, second.stderr[-3000:]
+    got = [torch.load(tmp_path / f"w.resumed{r}") for r in (0, 1)]
+    assert got[0]["step"] == got[1]["step"], "the ranks agree on one step"
+    at = got[0]["step"]
+    assert at == step - 1 if drop_rank1_newest else at in (step, step - 1)  # at most one step lost
+    for r in (0, 1):  # each rank's weights are those of that step, bit for bit
+        assert_state_equal(got[r]["weights"], torch.load(tmp_path / f"w.step{at}"))
+    assert not list(shm.rglob("slot-*")), "the finished run removed the snapshots"
+    return at
+
+
+def test_lightning_ddp_two_ranks_killed_resume_from_the_step_both_have_in_memory(tmp_path):
+    app = [sys.executable, str(SUPPORT / "lightning_app.py"), "--local-dir", str(tmp_path / "ckpt"), "--devices", "2",
+           "--strategy", "persist_ddp", "--memory-dir", str(tmp_path / "shm"), "--out", str(tmp_path / "w")]
+    # rank 1's snapshot of step 5 is taken back: rank 0's latest_path() names 5, but both must resume from 4,
+    # each from its own memory (nothing is on disk)
+    at = _crash_and_restart([*app, "--max-steps", "20", "--hold-at", "5"], [*app, "--max-steps", "6", "--resume"],
+                            tmp_path, drop_rank1_newest=True)
+    assert at == 4 and not list((tmp_path / "ckpt").glob("step-*"))
+
+
+def test_accelerate_two_processes_killed_resume_from_the_newest_step_both_have_in_memory(tmp_path):
+    def app(*args: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port()), str(SUPPORT / "accelerate_app.py"), "--local-dir", str(tmp_path / "ckpt"),
+                "--memory-dir", str(tmp_path / "shm"), "--out", str(tmp_path / "w"), *args]
+
+    at = _crash_and_restart(app("--steps", "20", "--hold-at", "5"), app("--steps", "6", "--resume"), tmp_path,
+                            drop_rank1_newest=False)
+    assert at in (4, 5) and not list((tmp_path / "ckpt").glob("step-*"))
