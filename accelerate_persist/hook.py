@@ -106,7 +106,8 @@ class PersistHook:
         memory_every_n_steps: keep a snapshot in host memory every this many optimizer steps (at
             :meth:`maybe_save`): a restart on the same machine after a crash resumes from it with
             :meth:`resume`, losing at most that many steps, without reading the disk. Without a
-            ``save_policy``, only ``save_state()`` writes to disk. One process for now (several: disk only).
+            ``save_policy``, only ``save_state()`` writes to disk. Several processes: each snapshots its own
+            state, and :meth:`resume` takes the newest step every process has.
         memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist``).
         incremental: a checkpoint references the tensors whose bytes equal the previous checkpoint's (a frozen
             base, a PEFT model's base) instead of writing them again; a full one every ``full_every`` saves.
