@@ -75,8 +75,12 @@ class PersistAutoSave(Callback):
         """The state Lightning would save at ``step``, into the memory tier: each rank's whole state, its own."""
         if self.snapshot_steps and self.snapshot_steps[-1] == step:
             return  # gradient accumulation: the same optimizer step, nothing new to keep
-        engine = self._io._get_engine()
-        if engine.maybe_snapshot(lambda: trainer._checkpoint_connector.dump_checkpoint(weights_only=False), step):
+        tier = self._io._session.options.memory
+        if tier is None or not tier.due(step):
+            return
+        # dumped on every rank alike (a ZeroRedundancyOptimizer's state is gathered), also where the tier gave up
+        state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if self._io._get_engine().maybe_snapshot(lambda: state, step):
             self.snapshot_steps.append(step)
 
 

@@ -130,7 +130,8 @@ def main() -> None:
                         help="io.autosave(a policy that answers differently on each rank) instead")
     parser.add_argument("--node-local", action="store_true",
                         help="each rank is a node of its own: local_dir (and dirpath) is LOCAL_DIR/node<rank>")
-    parser.add_argument("--memory-dir", help="memory_every_n_steps=1 in this tmpfs, io.autosave(None): memory only")
+    parser.add_argument("--memory-dir", help="memory_every_n_steps=1 in this tmpfs, with io.autosave(None) (memory "
+                        "only) or io.autosave(EveryNSteps(N)) with --autosave-every")
     parser.add_argument("--hold-at", type=int, help="with --memory-dir: every rank waits at this step to be killed")
     args = parser.parse_args()
     if args.node_local:
@@ -144,7 +145,8 @@ def main() -> None:
     if args.memory_dir:
         trainer = Trainer(max_steps=args.max_steps, plugins=[io], accelerator="cpu", devices=args.devices,
                           strategy=strategy, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                          enable_checkpointing=False, callbacks=[io.autosave(None), HoldAt(args.hold_at, args.out)])
+                          enable_checkpointing=False, callbacks=[io.autosave(EveryNSteps(args.autosave_every) if args.autosave_every else None),
+                                     HoldAt(args.hold_at, args.out)])
     elif args.autosave_every or args.autosave_skewed:
         policy = RankSkewed() if args.autosave_skewed else EveryNSteps(args.autosave_every)
         trainer = Trainer(max_steps=args.max_steps, plugins=[io], accelerator="cpu", devices=args.devices,
