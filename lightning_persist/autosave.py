@@ -6,7 +6,9 @@ policy (``Continuous``, ``EveryNSteps``, ``OptimalInterval``, ...) with the engi
 last save and what saves cost, and broadcasts the answer, so every rank saves the same step or
 none does. When Lightning has received SIGTERM during the batch (on any rank), every rank saves
 that step whatever the policy says; Lightning then stops and the plugin's ``teardown`` flushes
-the commit and upload within the grace period.
+the commit and upload within the grace period. With ``memory_every_n_steps`` it also keeps those steps in memory
+(one process: those not saved to disk, whose copy is a snapshot already; several: each rank its own whole state,
+under ``PersistDDPStrategy``; plain DDP calls the plugin on rank 0 only, so it saves to disk only, said once).
 """
 
 from __future__ import annotations
@@ -75,12 +77,8 @@ class PersistAutoSave(Callback):
         """The state Lightning would save at ``step``, into the memory tier: each rank's whole state, its own."""
         if self.snapshot_steps and self.snapshot_steps[-1] == step:
             return  # gradient accumulation: the same optimizer step, nothing new to keep
-        tier = self._io._session.options.memory
-        if tier is None or not tier.due(step):
-            return
-        # dumped on every rank alike (a ZeroRedundancyOptimizer's state is gathered), also where the tier gave up
-        state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        if self._io._get_engine().maybe_snapshot(lambda: state, step):
+        engine = self._io._get_engine()  # the dump only when this rank's tier takes it (DDP's dump gathers nothing)
+        if engine.maybe_snapshot(lambda: trainer._checkpoint_connector.dump_checkpoint(weights_only=False), step):
             self.snapshot_steps.append(step)
 
 

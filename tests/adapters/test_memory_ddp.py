@@ -1,19 +1,23 @@
 """The memory tier through the adapters with two processes (issue 42): a Lightning DDP Trainer and an Accelerate job
 snapshot on every rank, every process of the job is SIGKILLed at a known step, and the restart resumes every rank
-from the step they all have in memory, bit-exact."""
+from the step they all have in memory, bit-exact. Plain ``strategy="ddp"`` (the plugin called on rank 0 only) takes
+no snapshots and says so once."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+from lightning_persist import PersistCheckpointIO
 from tests.support.moto_server import free_port
 from tests.support.states import assert_state_equal
 
@@ -121,3 +125,27 @@ def test_accelerate_two_processes_killed_resume_from_the_newest_step_both_have_i
     at = _crash_and_restart(app("--steps", "20", "--hold-at", "5", "--policy", "every4"),
                             app("--steps", "6", "--resume", "--policy", "every4"), tmp_path, drop_rank1_newest=False)
     assert at in (4, 5)
+
+
+class DDPStrategy:
+    """Plain DDP as the autosave sees it: Lightning calls the plugin on rank 0 only (one process stands for two)."""
+
+    def broadcast(self, value, src=0):
+        return value
+
+    def reduce_boolean_decision(self, value, all=True):
+        return value
+
+
+def test_plain_ddp_takes_no_snapshots_and_says_once_which_strategy_does(tmp_path, caplog):
+    io = PersistCheckpointIO(tmp_path / "ckpt", memory_every_n_steps=1, memory_dir=tmp_path / "shm")
+    autosave = io.autosave(None)
+    with caplog.at_level(logging.WARNING, logger="lightning_persist.autosave"):
+        for step in (1, 2, 3):
+            trainer = SimpleNamespace(global_step=step, world_size=2, is_global_zero=True, received_sigterm=False,
+                                      strategy=DDPStrategy())
+            autosave.on_train_batch_end(trainer)
+    said = [r.getMessage() for r in caplog.records if "PersistDDPStrategy" in r.getMessage()]
+    assert len(said) == 1 and "DDPStrategy and 2 processes" in said[0], caplog.text
+    assert autosave.snapshot_steps == [] and io._session.engine is None  # rank 1 never opens an engine of rank 0's
+    assert not list((tmp_path / "shm").rglob("slot-*"))
