@@ -103,10 +103,10 @@ class PersistHook:
             on both tiers (kept, listed by ``persist ls``, never pruned) at the first save. Without it, the first
             ``save_state()`` of a run that resumed nothing there raises a ``ConfigError`` (resume with
             ``hook.resume()``).
-        memory_every_n_steps: keep a snapshot in host memory every this many optimizer steps (at
-            :meth:`maybe_save`): a restart on the same machine after a crash resumes from it with
-            :meth:`resume`, losing at most that many steps, without reading the disk. Without a
-            ``save_policy``, only ``save_state()`` writes to disk. One process for now (several: disk only).
+        memory_every_n_steps: keep a snapshot in host memory every this many optimizer steps (at :meth:`maybe_save`):
+            a restart on the same machine after a crash resumes from it with :meth:`resume`, losing at most that many
+            steps, without reading the disk (several processes: each snapshots its own state, and they resume at the
+            newest step all have). Without a ``save_policy``, only ``save_state()`` writes to disk.
         memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist``).
         incremental: a checkpoint references the tensors whose bytes equal the previous checkpoint's (a frozen
             base, a PEFT model's base) instead of writing them again; a full one every ``full_every`` saves.
@@ -319,18 +319,22 @@ class PersistHook:
             Whether it saved. After a preemption notice, :attr:`preempted` is True.
 
         Raises:
-            ConfigError: no ``save_policy`` was given.
+            ConfigError: neither a ``save_policy`` nor ``memory_every_n_steps`` was given.
         """
-        engine = self._session_or_raise().open()
-        if self._options.save_policy is None and self._options.memory is None:
+        session, step, memory = self._session_or_raise(), self._optimizer_steps, self._options.memory
+        engine = session.open()
+        if self._options.save_policy is None and memory is None:
             raise ConfigError("maybe_save() needs PersistHook(save_policy=...), e.g. Continuous(min_interval_s=30), "
                               "or memory_every_n_steps=...")
-        step = self._optimizer_steps
         decision, preempting = engine.decide(step)  # agreed across processes
+        # one process: a step saved to disk is a snapshot already; several: each one's shard is only a part of it
+        snapshot = memory is not None and memory.due(step) and not session.saved(step) and (
+            not decision or session.collectives.world_size > 1)
         if decision:
             self._save_state()
-        elif self._options.memory is not None and self._options.memory.due(step) and not self._session.saved(step):
-            engine.maybe_snapshot(lambda: _state.capture(self._accelerator, optimizer_steps=step), step)
+        if snapshot:  # captured on every process alike (it gathers), also where the tier gave up (no room)
+            state = _state.capture(self._accelerator, optimizer_steps=step)
+            engine.maybe_snapshot(lambda: state, step)
         if preempting:
             engine.finish_preemption()
         return decision

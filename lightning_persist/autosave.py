@@ -6,7 +6,9 @@ policy (``Continuous``, ``EveryNSteps``, ``OptimalInterval``, ...) with the engi
 last save and what saves cost, and broadcasts the answer, so every rank saves the same step or
 none does. When Lightning has received SIGTERM during the batch (on any rank), every rank saves
 that step whatever the policy says; Lightning then stops and the plugin's ``teardown`` flushes
-the commit and upload within the grace period.
+the commit and upload within the grace period. With ``memory_every_n_steps`` it also keeps those steps in memory
+(one process: those not saved to disk, whose copy is a snapshot already; several: each rank its own whole state,
+under ``PersistDDPStrategy``; plain DDP calls the plugin on rank 0 only, so it saves to disk only, said once).
 """
 
 from __future__ import annotations
@@ -41,9 +43,13 @@ class PersistAutoSave(Callback):
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         step = trainer.global_step
+        session = self._io._session
+        memory = session.options.memory is not None and self._every_rank(trainer)
+        if memory:
+            self._io._get_engine()  # opened on every rank at once: with several, opening is a collective call
         decision = False
         if trainer.is_global_zero and self._policy is not None:
-            decision = not self._io._session.saved(step) and self._io._get_engine().should_save(step, policy=self._policy)
+            decision = not session.saved(step) and self._io._get_engine().should_save(step, policy=self._policy)
         decision = trainer.strategy.broadcast(decision, src=0)
         # SIGTERM on any rank: every rank saves this step (Lightning then stops; teardown flushes)
         if trainer.strategy.reduce_boolean_decision(bool(trainer.received_sigterm), all=False):
@@ -51,20 +57,27 @@ class PersistAutoSave(Callback):
         if decision:
             trainer.save_checkpoint(os.path.join(str(self._io.local_dir), self._filename))
             self.saved_steps.append(step)
-        elif self._io._session.options.memory is not None and not self._io._session.saved(step):
+        # one process: a step saved to disk is a snapshot already; several: each rank's shard is a part of it
+        if memory and (not session.saved(step) or session.collectives.world_size > 1):
             self._snapshot(trainer, step)
 
+    def _every_rank(self, trainer: Any) -> bool:
+        """Whether every rank has the plugin's engine (one process, or ``PersistDDPStrategy``): with plain DDP,
+        Lightning calls the plugin on rank 0 only, and the memory tier is left out (said once)."""
+        if trainer.world_size == self._io._session.collectives.world_size:
+            return True
+        if not self._said_ranks and trainer.is_global_zero:
+            log.warning("with %s and %d processes Lightning calls the plugin on rank 0 only, so the memory tier "
+                        "takes no snapshots and this run saves to disk only; pass strategy=PersistDDPStrategy() to "
+                        "snapshot on every rank", type(trainer.strategy).__name__, trainer.world_size)
+        self._said_ranks = True
+        return False
+
     def _snapshot(self, trainer: Any, step: int) -> None:
-        """The state Lightning would save at ``step``, into the memory tier (one process for now)."""
-        if trainer.world_size > 1:
-            if not self._said_ranks:
-                log.warning("the memory tier holds one process's snapshots for now; with %d processes this run saves "
-                            "to disk only", trainer.world_size)
-                self._said_ranks = True
-            return
+        """The state Lightning would save at ``step``, into the memory tier: each rank's whole state, its own."""
         if self.snapshot_steps and self.snapshot_steps[-1] == step:
             return  # gradient accumulation: the same optimizer step, nothing new to keep
-        engine = self._io._get_engine()
+        engine = self._io._get_engine()  # the dump only when this rank's tier takes it (DDP's dump gathers nothing)
         if engine.maybe_snapshot(lambda: trainer._checkpoint_connector.dump_checkpoint(weights_only=False), step):
             self.snapshot_steps.append(step)
 

@@ -29,11 +29,12 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import _load as torch_load
 from lightning.pytorch.callbacks import Callback
 
+from lightning_persist._memory import load_snapshot
 from lightning_persist._paths import device, kind_of, path_key, remote_path, restricted, shard_checkpoint
 from lightning_persist._strategies import check_strategy
 from lightning_persist._trainer import exit_as_sigterm, find_trainer, loggers_sink, rank_zero_info
 from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
-from persist_core import CorruptCheckpointError, PersistError, RetentionPolicy
+from persist_core import PersistError, RetentionPolicy
 from persist_core.config import Config
 from persist_core.distributed import decision_channel
 from persist_core.layout import FULL, shard_filename
@@ -113,7 +114,8 @@ class PersistCheckpointIO(CheckpointIO):
         memory_every_n_steps: with ``io.autosave(...)``, keep a snapshot in host memory every this many steps: a
             restart on the same machine after a crash resumes from it (``ckpt_path=io.latest_path()`` names it),
             losing at most that many steps, without reading the disk. ``last.ckpt`` and ``ModelCheckpoint``'s
-            files keep naming disk checkpoints. One process for now (with several: disk only).
+            files keep naming disk checkpoints. Several processes: with ``PersistDDPStrategy`` (each rank snapshots
+            its own state; a restart resumes every rank from the newest step all have).
         memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist``).
         incremental: a checkpoint references the tensors whose bytes equal the previous checkpoint's (a frozen
             base, a PEFT model's base) instead of writing them again; a full one every ``full_every`` saves. Full
@@ -248,15 +250,10 @@ class PersistCheckpointIO(CheckpointIO):
                                weights_only=restricted(weights_only))
 
         text = os.fspath(path)
-        in_memory = self._get_reader().memory_step(text)
-        if in_memory is not None:  # io.latest_path() named a memory snapshot: the freshest that verifies
-            try:
-                return read(self._get_reader(), in_memory)
-            except CorruptCheckpointError as e:
-                log.warning("the memory snapshot %s does not verify (%s); loading the newest checkpoint that does",
-                            text, e)
-                return self._get_reader().load(map_location=device(map_location), into=into, rank=self._rank,
-                                               weights_only=restricted(weights_only))
+        snapshot = load_snapshot(self._session, text, into=into, map_location=device(map_location),
+                                 weights_only=restricted(weights_only))
+        if snapshot is not None:  # io.latest_path() named a memory snapshot (rank 0's, with several ranks)
+            return snapshot
         agreed = self._agreed_step(text)
         if agreed is not None:  # several ranks: every one loads the step rank 0's path names, from its own tiers
             return read(self._reader_of(agreed[0]), agreed[1])

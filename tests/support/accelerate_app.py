@@ -58,11 +58,11 @@ def build(accelerator: Accelerator, width: int = 64):
 
 
 def train(accelerator, model, optimizer, loader, scheduler, counter, *, start: int, stop: int, save_every: int = 0,
-          on_save=None, hook=None, on_step=None) -> None:
+          on_save=None, hook=None, on_step=None, after_step=None) -> None:
     """Optimizer steps ``start+1 .. stop``, resuming mid-epoch by skipping the batches already seen.
 
     With a ``hook`` that has a save policy, ``hook.maybe_save()`` runs after every step and the
-    loop stops once the hook is preempted.
+    loop stops once the hook is preempted. ``after_step(step)`` runs last in each step.
     """
     step, per_epoch = start, len(loader)  # batches this process sees per epoch
     while step < stop:
@@ -87,6 +87,8 @@ def train(accelerator, model, optimizer, loader, scheduler, counter, *, start: i
                     on_save(step)
                 if hook.preempted:
                     return
+            if after_step is not None:
+                after_step(step)
             if step == stop:
                 return
 
@@ -113,6 +115,9 @@ def main() -> None:
     parser.add_argument("--decisions", help="write this process's save decisions here (JSON)")
     parser.add_argument("--node-local", action="store_true",
                         help="each process is a node of its own: local_dir is LOCAL_DIR/node<rank>")
+    parser.add_argument("--memory-dir", help="memory_every_n_steps=1 in this tmpfs, hook.maybe_save() each step")
+    parser.add_argument("--hold-at", type=int, help="with --memory-dir: the main process keeps each step's weights "
+                        "(OUT.stepN); at this step every process says `ready <step> <pid>` and waits to be killed")
     args = parser.parse_args()
     if args.node_local:
         args.local_dir = os.path.join(args.local_dir, f"node{os.environ.get('RANK', '0')}")
@@ -123,9 +128,12 @@ def main() -> None:
     policy = {"continuous": Continuous(), "every4": EveryNSteps(4), None: None}[args.policy]
     term_signal = getattr(signal, args.term_signal)
     hook = PersistHook(local_dir=args.local_dir, remote_url=args.remote_url, storage_options=options,
-                       save_policy=policy, preemption_signals=tuple({signal.SIGTERM, term_signal}))
+                       save_policy=policy, preemption_signals=tuple({signal.SIGTERM, term_signal}),
+                       **(dict(memory_every_n_steps=1, memory_dir=args.memory_dir) if args.memory_dir else {}))
     hook.register(accelerator)
     start = hook.resume() if args.resume else 0
+    if args.memory_dir and args.resume:  # what each process resumed from
+        torch.save({"step": start, "weights": weights(parts[0])}, f"{args.out}.resumed{accelerator.process_index}")
 
     def on_save(step: int) -> None:
         if args.out and accelerator.is_main_process:
@@ -147,8 +155,18 @@ def main() -> None:
         decisions.append(step)
         on_save(step)
 
-    train(accelerator, *parts, start=start, stop=args.steps, save_every=0 if policy else args.save_every,
-          on_save=record, hook=hook if policy else None, on_step=on_step)
+    def after_step(step: int) -> None:
+        if args.hold_at is None:
+            return
+        if accelerator.is_main_process:
+            torch.save(weights(parts[0]), f"{args.out}.step{step}")
+        if step == args.hold_at:
+            print(f"ready {step} {os.getpid()}", flush=True)
+            sys.stdin.read()  # until killed
+
+    memory = args.memory_dir is not None
+    train(accelerator, *parts, start=start, stop=args.steps, save_every=0 if policy or memory else args.save_every,
+          on_save=record, hook=hook if policy or memory else None, on_step=on_step, after_step=after_step)
     if args.decisions:
         Path(f"{args.decisions}.{accelerator.process_index}").write_text(json.dumps(decisions))
     hook.close()

@@ -84,6 +84,29 @@ class TermAtStep(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class HoldAt(Callback):
+    """The memory tests' kill point: from each step on, rank 0 keeps the weights (``out.stepN``); at ``step`` (after
+    the autosave's snapshot: it comes after it in ``callbacks``) every rank says ``ready <step> <pid>`` and waits to
+    be SIGKILLed. On a resumed run (``step`` None) each rank keeps the step and weights it resumed from instead."""
+
+    def __init__(self, step: int | None, out: str) -> None:
+        self.step, self.out = step, out
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.step is None:
+            torch.save({"step": trainer.global_step, "weights": weights(pl_module)},
+                       f"{self.out}.resumed{trainer.global_rank}")
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if self.step is None:
+            return
+        if trainer.is_global_zero:
+            torch.save(weights(pl_module), f"{self.out}.step{trainer.global_step}")
+        if trainer.global_step == self.step:
+            print(f"ready {self.step} {os.getpid()}", flush=True)
+            sys.stdin.read()  # until killed
+
+
 class RankSkewed:
     """A custom save policy that would save every 3rd step on rank 0 and every 2nd elsewhere."""
 
@@ -107,15 +130,24 @@ def main() -> None:
                         help="io.autosave(a policy that answers differently on each rank) instead")
     parser.add_argument("--node-local", action="store_true",
                         help="each rank is a node of its own: local_dir (and dirpath) is LOCAL_DIR/node<rank>")
+    parser.add_argument("--memory-dir", help="memory_every_n_steps=1 in this tmpfs, with io.autosave(None) (memory "
+                        "only) or io.autosave(EveryNSteps(N)) with --autosave-every")
+    parser.add_argument("--hold-at", type=int, help="with --memory-dir: every rank waits at this step to be killed")
     args = parser.parse_args()
     if args.node_local:
         args.local_dir = os.path.join(args.local_dir, f"node{os.environ.get('LOCAL_RANK', '0')}")
     endpoint = os.environ.get("PERSIST_TEST_S3_ENDPOINT")
     options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint and args.remote_url else None
-    io = PersistCheckpointIO(local_dir=args.local_dir, remote_url=args.remote_url, storage_options=options)
+    memory = dict(memory_every_n_steps=1, memory_dir=args.memory_dir) if args.memory_dir else {}
+    io = PersistCheckpointIO(local_dir=args.local_dir, remote_url=args.remote_url, storage_options=options, **memory)
     extra = [TermAtStep(args.term_at)] if args.term_at else []
     strategy = PersistDDPStrategy() if args.strategy == "persist_ddp" else args.strategy
-    if args.autosave_every or args.autosave_skewed:
+    if args.memory_dir:
+        trainer = Trainer(max_steps=args.max_steps, plugins=[io], accelerator="cpu", devices=args.devices,
+                          strategy=strategy, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          enable_checkpointing=False, callbacks=[io.autosave(EveryNSteps(args.autosave_every) if args.autosave_every else None),
+                                     HoldAt(args.hold_at, args.out)])
+    elif args.autosave_every or args.autosave_skewed:
         policy = RankSkewed() if args.autosave_skewed else EveryNSteps(args.autosave_every)
         trainer = Trainer(max_steps=args.max_steps, plugins=[io], accelerator="cpu", devices=args.devices,
                           strategy=strategy, logger=False, enable_progress_bar=False, enable_model_summary=False,
