@@ -230,8 +230,9 @@ class Incremental:
             except (CorruptCheckpointError, CheckpointNotFoundError):
                 manifest, self._last = None, None  # the next save reads what is committed
         if manifest is not None:
-            self._since_full = self._since_full + 1 if manifest.depends_on() else 0
-            self._last = manifest
+            with self._lock:  # read together before a copy (_peek)
+                self._since_full = self._since_full + 1 if manifest.depends_on() else 0
+                self._last = manifest
 
     def _previous(self, step: int) -> tuple[Manifest | None, int]:
         """The newest committed checkpoint older than ``step`` and the saves since the last full one."""
