@@ -48,11 +48,12 @@ class PartnerLink:
     scratch: Path
     chunk_bytes: int = 64 << 20
 
-    def held_steps(self) -> dict[int, list[int]]:
-        """``{source: the steps held for it}`` (empty without a source)."""
+    def held_steps(self, *, whole: bool = False) -> dict[int, list[int]]:
+        """``{source: the steps held for it}`` (empty without a source); ``whole``: those a whole load can read (a
+        rank's part of sharded tensors loads into targets only)."""
         if self.source is None or self.held is None:
             return {}
-        return {self.source: sorted(self.held.steps())}
+        return {self.source: sorted({s.step for s in self.held.snapshots() if not whole or s.manifest.part is None})}
 
 
 def agreed_load(reader: CheckpointReader, chan: Any, partner: PartnerLink | None = None, **kwargs: Any) -> Any:
@@ -67,8 +68,9 @@ def agreed_load(reader: CheckpointReader, chan: Any, partner: PartnerLink | None
     Raises:
         CheckpointNotFoundError: no step every rank can load (each rank's steps named).
     """
-    listing = reader._list_sources(whole=kwargs.get("into") is None)  # listed once: each round loads from it
-    held = {} if partner is None else partner.held_steps()
+    whole = kwargs.get("into") is None
+    listing = reader._list_sources(whole=whole)  # listed once: each round loads from this listing
+    held = {} if partner is None else partner.held_steps(whole=whole)
     views = chan.all_gather((sorted(listing.steps()), sorted(listing.held.get(MEMORY, ())), held))
     holders = {q: (r, set(steps)) for r, (_, _, h) in enumerate(views) for q, steps in h.items()}
     gets = [set(v[0]) | holders.get(r, (None, set()))[1] for r, v in enumerate(views)]

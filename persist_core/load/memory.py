@@ -46,7 +46,7 @@ def run_store(memory: MemoryTier | None, root: Path) -> MemoryStore | None:
 def newest_snapshot(store: MemoryStore | None, *, newer_than: int) -> CheckpointInfo | None:
     """The newest snapshot of ``store`` as :meth:`CheckpointReader.latest` gives it (``tier="memory"``, ``path``
     its slot), when it is newer than ``newer_than``; else ``None``."""
-    snaps = [] if store is None else store.snapshots()
+    snaps = [] if store is None else [s for s in store.snapshots() if s.manifest.part is None]  # a whole load's
     if not snaps or snaps[0].step <= newer_than:
         return None
     s = snaps[0]

@@ -131,18 +131,19 @@ def _same(mine: Sequence[TensorRecord], theirs: Sequence[tuple[int, TensorRecord
 
 
 def unchanged_before_copy(records: Sequence[TensorRecord | None], hashes: Mapping[str, str],
-                          previous: Manifest) -> Held:
+                          previous: Manifest, *, missing: frozenset[int] = frozenset()) -> Held:
     """The entries a save references before it copies them (issue 43: a host tensor hashed where it lies): those of
     ``hashes`` (the xxh3-128 of each candidate entry's source bytes) that ``previous``, the newest committed
     checkpoint, holds with the same hash; where their bytes are. The writer then references them whatever it
-    decides for the rest (:func:`reference_unchanged`'s ``known``): their bytes were never staged."""
+    decides for the rest (:func:`reference_unchanged`'s ``known``): their bytes were never staged. ``missing``:
+    checkpoints that are gone (never referenced)."""
     held, out = _held(previous), {}
     mine: dict[str, list[TensorRecord]] = {}
     for r in records:
         if hashable(r) and r.entry in hashes:  # type: ignore[union-attr]
             mine.setdefault(r.entry, []).append(r)  # type: ignore[union-attr,arg-type]
     for entry, rs in mine.items():
-        found = _same(rs, held.get(entry, []), hashes[entry], frozenset())
+        found = _same(rs, held.get(entry, []), hashes[entry], missing)
         if found is not None:
             out[entry] = found
     return out

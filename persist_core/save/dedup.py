@@ -107,6 +107,22 @@ class Incremental:
         previous, since_full = self._peek(step)
         if previous is None or since_full + in_flight + 1 >= self._full_every:  # this save may be due full
             return None
+        holders = {previous.step} | previous.depends_on()
+        with self._lock:  # protected before anything is decided: retention keeps what this save may reference
+            self._early[step] = holders
+        try:
+            unstaged = self._unchanged(records, copies, step, previous)
+        except BaseException:
+            self.forget(step)
+            raise
+        if unstaged is None:
+            self.forget(step)
+        return unstaged
+
+    def _unchanged(self, records: Sequence, copies: Sequence[EntryCopy], step: int,
+                   previous: Manifest) -> Unstaged | None:
+        """:meth:`before_copy` once ``previous``'s holders are protected: hash, compare, keep what still exists."""
+        missing = frozenset(s for s in previous.depends_on() | {previous.step} if not _committed(self._root, s))
         entries = {r.entry for r in records if hashable(r)}
         counts: dict[str, int] = {}
         for c in copies:
@@ -122,13 +138,20 @@ class Incremental:
         hashes = dict(self._hashers.map(_source_digest, sorted(candidates, key=lambda c: c.begin - c.end)))
         self.hash_s += time.perf_counter() - t0
         same = {e: h for e, h in hashes.items() if held[e] == h}
-        known = unchanged_before_copy(records, same, previous)
+        known = unchanged_before_copy(records, same, previous, missing=missing)
+        # a holder removed before its protection began (retention decided earlier, or by hand): copied instead
+        known = {e: where for e, where in known.items() if all(_committed(self._root, h) for h, _ in where.values())}
         if not known:
             return None
-        with self._lock:  # protected from now on: retention keeps what this save will reference
+        with self._lock:  # from here on, only what this save references
             self._early[step] = {h for where in known.values() for h, _ in where.values()}
         nbytes = sum(c.end - c.begin for c in candidates if c.name in known)
         return Unstaged(step=step, known=known, hashes={e: same[e] for e in known}, nbytes=nbytes)
+
+    def forget(self, step: int) -> None:
+        """The save of ``step`` will reference nothing it found before its copy (it failed, or found nothing)."""
+        with self._lock:
+            self._early.pop(step, None)
 
     def _peek(self, step: int) -> tuple[Manifest | None, int]:
         """The newest committed checkpoint older than ``step`` and the saves since the last full one, where the
@@ -174,8 +197,7 @@ class Incremental:
         previous, since_full = self._previous(base.step)
         missing = frozenset(s for s in (previous.depends_on() if previous is not None else ())
                             if not (checkpoint_dir(self._root, s) / MANIFEST_NAME).exists())
-        gone = {h for where in known.values() for h, _ in where.values()
-                if not (checkpoint_dir(self._root, h) / MANIFEST_NAME).exists()}
+        gone = {h for where in known.values() for h, _ in where.values() if not _committed(self._root, h)}
         if gone:  # removed by hand (retention keeps it) while this save was in flight: its bytes are nowhere
             raise PersistError(f"checkpoint step(s) {sorted(gone)} in {self._root}, which step {base.step} references, "
                                "were removed while it was being saved; nothing was committed for this step")
@@ -259,13 +281,18 @@ class Incremental:
 
 
 
+def _committed(root: Path, step: int) -> bool:
+    return (checkpoint_dir(root, step) / MANIFEST_NAME).exists()
+
+
 def _whole_host_tensor(c: EntryCopy) -> bool:
     """Whether ``c`` copies a host tensor's bytes as they lie (contiguous, same dtype and shape): its entry's staged
     bytes would be exactly its memory, so hashing that memory proves what the copy would stage."""
     src = c.source
     return (isinstance(src, torch.Tensor) and src.device.type == "cpu" and src.dtype == c.dtype
             and tuple(src.shape) == tuple(c.shape) and src.is_contiguous() and not src.is_conj() and not src.is_neg()
-            and src.numel() * src.element_size() == c.end - c.begin)
+            and src.numel() * src.element_size() == c.end - c.begin and src.data_ptr() != 0
+            and not src._is_zerotensor())
 
 
 def _source_digest(c: EntryCopy) -> tuple[str, str]:

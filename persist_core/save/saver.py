@@ -172,7 +172,10 @@ class Saver:
             self._pool.abandon(staged.buf)
             log.warning("[rank=%d][step=%d] the memory snapshot's copy failed: %s", self._coll.rank, step, e)
             return
-        keep()
+        try:
+            keep()
+        except Exception as e:  # the fence that waits for this thread never raises: said here
+            log.warning("[rank=%d][step=%d] the memory snapshot was not kept: %s", self._coll.rank, step, e)
 
     def warm(self, manifest: Manifest) -> None:
         """A load returned ``manifest``'s checkpoint: the next saves will be about as large, so the staging buffers

@@ -54,19 +54,12 @@ class Snapshots:
         self._last: Future[None] | None = None  # the last commit submitted
         self._taken_max = -1  # the newest step saved or snapshot by this engine
         self._others_gone = False  # an earlier process's slots were removed (at the first commit)
-        self.given_up = False  # a state the snapshots cannot hold (give_up)
         self.on_committed: Callable[[Snapshot], None] | None = None  # each committed snapshot (the partner copies)
 
     @property
     def active(self) -> bool:
         """Snapshots are kept in memory (not given up for lack of room)."""
-        return not self.allocator.full and not self.given_up
-
-    def give_up(self, why: str) -> None:
-        """Take no more snapshots (said once, with ``why``): the run saves to disk only."""
-        if not self.given_up:
-            self.given_up = True
-            log.warning("[rank=%d] the memory tier takes no snapshots: %s; this run saves to disk only", self._rank, why)
+        return not self.allocator.full
 
     def due(self, step: int) -> bool:
         return self.active and self.tier.due(step)

@@ -123,6 +123,8 @@ class Writer:
         """Give ``step`` back: its staging failed."""
         with self._lock:
             self._pending.pop(step, None)
+        if self._incremental is not None:
+            self._incremental.forget(step)
 
     def submit(self, job: WriteJob) -> None:
         with self._lock:
@@ -244,13 +246,18 @@ class Writer:
                                 "written whole (a reference to another node's file could not be read on this one)",
                                 self._coll.rank)
         base = job.base
-        if self._incremental is not None and self.nodes.shared:  # each node its own disk: written whole
+        incremental = self._incremental if self.nodes.shared else None  # each node its own disk: written whole
+        if job.unstaged is not None and incremental is None:  # never reached (the saver asks first): never written
+            self._pool.release(buf)
+            raise PersistError(f"step {handle.step}: tensors left out of the copy cannot be written whole")
+        if incremental is not None:
             try:  # what did not change is referenced; the buffer then holds only the rest
-                base, nbytes, side = self._incremental.prepare(job.base, buf, handle.stats.nbytes, pool=self._io,
-                                                                    turn=self._turn.wait, unstaged=job.unstaged)
+                base, nbytes, side = incremental.prepare(job.base, buf, handle.stats.nbytes, pool=self._io,
+                                                         turn=self._turn.wait, unstaged=job.unstaged)
             except BaseException:
                 self._pool.release(buf)
-                self._incremental.settle(None)
+                incremental.settle(None)
+                incremental.forget(handle.step)
                 raise
             handle._update(nbytes=nbytes)
         try:
@@ -261,6 +268,7 @@ class Writer:
         except BaseException:
             if self._incremental is not None:
                 self._incremental.settle(None)
+                self._incremental.forget(handle.step)
             raise
         if self._incremental is not None:
             self._incremental.settle(manifest)

@@ -108,3 +108,51 @@ def test_what_a_save_in_flight_found_unchanged_is_kept_by_retention_until_it_is_
         assert _manifest(tmp_path, 4).depends_on() == {1}
         assert [c.step for c in engine.list()] == [1, 4]
         assert_state_equal(engine.load(step=4), state(4, b0))
+
+
+def test_a_referenced_checkpoint_removed_by_hand_makes_the_next_save_copy_and_write_its_bytes(tmp_path):
+    import shutil
+
+    base = _frozen()
+    with CheckpointEngine(tmp_path, incremental=True) as engine:
+        engine.save(_state(1, base), step=1).wait()
+        engine.save(_state(2, base), step=2).wait()  # references step 1's base
+        shutil.rmtree(tmp_path / "step-000000000001")
+        for step in (3, 4, 5):  # every save commits: the base is copied and written again, then referenced
+            engine.save(_state(step, base), step=step).wait()
+        assert [c.step for c in engine.list()] == [2, 3, 4, 5]
+        assert not _manifest(tmp_path, 3).depends_on() and _manifest(tmp_path, 5).depends_on() == {3}
+        for step in (3, 4, 5):
+            assert_state_equal(engine.load(step=step), _state(step, base))
+
+
+def test_retention_during_the_hash_before_the_copy_keeps_what_the_save_may_reference(tmp_path, monkeypatch):
+    from persist_core import KeepLastN
+    from persist_core.save import dedup
+    from tests.support.fakes import GatedStepOps
+
+    b0, b1 = _frozen(), _frozen() + 1.0
+
+    def state(step: int, base: torch.Tensor) -> dict:
+        return {"base": base, "adapter": torch.full((64,), float(step)), "step": step}
+
+    ops = GatedStepOps(3)
+    handles = {}
+    digest = dedup._source_digest
+
+    def hashing(c):  # while step 4 hashes, step 3 commits and KeepLastN(1) removes what no kept one references
+        ops.gate.set()
+        handles[3].wait()
+        return digest(c)
+
+    with CheckpointEngine(tmp_path, incremental=True, keep_local=KeepLastN(1), max_pending=2, file_ops=ops,
+                          direct_io="off") as engine:
+        engine.save(state(1, b0), step=1).wait()
+        engine.save(state(2, b0), step=2).wait()
+        handles[3] = engine.save(state(3, b1), step=3)  # b1: step 3 references nothing
+        assert ops.entered.wait(30)
+        monkeypatch.setattr(dedup, "_source_digest", hashing)
+        fourth = engine.save(state(4, b0), step=4)
+        fourth.wait()
+        assert fourth.stats.unchanged_bytes >= 4 * BASE and _manifest(tmp_path, 4).depends_on() == {1}
+        assert_state_equal(engine.load(step=4), state(4, b0))
