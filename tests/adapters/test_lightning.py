@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from lightning_persist import PersistCheckpointIO, load_from_checkpoint
 from persist_core import CheckpointReader, CheckpointNotFoundError, ConfigError, PersistError, WriteError
 from tests.support.lightning_app import Net, linked, make_trainer, weights
 from tests.support.fakes import FailingOps, GatedOps
+from tests.support.moto_server import free_port
 from tests.support.states import assert_state_equal
 
 APP = Path(__file__).parents[1] / "support" / "lightning_app.py"
@@ -242,8 +244,39 @@ def test_save_stats_reach_the_trainers_loggers(tmp_path):
 
 
 def run_app(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """One run of the app; with ``--devices 2``, Lightning's own launcher starts rank 1 (once rank 0 has imported
+    Lightning and built its Trainer)."""
     return subprocess.run([sys.executable, str(APP), *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+def run_ranks(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """A ``--devices 2`` run of the app with both ranks started at once, as a job scheduler or ``torchrun`` does:
+    each with the environment Lightning's launcher gives its ranks (``MASTER_ADDR``, ``MASTER_PORT``,
+    ``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``), so Lightning starts no process itself; the same Trainer, strategy
+    and gloo group as :func:`run_app`'s, the two imports of Lightning side by side instead of one after the other.
+    The return code is the first nonzero one; the output is the two ranks', rank 0's first."""
+    assert "--devices" in args and args[args.index("--devices") + 1] == "2", args
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0",
+           "WORLD_SIZE": "2"}
+    with tempfile.TemporaryDirectory() as logs:  # files, not pipes: a rank blocked on a full pipe would hang both
+        outs = [(open(f"{logs}/{r}.out", "w+"), open(f"{logs}/{r}.err", "w+")) for r in range(2)]
+        procs = [subprocess.Popen([sys.executable, str(APP), *args], stdout=out, stderr=err, text=True,
+                                  env={**env, "LOCAL_RANK": str(r)}) for r, (out, err) in enumerate(outs)]
+        try:
+            codes = [p.wait(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        texts = []
+        for out, err in outs:
+            out.seek(0), err.seek(0)
+            texts.append((out.read(), err.read()))
+            out.close(), err.close()
+    return subprocess.CompletedProcess(args, next((c for c in codes if c), 0), "".join(t[0] for t in texts),
+                                       "".join(t[1] for t in texts))
 
 
 def test_ddp_two_ranks_save_and_restore_on_two_and_on_one_and_on_a_fresh_machine_from_the_remote(tmp_path):
@@ -257,7 +290,7 @@ def test_ddp_two_ranks_save_and_restore_on_two_and_on_one_and_on_a_fresh_machine
     assert ckpt_files(d) == {"epoch=1-step=5.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"}
 
     # a fresh machine: two ranks, one empty node-local directory: both download step 6 at once, one rename wins
-    fresh = run_app("--local-dir", str(tmp_path / "m2"), "--max-steps", "9", "--devices", "2", "--strategy", "ddp",
+    fresh = run_ranks("--local-dir", str(tmp_path / "m2"), "--max-steps", "9", "--devices", "2", "--strategy", "ddp",
                     "--remote-url", remote, "--resume")
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert f"Restored all states from the checkpoint at {remote}/step-000000000006" in fresh.stderr, \
@@ -266,7 +299,7 @@ def test_ddp_two_ranks_save_and_restore_on_two_and_on_one_and_on_a_fresh_machine
     assert not [p for p in (tmp_path / "m2").iterdir() if p.name.startswith(".tmp")]
 
     # both ranks load it from the local_dir and go on
-    second = run_app("--local-dir", str(d), "--max-steps", "9", "--devices", "2", "--strategy", "ddp", "--resume",
+    second = run_ranks("--local-dir", str(d), "--max-steps", "9", "--devices", "2", "--strategy", "ddp", "--resume",
                      "--out", str(tmp_path / "two.pt"))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Restored all states from the checkpoint at " + str(d / "step-000000000006") in second.stderr, \
@@ -330,7 +363,7 @@ def test_persist_ddp_strategy_every_rank_writes_its_half_and_two_ranks_resume_an
     # ... and on two, which go on training and write again, through io.autosave with a save policy that answers
     # differently on each rank (every 3rd step on rank 0, every 2nd on rank 1: they disagree at 8, 9 and 10, as a
     # time-based policy can); rank 0 decides for all, or a commit that needs both ranks would wait forever
-    second = run_app(*common, "--max-steps", "12", "--resume", "--autosave-skewed", timeout=120)
+    second = run_ranks(*common, "--max-steps", "12", "--resume", "--autosave-skewed", timeout=120)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Restored all states from the checkpoint at " + str(d / "step-000000000006") in second.stderr
     # the two ranks print to one pipe: a line may end up glued to the other rank's
@@ -356,7 +389,7 @@ def test_persist_ddp_on_two_nodes_with_their_own_disks_and_a_replaced_node_resum
         assert manifest["node"] == r and manifest["nodes"] == [[0], [1]]
     assert sorted(p.name for p in (tmp_path / "remote" / "step-000000000006").iterdir()) == ["manifest.json", *names]
     shutil.rmtree(base / "node1")  # node 1 is replaced: an empty disk
-    second = run_app(*common, "--max-steps", "9", "--resume")
+    second = run_ranks(*common, "--max-steps", "9", "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Restored all states from the checkpoint at " + str(base / "node0" / "step-000000000006") in second.stderr
     manifest = json.loads((base / "node1" / "step-000000000009" / "manifest.json").read_text())
