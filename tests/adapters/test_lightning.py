@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from lightning_persist import PersistCheckpointIO, load_from_checkpoint
 from persist_core import CheckpointReader, CheckpointNotFoundError, ConfigError, PersistError, WriteError
 from tests.support.lightning_app import Net, linked, make_trainer, weights
 from tests.support.fakes import FailingOps, GatedOps
-from tests.support.moto_server import free_port
+from tests.support.ranks import launched
 from tests.support.states import assert_state_equal
 
 APP = Path(__file__).parents[1] / "support" / "lightning_app.py"
@@ -251,32 +250,10 @@ def run_app(*args: str, env: dict | None = None, timeout: float = 240) -> subpro
 
 
 def run_ranks(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """A ``--devices 2`` run of the app with both ranks started at once, as a job scheduler or ``torchrun`` does:
-    each with the environment Lightning's launcher gives its ranks (``MASTER_ADDR``, ``MASTER_PORT``,
-    ``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``), so Lightning starts no process itself; the same Trainer, strategy
-    and gloo group as :func:`run_app`'s, the two imports of Lightning side by side instead of one after the other.
-    The return code is the first nonzero one; the output is the two ranks', rank 0's first."""
+    """A ``--devices 2`` run of the app with both ranks started at once (:func:`tests.support.ranks.launched`):
+    the two imports of Lightning side by side instead of one after the other."""
     assert "--devices" in args and args[args.index("--devices") + 1] == "2", args
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0",
-           "WORLD_SIZE": "2"}
-    with tempfile.TemporaryDirectory() as logs:  # files, not pipes: a rank blocked on a full pipe would hang both
-        outs = [(open(f"{logs}/{r}.out", "w+"), open(f"{logs}/{r}.err", "w+")) for r in range(2)]
-        procs = [subprocess.Popen([sys.executable, str(APP), *args], stdout=out, stderr=err, text=True,
-                                  env={**env, "LOCAL_RANK": str(r)}) for r, (out, err) in enumerate(outs)]
-        try:
-            codes = [p.wait(timeout=timeout) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        texts = []
-        for out, err in outs:
-            out.seek(0), err.seek(0)
-            texts.append((out.read(), err.read()))
-            out.close(), err.close()
-    return subprocess.CompletedProcess(args, next((c for c in codes if c), 0), "".join(t[0] for t in texts),
-                                       "".join(t[1] for t in texts))
+    return launched([sys.executable, str(APP), *args], 2, timeout=timeout)
 
 
 def test_ddp_two_ranks_save_and_restore_on_two_and_on_one_and_on_a_fresh_machine_from_the_remote(tmp_path):
