@@ -356,7 +356,7 @@ def test_persist_ddp_on_two_nodes_with_their_own_disks_and_a_replaced_node_resum
     base, remote = tmp_path / "nvme", (tmp_path / "remote").as_uri()
     common = ("--local-dir", str(base), "--devices", "2", "--strategy", "persist_ddp", "--node-local",
               "--remote-url", remote)
-    first = run_app(*common, "--max-steps", "6")
+    first = run_ranks(*common, "--max-steps", "6")  # (persist_ddp through Lightning's own launcher: the test above)
     assert first.returncode == 0, first.stderr[-3000:]
     names = ["rank-00000.ckpt", "rank-00001.safetensors"]  # rank 0's part is the torch-loadable one
     for r in (0, 1):  # each node's disk: its own rank's file, and a manifest that says which node it is
