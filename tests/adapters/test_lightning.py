@@ -20,6 +20,7 @@ from lightning_persist import PersistCheckpointIO, load_from_checkpoint
 from persist_core import CheckpointReader, CheckpointNotFoundError, ConfigError, PersistError, WriteError
 from tests.support.lightning_app import Net, linked, make_trainer, weights
 from tests.support.fakes import FailingOps, GatedOps
+from tests.support.ranks import launched
 from tests.support.states import assert_state_equal
 
 APP = Path(__file__).parents[1] / "support" / "lightning_app.py"
@@ -242,20 +243,44 @@ def test_save_stats_reach_the_trainers_loggers(tmp_path):
 
 
 def run_app(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """One run of the app; with ``--devices 2``, Lightning's own launcher starts rank 1 (once rank 0 has imported
+    Lightning and built its Trainer)."""
     return subprocess.run([sys.executable, str(APP), *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
 
-def test_ddp_two_ranks_save_and_restore_on_two_and_on_one(tmp_path):
-    d = tmp_path / "ckpt"
-    first = run_app("--local-dir", str(d), "--max-steps", "6", "--devices", "2", "--strategy", "ddp")
+def run_ranks(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """A ``--devices 2`` run of the app with both ranks started at once (:func:`tests.support.ranks.launched`):
+    the two imports of Lightning side by side instead of one after the other."""
+    assert "--devices" in args and args[args.index("--devices") + 1] == "2", args
+    return launched([sys.executable, str(APP), *args], 2, timeout=timeout)
+
+
+def test_ddp_two_ranks_save_and_restore_on_two_and_on_one_and_on_a_fresh_machine_from_the_remote(tmp_path):
+    """One DDP run saves (to its local_dir and a file:// remote); then two restores from it, each a DDP run of its
+    own: two ranks with an empty node-local directory both from the remote, and two ranks from the local_dir (then
+    one process loads what they saved). (One first run for both restores: each DDP launch imports Lightning twice.)"""
+    d, remote = tmp_path / "ckpt", (tmp_path / "remote").as_uri()
+    first = run_app("--local-dir", str(d), "--max-steps", "6", "--devices", "2", "--strategy", "ddp",
+                    "--remote-url", remote)
     assert first.returncode == 0, first.stderr[-3000:]
     assert ckpt_files(d) == {"epoch=1-step=5.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"}
-    # both ranks load it and go on
-    second = run_app("--local-dir", str(d), "--max-steps", "9", "--devices", "2", "--strategy", "ddp", "--resume",
+
+    # a fresh machine: two ranks, one empty node-local directory: both download step 6 at once, one rename wins
+    fresh = run_ranks("--local-dir", str(tmp_path / "m2"), "--max-steps", "9", "--devices", "2", "--strategy", "ddp",
+                    "--remote-url", remote, "--resume")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert f"Restored all states from the checkpoint at {remote}/step-000000000006" in fresh.stderr, \
+        "the fresh machine's ranks did not resume from the remote's step 6"
+    assert linked(tmp_path / "m2" / "last.ckpt") == "step-000000000009"
+    assert not [p for p in (tmp_path / "m2").iterdir() if p.name.startswith(".tmp")]
+
+    # both ranks load it from the local_dir and go on
+    second = run_ranks("--local-dir", str(d), "--max-steps", "9", "--devices", "2", "--strategy", "ddp", "--resume",
                      "--out", str(tmp_path / "two.pt"))
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "Restored all states from the checkpoint at " + str(d / "step-000000000006") in second.stderr
+    assert "Restored all states from the checkpoint at " + str(d / "step-000000000006") in second.stderr, \
+        "the two ranks did not resume from the local_dir's step 6"
     # and one process restores the same checkpoint
     loaded = PersistCheckpointIO(local_dir=d).load_checkpoint(d / "last.ckpt")
     assert loaded["global_step"] == 9
@@ -285,7 +310,11 @@ def test_sigterm_under_fabric_flushes_the_upload_then_ends_the_process(tmp_path,
     assert fresh.load_checkpoint(f"{url}/step-000000000007")["step"] == 7
 
 
-def test_persist_ddp_strategy_every_rank_writes_its_half(tmp_path):
+def test_persist_ddp_strategy_every_rank_writes_its_half_and_two_ranks_resume_and_autosave_what_rank_0_decides(
+        tmp_path):
+    """A persist_ddp run with ModelCheckpoint; its checkpoint restored on one process, then on two, which go on with
+    ``io.autosave`` and a policy that disagrees between the ranks. (The restored run is the autosave run: each DDP
+    launch imports Lightning twice.)"""
     d = tmp_path / "ckpt"
     common = ("--local-dir", str(d), "--devices", "2", "--strategy", "persist_ddp", "--width", "1024")
     first = run_app(*common, "--max-steps", "6", "--out", str(tmp_path / "six.pt"))
@@ -307,18 +336,27 @@ def test_persist_ddp_strategy_every_rank_writes_its_half(tmp_path):
     model = load_from_checkpoint(Net, d / "last.ckpt")
     assert_state_equal(dict(weights(model.net)), {k.removeprefix("net."): v for k, v in one["state_dict"].items()})
     assert model.hparams.width == 1024
-    # ... and on two, which go on training and write again
-    second = run_app(*common, "--max-steps", "9", "--resume")
+
+    # ... and on two, which go on training and write again, through io.autosave with a save policy that answers
+    # differently on each rank (every 3rd step on rank 0, every 2nd on rank 1: they disagree at 8, 9 and 10, as a
+    # time-based policy can); rank 0 decides for all, or a commit that needs both ranks would wait forever
+    second = run_ranks(*common, "--max-steps", "12", "--resume", "--autosave-skewed", timeout=120)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Restored all states from the checkpoint at " + str(d / "step-000000000006") in second.stderr
-    assert json.loads((d / "step-000000000009" / "manifest.json").read_text())["world_size"] == 2
+    # the two ranks print to one pipe: a line may end up glued to the other rank's
+    reports = [json.loads(m) for m in re.findall(r'\{"rank": \d+, "autosaved": \[[\d, ]*\]\}', second.stdout)]
+    saved = {r["rank"]: r["autosaved"] for r in reports}
+    assert saved == {0: [9, 12], 1: [9, 12]}, saved  # rank 0's steps after 6, on both ranks
+    newest = d / linked(d / "autosave.ckpt")
+    assert newest.name == f"step-{saved[0][-1]:012d}"
+    assert json.loads((newest / "manifest.json").read_text())["world_size"] == 2  # both ranks wrote it again
 
 
 def test_persist_ddp_on_two_nodes_with_their_own_disks_and_a_replaced_node_resumes_from_the_remote(tmp_path):
     base, remote = tmp_path / "nvme", (tmp_path / "remote").as_uri()
     common = ("--local-dir", str(base), "--devices", "2", "--strategy", "persist_ddp", "--node-local",
               "--remote-url", remote)
-    first = run_app(*common, "--max-steps", "6")
+    first = run_ranks(*common, "--max-steps", "6")  # (persist_ddp through Lightning's own launcher: the test above)
     assert first.returncode == 0, first.stderr[-3000:]
     names = ["rank-00000.ckpt", "rank-00001.safetensors"]  # rank 0's part is the torch-loadable one
     for r in (0, 1):  # each node's disk: its own rank's file, and a manifest that says which node it is
@@ -328,7 +366,7 @@ def test_persist_ddp_on_two_nodes_with_their_own_disks_and_a_replaced_node_resum
         assert manifest["node"] == r and manifest["nodes"] == [[0], [1]]
     assert sorted(p.name for p in (tmp_path / "remote" / "step-000000000006").iterdir()) == ["manifest.json", *names]
     shutil.rmtree(base / "node1")  # node 1 is replaced: an empty disk
-    second = run_app(*common, "--max-steps", "9", "--resume")
+    second = run_ranks(*common, "--max-steps", "9", "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Restored all states from the checkpoint at " + str(base / "node0" / "step-000000000006") in second.stderr
     manifest = json.loads((base / "node1" / "step-000000000009" / "manifest.json").read_text())
@@ -361,19 +399,6 @@ def test_the_standalone_pytorch_lightning_trainer_takes_the_plugin_too(tmp_path)
     trainer.fit(model)
     assert linked(d / "last.ckpt") == "step-000000000003"
     assert_state_equal(io.load_checkpoint(d / "last.ckpt")["state_dict"], weights(model))
-
-
-def test_ddp_ranks_on_a_fresh_machine_both_resume_from_the_remote(tmp_path):
-    remote = (tmp_path / "remote").as_uri()
-    first = run_app("--local-dir", str(tmp_path / "m1"), "--max-steps", "6", "--remote-url", remote)
-    assert first.returncode == 0, first.stderr[-3000:]
-    # two ranks, one empty node-local directory: both download step 6 at once, one rename wins
-    second = run_app("--local-dir", str(tmp_path / "m2"), "--max-steps", "9", "--devices", "2", "--strategy", "ddp",
-                     "--remote-url", remote, "--resume")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert f"Restored all states from the checkpoint at {remote}/step-000000000006" in second.stderr
-    assert linked(tmp_path / "m2" / "last.ckpt") == "step-000000000009"
-    assert not [p for p in (tmp_path / "m2").iterdir() if p.name.startswith(".tmp")]
 
 
 def test_a_local_dir_reached_through_a_symlink(tmp_path):
@@ -428,22 +453,6 @@ def test_sigterm_with_autosave_saves_the_step_it_arrived_at_and_syncs_it(tmp_pat
     assert "Received SIGTERM" in run.stderr, run.stderr[-3000:]
     fresh = PersistCheckpointIO(local_dir=tmp_path / "fresh", remote_url=remote)
     assert fresh.latest_path() == f"{remote}/step-000000000004"  # not a multiple of 1000: the preemption save
-
-
-def test_two_ranks_autosave_the_steps_rank_0_decides_even_when_their_policies_disagree(tmp_path):
-    # a time-based policy can answer differently on each rank (here: a policy that does so by
-    # construction); rank 0 decides for all, or a commit that needs both ranks would wait forever
-    d = tmp_path / "ckpt"
-    run = run_app("--local-dir", str(d), "--devices", "2", "--strategy", "persist_ddp", "--width", "256",
-                  "--max-steps", "12", "--autosave-skewed", timeout=120)
-    assert run.returncode == 0, run.stderr[-3000:]
-    # the two ranks print to one pipe: a line may end up glued to the other rank's
-    reports = [json.loads(m) for m in re.findall(r'\{"rank": \d+, "autosaved": \[[\d, ]*\]\}', run.stdout)]
-    saved = {r["rank"]: r["autosaved"] for r in reports}
-    assert saved == {0: [3, 6, 9, 12], 1: [3, 6, 9, 12]}, saved
-    newest = d / linked(d / "autosave.ckpt")
-    assert newest.name == f"step-{saved[0][-1]:012d}"
-    assert json.loads((newest / "manifest.json").read_text())["world_size"] == 2  # both ranks wrote it
 
 
 def test_fit_from_an_older_checkpoint_branches_and_the_new_branch_is_the_one_kept_and_resumed(tmp_path):

@@ -13,6 +13,7 @@ import torch
 
 from persist_core import CheckpointReader, ConfigError
 from tests.support.lightning_app import linked
+from tests.support.ranks import launched
 from tests.support.states import assert_state_equal
 
 APP = Path(__file__).resolve().parents[1] / "support" / "model_parallel_app.py"
@@ -41,8 +42,11 @@ def test_sharded_saves_through_the_plugin_resume_on_three_devices_then_on_one(tm
     manifest = reader.list()[-1]
     assert manifest.nbytes > 0
     # 2 -> 3 devices: every rank reads the parts it holds now, the restored state is the saved one
-    second = run_app("--local-dir", str(d), "--max-steps", "8", "--devices", "3", "--resume",
-                     "--dump-at-start", str(tmp_path / "three.pt"))
+    # (its three ranks started at once, as torchrun starts them: tests.support.ranks.launched; the first run's two
+    # through Lightning's own launcher)
+    second = launched([sys.executable, str(APP), "--local-dir", str(d), "--max-steps", "8", "--devices", "3",
+                       "--resume", "--dump-at-start", str(tmp_path / "three.pt")], 3, env={"OMP_NUM_THREADS": "1"},
+                      timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Restored all states from the checkpoint at " + str(d / "step-000000000006") in second.stderr
     _same_as_saved(tmp_path / "three.pt", saved6)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from persist_core import CheckpointReader
 from tests.support.states import assert_state_equal
-from tests.support.multirank_child import replicated_state, run
+from tests.support.multirank_child import replicated_state, run_all
 
 
 def free_port() -> int:
@@ -19,15 +21,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(tmp_path, scenario: str) -> list[list]:
-    out = tmp_path / "out"
-    out.mkdir()
-    mp.spawn(run, args=(2, free_port(), str(tmp_path / "ckpt"), scenario, str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+SCENARIOS = ("ok", "fail", "mismatch", "steps")
 
 
-def test_two_ranks_each_write_half_and_restore_on_two_and_on_one(tmp_path):
-    results = spawn(tmp_path, "ok")
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory) -> Path:
+    """Every scenario of :func:`tests.support.multirank_child.run` in one start of the two ranks, one after the other,
+    each in a directory of its own (``<scenario>/ckpt``, its results in ``<scenario>/out``): each start of the ranks
+    imports torch twice."""
+    base = tmp_path_factory.mktemp("multirank")
+    for scenario in SCENARIOS:
+        (base / scenario / "out").mkdir(parents=True)
+    mp.spawn(run_all, args=(2, free_port(), [(str(base / s / "ckpt"), s, str(base / s / "out")) for s in SCENARIOS]),
+             nprocs=2, join=True)
+    return base
+
+
+def spawn(scenarios: Path, scenario: str) -> tuple[Path, list[list]]:
+    """The directory of ``scenario``'s run and each rank's results."""
+    return scenarios / scenario, [torch.load(scenarios / scenario / "out" / f"rank{r}.pt") for r in range(2)]
+
+
+def test_two_ranks_each_write_half_and_restore_on_two_and_on_one(scenarios):
+    tmp_path, results = spawn(scenarios, "ok")
     ckpt = tmp_path / "ckpt" / "step-000000000010"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["world_size"] == 2
@@ -42,8 +58,8 @@ def test_two_ranks_each_write_half_and_restore_on_two_and_on_one(tmp_path):
     assert_state_equal(loaded, replicated_state(10))
 
 
-def test_a_failure_on_one_rank_commits_nothing_and_every_rank_hears(tmp_path):
-    results = spawn(tmp_path, "fail")
+def test_a_failure_on_one_rank_commits_nothing_and_every_rank_hears(scenarios):
+    tmp_path, results = spawn(scenarios, "fail")
     outcome0, outcome1 = results[0][1], results[1][1]
     assert outcome1[:2] == ("failed", "WriteError")
     assert outcome0[0] == "failed" and "rank 1" in outcome0[2] and "No space left" in outcome0[2]
@@ -52,15 +68,15 @@ def test_a_failure_on_one_rank_commits_nothing_and_every_rank_hears(tmp_path):
         assert results[r][-1] == ("loaded", 10, True, True)
 
 
-def test_ranks_with_different_state_structure_commit_nothing(tmp_path):
-    results = spawn(tmp_path, "mismatch")
+def test_ranks_with_different_state_structure_commit_nothing(scenarios):
+    tmp_path, results = spawn(scenarios, "mismatch")
     for r in range(2):
         assert results[r][1][0] == "failed" and "different structure" in results[r][1][2]
         assert results[r][-1][:2] == ("loaded", 10)
 
 
-def test_ranks_that_save_different_steps_commit_nothing(tmp_path):
-    results = spawn(tmp_path, "steps")
+def test_ranks_that_save_different_steps_commit_nothing(scenarios):
+    tmp_path, results = spawn(scenarios, "steps")
     for r in range(2):
         assert results[r][1][0] == "failed" and "different steps ([40, 41], by rank)" in results[r][1][2]
         assert results[r][-1][:2] == ("loaded", 10)

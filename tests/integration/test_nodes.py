@@ -104,15 +104,30 @@ def test_two_nodes_commit_their_own_files_the_remote_assembles_them_and_a_replac
         assert torch.equal(res["rng"], torch.tensor([r * 10 + 20]))
 
 
-def test_a_failure_on_one_node_commits_nothing_on_any_node(tmp_path, out):
-    base = tmp_path / "nvme"
-    _spawn(str(base), "", str(out), "fail", False)
+def test_a_failure_on_one_node_commits_nothing_on_any_node_and_one_shared_local_dir_still_commits_one_checkpoint(
+        tmp_path, out):
+    """Two independent runs, one after the other in one start of the 4 ranks (each start imports torch 4 times):
+    rank 3 failing its write on two nodes, then every rank on one shared directory."""
+    failing, shared = tmp_path / "nvme-fail", tmp_path / "nvme-shared"
+    mp.spawn(nodes_child.runs, args=(4, free_port(), [(str(failing), "", str(out), "fail", False),
+                                                      (str(shared), "", str(out), "save", True)]),
+             nprocs=4, join=True)
+
+    # a failure on one node commits nothing on any node
     results = _results(out, "fail")
     for r, res in enumerate(results):
         assert res["outcome"].startswith(("WriteError", "PersistError")), (r, res)
     assert "rank 3" in results[0]["outcome"] and "No space left" in results[0]["outcome"]
     for n in (0, 1):
-        assert _entries(base / f"node{n}") == ["step-000000000010"], _entries(base / f"node{n}")
+        assert _entries(failing / f"node{n}") == ["step-000000000010"], _entries(failing / f"node{n}")
+
+    # one shared local_dir for every rank still commits one checkpoint
+    for r, res in enumerate(_results(out, "save")):
+        assert res["step"] == 30 and res["equal"] and res["remote_bytes"] == 0, (r, res)
+    node = shared / "node0"
+    assert _entries(node) == [STEP30]
+    manifest = json.loads((node / STEP30 / "manifest.json").read_text())
+    assert manifest["nodes"] == [] and manifest["node"] is None and len(manifest["files"]) == 4
 
 
 def test_a_rank_sigkilled_mid_save_commits_nothing_anywhere_and_the_others_do_not_hang(tmp_path, out):
@@ -125,14 +140,3 @@ def test_a_rank_sigkilled_mid_save_commits_nothing_anywhere_and_the_others_do_no
         node = base / f"node{n}"
         committed = [p.name for p in node.iterdir() if (p / "manifest.json").exists()]
         assert committed == ["step-000000000010"], committed
-
-
-def test_one_shared_local_dir_for_every_rank_still_commits_one_checkpoint(tmp_path, out):
-    base = tmp_path / "nvme"
-    _spawn(str(base), "", str(out), "save", True)
-    for r, res in enumerate(_results(out, "save")):
-        assert res["step"] == 30 and res["equal"] and res["remote_bytes"] == 0, (r, res)
-    node = base / "node0"
-    assert _entries(node) == [STEP30]
-    manifest = json.loads((node / STEP30 / "manifest.json").read_text())
-    assert manifest["nodes"] == [] and manifest["node"] is None and len(manifest["files"]) == 4

@@ -36,10 +36,20 @@ def out(tmp_path):
     return tmp_path / "out"
 
 
-def test_fsdp2_on_two_ranks_loads_bit_exact_on_three_from_the_remote_and_whole_on_one(tmp_path, out):
-    root, remote = tmp_path / "ckpt", f"file://{tmp_path / 'remote'}"
+@pytest.fixture(scope="module")
+def saved_on_two(tmp_path_factory) -> tuple[Path, str, Path]:
+    """``(root, remote, out)``: an FSDP2 state saved sharded by two ranks (:func:`sharded_child.save`, with a
+    file:// remote), which the tests below only read: one start of the two ranks for them all (each imports torch)."""
+    base = tmp_path_factory.mktemp("saved-on-two")
+    root, remote, out = base / "ckpt", f"file://{base / 'remote'}", base / "out"
+    out.mkdir()
     _spawn(sharded_child.save, 2, str(root), remote, str(out), False)
-    saved = _results(out, "save", 2)
+    return root, remote, out
+
+
+def test_fsdp2_on_two_ranks_loads_bit_exact_on_three_from_the_remote_and_whole_on_one(tmp_path, out, saved_on_two):
+    root, remote, saved_out = saved_on_two
+    saved = _results(saved_out, "save", 2)
     full = saved[0]["full"]
     # each rank wrote its own part: about half the bytes each, one file per rank, chunks in the manifest
     manifest = json.loads((root / "step-000000000002" / "manifest.json").read_text())
@@ -120,13 +130,12 @@ def _paths(manifest: dict) -> list[str]:
     return tensor_paths(manifest["tree"])
 
 
-def test_inspect_shows_global_shapes_and_placements_and_export_makes_them_whole(tmp_path, out):
+def test_inspect_shows_global_shapes_and_placements_and_export_makes_them_whole(tmp_path, saved_on_two):
     from click.testing import CliRunner
 
     from persist_core.cli import main
 
-    root = tmp_path / "ckpt"
-    _spawn(sharded_child.save, 2, str(root), "", str(out), False)
+    root, _, out = saved_on_two
     result = CliRunner().invoke(main, ["inspect", str(root), "--json"])
     assert result.exit_code == 0, result.output
     rows = {r["name"]: r for r in json.loads(result.output)["entries"]}

@@ -38,8 +38,21 @@ def attempt(engine: CheckpointEngine, state: dict, step: int) -> tuple:
 
 
 def run(rank: int, world: int, port: int, root: str, scenario: str, out: str) -> None:
+    run_all(rank, world, port, [(root, scenario, out)])
+
+
+def run_all(rank: int, world: int, port: int, scenarios: list[tuple[str, str, str]]) -> None:
+    """:func:`run`'s scenarios (``(root, scenario, out)`` each, each its own ``root``) one after the other in one
+    process group, each on a collectives group of its own (one start of the ranks for several independent runs)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    coll = TorchCollectives.new_group(timeout_s=60)
+    for root, scenario, out in scenarios:
+        torch.save(_scenario(rank, TorchCollectives.new_group(timeout_s=60), root, scenario), Path(out) / f"rank{rank}.pt")
+        dist.barrier()  # every rank's scenario done before the next begins
+    dist.barrier()  # every rank done before any tears its groups down (gloo aborts otherwise, at times)
+    dist.destroy_process_group()
+
+
+def _scenario(rank: int, coll: TorchCollectives, root: str, scenario: str) -> list:
     results = []
     ops = FailOnRank() if scenario == "fail" and rank == 1 else None
     with CheckpointEngine(root, collectives=coll, file_ops=ops if scenario != "fail" else None) as engine:
@@ -62,9 +75,7 @@ def run(rank: int, world: int, port: int, root: str, scenario: str, out: str) ->
         [loaded["model"]["w"], loaded["model"]["emb"], *loaded["optim"]],
         [replicated_state(loaded["step"])["model"]["w"], replicated_state(loaded["step"])["model"]["emb"],
          *replicated_state(loaded["step"])["optim"]])), loaded["model"]["w"].data_ptr() == loaded["model"]["tied"].data_ptr()))
-    torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.barrier()  # every rank done before any tears its groups down (gloo aborts otherwise, at times)
-    dist.destroy_process_group()
+    return results
 
 
 def run_decisions(rank: int, world: int, port: int, root: str, out: str) -> None:

@@ -65,8 +65,7 @@ def _init(rank: int, world: int, port: int):
     return TorchCollectives.new_group(timeout_s=60), init_device_mesh("cpu", (world,))
 
 
-def _done(out: str, phase: str, rank: int, results: dict) -> None:
-    torch.save(results, Path(out) / f"{phase}-rank{rank}.pt")
+def _done(rank: int) -> None:
     dist.barrier()  # every rank done before any tears its groups down (gloo aborts otherwise, at times)
     dist.destroy_process_group()
 
@@ -76,9 +75,27 @@ def run(rank: int, world: int, port: int, base: str, remote: str, out: str, phas
     ``"resume"``: every rank restores into DTensor/tensor targets (its own node's files from disk when
     they are there, the rest from the remote). ``"fail"``: steps 10, then 20 with rank 3 failing its write.
     ``shared``: every rank uses ``base/node0`` (one shared directory)."""
+    runs(rank, world, port, [(base, remote, out, phase, shared)])
+
+
+def runs(rank: int, world: int, port: int, phases: list[tuple[str, str, str, str, bool]]) -> None:
+    """:func:`run`'s phases one after the other in one process group (``(base, remote, out, phase, shared)``
+    each, with its own ``base``): each phase's engine its own, on a collectives group of its own, closed before
+    the next opens (one start of the 4 ranks for several independent runs: each start imports torch 4 times)."""
+    coll, mesh = _init(rank, world, port)
+    for i, (base, remote, out, phase, shared) in enumerate(phases):
+        if i:
+            from persist_core import TorchCollectives
+
+            coll = TorchCollectives.new_group(timeout_s=60)
+        torch.save(_phase(rank, coll, mesh, base, remote, phase, shared), Path(out) / f"{phase}-rank{rank}.pt")
+        dist.barrier()  # every rank's phase done before the next begins
+    _done(rank)
+
+
+def _phase(rank: int, coll, mesh, base: str, remote: str, phase: str, shared: bool) -> dict:
     from persist_core import CheckpointEngine, KeepLastN, PersistError
 
-    coll, mesh = _init(rank, world, port)
     root = node_dir(base, 0 if shared else rank)
     options = {"client_kwargs": {"endpoint_url": os.environ["PERSIST_TEST_S3"]}} if remote.startswith("s3://") else None
     results: dict = {}
@@ -117,7 +134,7 @@ def run(rank: int, world: int, port: int, base: str, remote: str, out: str, phas
                 torch.equal(into["w"][k], full[k]) for k in into["w"])
             results["in_place"] = loaded["fsdp"] is into["fsdp"]
             results["step"], results["rng"] = loaded["step"], loaded["rng"]
-    _done(out, phase, rank, results)
+    return results
 
 
 def kill(rank: int, world: int, port: int, base: str, out: str) -> None:
