@@ -120,6 +120,8 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     # several ranks with a memory tier: which ranks share local_dir (a collective call; no save has started yet)
     nodes = None if config.memory is None or coll.world_size == 1 else discover_nodes(root, coll)
     snapshots = None if config.memory is None else _snapshots(config, root, coll, nodes)
+    if snapshots is not None:
+        snapshots.turn = overlap.turn  # a guarded update holds the snapshots' checksums off
     if snapshots is None:
         pool = StagingPool(config.max_pending, pin=torch.cuda.is_available(), turn=overlap.turn)
     else:  # the staging buffers are the memory tier's slots: the newest snapshot's, one to fill, the writes'

@@ -6,7 +6,8 @@ to disk costs nothing more. Who calls what: ``save()`` and the memory-only ``sna
 :class:`~persist_core.save.saver.Saver`) call :meth:`Snapshots.taken` once a slot holds a step's bytes; the pool
 calls :meth:`Snapshots.reusing` before a slot is overwritten (its record goes first). On a thread of its own,
 :meth:`Snapshots._commit` checksums the slot and writes its record, then lets the previous snapshot's slot go: the
-newest committed snapshot's slot is kept (the pool hands it to no save) until a newer one is committed.
+newest committed snapshot's slot is kept (the pool hands it to no save) until a newer one is committed. Behind a guard
+the checksums hold off while an update runs (the overlap's :class:`~persist_core.turn.Turn`), as the disk writes do.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.save.allocators import SlotAllocator
 from persist_core.save.staging import StagingBuffer, StagingPool
 from persist_core.tiers.memory import MemoryStore, MemoryTier, Snapshot
+from persist_core.turn import NO_TURN, Turn
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class Snapshots:
         self._taken_max = -1  # the newest step saved or snapshot by this engine
         self._others_gone = False  # an earlier process's slots were removed (at the first commit)
         self.on_committed: Callable[[Snapshot], None] | None = None  # each committed snapshot (the partner copies)
+        self.turn: Turn = NO_TURN  # the overlap's: a guarded update holds the checksums off (set by the build)
 
     @property
     def active(self) -> bool:
@@ -92,9 +95,12 @@ class Snapshots:
         assert self.pool is not None
         try:
             view = buf.memoryview(nbytes)
-            crc = tuple(crc32c.crc32c(view[o : o + self._block]) for o in range(0, nbytes, self._block))
+            crc = []
+            for o in range(0, nbytes, self._block):
+                self.turn.wait()  # a guarded update has the cores: the checksums go on after it
+                crc.append(crc32c.crc32c(view[o : o + self._block]))
             entry = FileEntry(name=filename, rank=self._rank, size=nbytes, checksum=CHECKSUM_ALGORITHM,
-                              chunk_bytes=self._block, chunks=crc)
+                              chunk_bytes=self._block, chunks=tuple(crc))
             manifest = dataclasses.replace(base, files=(entry,))
             self.store.commit(path, manifest)
             self.store.drop_newer(base.step)  # the run went back to an older step: the newer ones are a branch
