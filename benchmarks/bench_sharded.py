@@ -39,6 +39,15 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._common import disk_seconds, tensors  # noqa: E402
 
 
+def _exit() -> None:
+    """A worker's end once every rank passed the last barrier: its figures are on disk, and tearing the gloo groups
+    down (ours and DCP's async ones) sometimes aborted a rank at exit ("terminate called without an active
+    exception": once in a CI run on 2026-12-06); the process ends without running those destructors."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,7 +150,7 @@ def save_rank(rank: int, world: int, port: int, gb: float, repeat: int, out: str
     if rank == 0:
         torch.save(gathered, work / "save-figures.pt")
     dist.barrier()  # every rank done before any tears its groups down (gloo aborts otherwise, at times)
-    dist.destroy_process_group()
+    _exit()
 
 
 def load_rank(rank: int, world: int, port: int, gb: float, repeat: int, out: str) -> None:
@@ -179,7 +188,7 @@ def load_rank(rank: int, world: int, port: int, gb: float, repeat: int, out: str
     if rank == 0:
         torch.save(gathered, work / f"load-{world}-figures.pt")
     dist.barrier()  # every rank done before any tears its groups down (gloo aborts otherwise, at times)
-    dist.destroy_process_group()
+    _exit()
 
 
 def main(argv: list[str] | None = None) -> int:
