@@ -196,7 +196,7 @@ class Incremental:
             hashes.update(unstaged.hashes)
         previous, since_full = self._previous(base.step)
         missing = frozenset(s for s in (previous.depends_on() if previous is not None else ())
-                            if not (checkpoint_dir(self._root, s) / MANIFEST_NAME).exists())
+                            if not _committed(self._root, s))
         gone = {h for where in known.values() for h, _ in where.values() if not _committed(self._root, h)}
         if gone:  # removed by hand (retention keeps it) while this save was in flight: its bytes are nowhere
             raise PersistError(f"checkpoint step(s) {sorted(gone)} in {self._root}, which step {base.step} references, "

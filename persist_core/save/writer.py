@@ -75,7 +75,6 @@ class Writer:
                  on_nodes: Callable[[Nodes], None] | None = None, turn: Turn = NO_TURN,
                  incremental: Incremental | None = None) -> None:
         self._root = root
-        self._incremental = incremental
         self.incremental = incremental  # the saver asks it, before a copy, what is unchanged
         self._turn = turn
         #: which ranks share local_dir: found out at the first save (one process: itself alone)
@@ -123,8 +122,8 @@ class Writer:
         """Give ``step`` back: its staging failed."""
         with self._lock:
             self._pending.pop(step, None)
-        if self._incremental is not None:
-            self._incremental.forget(step)
+        if self.incremental is not None:
+            self.incremental.forget(step)
 
     def submit(self, job: WriteJob) -> None:
         with self._lock:
@@ -172,8 +171,8 @@ class Writer:
     def close(self) -> None:
         self._thread.shutdown(wait=True)
         self._io.shutdown(wait=True)
-        if self._incremental is not None:
-            self._incremental.close()
+        if self.incremental is not None:
+            self.incremental.close()
 
     # ---- writer thread
 
@@ -241,12 +240,12 @@ class Writer:
                          list(self.nodes.groups[self.nodes.mine]))
                 if self._on_nodes is not None:
                     self._on_nodes(self.nodes)
-                if self._incremental is not None:
+                if self.incremental is not None:
                     log.warning("[rank=%d] incremental=True: each node has a local_dir of its own, so every save is "
                                 "written whole (a reference to another node's file could not be read on this one)",
                                 self._coll.rank)
         base = job.base
-        incremental = self._incremental if self.nodes.shared else None  # each node its own disk: written whole
+        incremental = self.incremental if self.nodes.shared else None  # each node its own disk: written whole
         if job.unstaged is not None and incremental is None:  # never reached (the saver asks first): never written
             self._pool.release(buf)
             raise PersistError(f"step {handle.step}: tensors left out of the copy cannot be written whole")
@@ -266,12 +265,12 @@ class Writer:
                                          release=lambda: self._pool.release(buf), ops=self._ops, replace=job.replace,
                                          nodes=self.nodes)
         except BaseException:
-            if self._incremental is not None:
-                self._incremental.settle(None)
-                self._incremental.forget(handle.step)
+            if self.incremental is not None:
+                self.incremental.settle(None)
+                self.incremental.forget(handle.step)
             raise
-        if self._incremental is not None:
-            self._incremental.settle(manifest)
+        if self.incremental is not None:
+            self.incremental.settle(manifest)
         write_s = timing["write_s"]
         handle._update(write_s=write_s, write_gbps=handle.stats.nbytes / write_s / 1e9 if write_s > 0 else None,
                        commit_s=time.perf_counter() - job.staged_at, direct_io=timing["direct_io"])
