@@ -161,7 +161,8 @@ def main() -> None:
         if accelerator.is_main_process:
             torch.save(weights(parts[0]), f"{args.out}.step{step}")
         if step == args.hold_at:
-            print(f"ready {step} {os.getpid()}", flush=True)
+            sys.stdout.flush()  # the line in one write: the ranks share this pipe, and a print may write "\n" on its own
+            os.write(1, f"ready {step} {os.getpid()}\n".encode())
             sys.stdin.read()  # until killed
 
     memory = args.memory_dir is not None

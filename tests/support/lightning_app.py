@@ -103,7 +103,8 @@ class HoldAt(Callback):
         if trainer.is_global_zero:
             torch.save(weights(pl_module), f"{self.out}.step{trainer.global_step}")
         if trainer.global_step == self.step:
-            print(f"ready {self.step} {os.getpid()}", flush=True)
+            sys.stdout.flush()  # the line in one write: the ranks share this pipe, and a print may write "\n" on its own
+            os.write(1, f"ready {self.step} {os.getpid()}\n".encode())
             sys.stdin.read()  # until killed
 
 

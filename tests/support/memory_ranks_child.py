@@ -70,7 +70,8 @@ def main() -> None:
     for step in range(start, start + steps):
         engine.maybe_save(lambda: state_for(step, rank), step)
         engine.wait()  # each snapshot and its partner copy done: the slots each node holds do not depend on timing
-    print(f"ready {start + steps - 1}", flush=True)
+    sys.stdout.flush()  # the line in one write: the ranks share this pipe, and a print may write "\n" on its own
+    os.write(1, f"ready {start + steps - 1}\n".encode())
     sys.stdin.read()  # until killed
     os._exit(0)
 
