@@ -16,7 +16,7 @@ disk-only continuous saving and the floors measured in the same run.
 3. **Restart loads**: ``CheckpointReader.load()`` of the state from memory, from the local disk (page cache
    dropped where the kernel lets us), and from a ``file://`` remote (a fresh local_dir), medians of ``--repeat``.
 
-Usage: ``python benchmarks/bench_memory.py [--width 1536] [--step-ms 80] [--trials 20] [--memory-dir /dev/shm/...]
+Usage: ``python benchmarks/bench_memory.py [--width 1536] [--step-ms 80] [--trials 20] [--disk-trials N] [--memory-dir /dev/shm/...]
 [--dir bench-out]``; ``--smoke``: a tiny model and one trial (a check that it runs; its figures mean nothing).
 """
 
@@ -78,13 +78,15 @@ def kill_trial(local_dir: Path, memory_dir: Path | None, width: int, step_ms: fl
 
 
 def kill_series(kind: str, base: Path, memory_root: Path, args: argparse.Namespace, rng: random.Random) -> list[int]:
-    """``args.trials`` kills in a row on one machine; the steps each lost (the next start resumes from ...)."""
+    """``args.trials`` kills in a row on one machine (``--disk-trials`` for the disk-only baseline); the steps each
+    lost (the next start resumes from ...)."""
+    trials = args.disk_trials if kind == "disk" and args.disk_trials is not None else args.trials
     local_dir = base / f"kill-{kind}"
     memory_dir = memory_root / f"kill-{kind}" if kind == "memory" else None
     shutil.rmtree(local_dir, ignore_errors=True)
     lost, loads = [], []
     previous = None
-    for _ in range(args.trials + 1):  # the first run starts from nothing; each later start says what was lost
+    for _ in range(trials + 1):  # the first run starts from nothing; each later start says what was lost
         trial = kill_trial(local_dir, memory_dir, args.width, args.step_ms, rng.randint(args.kill_min, args.kill_max))
         if previous is not None:
             lost.append(previous["last"] - trial["resumed"])
@@ -192,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-ms", type=float, default=80.0)
     parser.add_argument("--steps", type=int, default=30, help="steps of the C-per-step measurement")
     parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--disk-trials", type=int, default=None, help="the disk-only baseline's kills (default --trials)")
     parser.add_argument("--kill-min", type=int, default=3)
     parser.add_argument("--kill-max", type=int, default=25)
     parser.add_argument("--repeat", type=int, default=3)
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{guarded * 1e3:.1f} ms, {guarded / floor:.2f}x the floor; {guarded / step:.1%} of the step", flush=True)
 
     rng = random.Random(0)
-    print(f"kill trials ({args.trials} each, killed {args.kill_min}-{args.kill_max} steps after each start):", flush=True)
+    print(f"kill trials ({args.trials} with the memory tier, {args.disk_trials or args.trials} disk only, killed {args.kill_min}-{args.kill_max} steps after each start):", flush=True)
     lost = {kind: kill_series(kind, base, memory_root, args, rng) for kind in ("memory", "disk")}
 
     loads = restart_loads(base, memory_root, args)

@@ -29,14 +29,14 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import _load as torch_load
 from lightning.pytorch.callbacks import Callback
 
+from lightning_persist._agree import agreed_step
 from lightning_persist._memory import load_snapshot
 from lightning_persist._paths import device, kind_of, path_key, remote_path, restricted, shard_checkpoint
 from lightning_persist._strategies import check_strategy
 from lightning_persist._trainer import exit_as_sigterm, find_trainer, loggers_sink, rank_zero_info
 from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
-from persist_core import PersistError, RetentionPolicy
+from persist_core import RetentionPolicy
 from persist_core.config import Config
-from persist_core.distributed import decision_channel
 from persist_core.layout import FULL, shard_filename
 from persist_core.links import Links
 from persist_core.load.reader import checkpoint_of
@@ -254,7 +254,7 @@ class PersistCheckpointIO(CheckpointIO):
                                  weights_only=restricted(weights_only))
         if snapshot is not None:  # io.latest_path() named a memory snapshot (rank 0's, with several ranks)
             return snapshot
-        agreed = self._agreed_step(text)
+        agreed = agreed_step(self._session, self._links, self._get_reader, text)
         if agreed is not None:  # several ranks: every one loads the step rank 0's path names, from its own tiers
             return read(self._reader_of(agreed[0]), agreed[1])
         if not remote_path(text, self._session.options.remote_url):
@@ -282,39 +282,6 @@ class PersistCheckpointIO(CheckpointIO):
     @property
     def _rank(self) -> int:
         return self._session.collectives.rank
-
-    def _agreed_step(self, text: str) -> tuple[str, int] | None:
-        """With several ranks writing (``PersistDDPStrategy``, ``PersistModelParallelStrategy``): the checkpoint
-        rank 0's ``path`` names, on every rank (a collective call on the training thread's channel).
-
-        Lightning resolves ``ckpt_path`` on each rank; on node-local disks each rank's ``io.latest_path()``
-        and ``last.ckpt`` are its own node's, and may name another step, or another node's copy. Rank 0
-        decides; each rank then reads that step from its own ``local_dir`` and the remote. ``None``: one
-        rank, or ``path`` is not one of this plugin's checkpoints (each rank loads what it names).
-        """
-        chan = decision_channel(self._session.collectives)
-        if chan is None or chan.world_size == 1:
-            return None
-        mine: tuple[str, int] | None = None
-        try:
-            key = None if remote_path(text, self._session.options.remote_url) else self._links.intended(path_key(text))
-            if key is not None:
-                handle = self._session.handle(key[1], key[0])
-                if handle is not None:
-                    handle.wait_local()
-                mine = (key[0], key[1])
-            else:
-                reader = self._get_reader()
-                real = None if remote_path(text, self._session.options.remote_url) else checkpoint_of(Path(os.path.realpath(text)))
-                if real is None or real.parent == Path(os.path.realpath(reader.local_dir)):
-                    mine = (FULL, reader.step_of(text))
-        except (PersistError, OSError):
-            mine = None  # not ours (a plain torch.save file, another run's directory): rank 0's say decides
-        agreed = chan.broadcast(mine)
-        if agreed is not None and agreed != mine:
-            log.info("[rank=%d] loading step=%d, the checkpoint rank 0's ckpt_path names (this rank's %r names %s)",
-                     self._rank, agreed[1], text, mine)
-        return agreed
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove the path; its directory goes when no path links to it and retention lets it.

@@ -3,7 +3,8 @@ and copies on the engine's own threads that start no parallel team.
 
 Used by the staging pool's warm-up (:meth:`persist_core.save.staging.StagingPool.warm`). Linux only in effect;
 elsewhere each function does nothing (and says so in a debug line) and the first copy faults pages in.
-:func:`copy_here` is for the background copy of guarded saves and the reader's threads.
+:func:`copy_here` is for the background copy of guarded saves and the reader's threads; :func:`raw_view` is the bytes at
+an address, as the staging buffers and the incremental hash read them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, their conte
 _POPULATE_BYTES = 4 << 20  # per madvise call (which holds the mmap lock an allocation needs); yields between calls
 
 _libc: ctypes.CDLL | None = None
+
+
+def raw_view(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` at ``address`` (no copy); valid while what owns that memory lives."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 def fits(nbytes: int) -> bool:

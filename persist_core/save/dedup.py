@@ -37,6 +37,7 @@ from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError,
 from persist_core.format.manifest import Manifest
 from persist_core.format.shard_file import parse_header
 from persist_core.format.torch_zip import image_offset
+from persist_core.hostmem import raw_view
 from persist_core.layout import MANIFEST_NAME
 from persist_core.planning.incremental import (Held, compact, hashable, hashed_entries, reference_unchanged,
                                                unchanged_before_copy)
@@ -299,5 +300,5 @@ def _source_digest(c: EntryCopy) -> tuple[str, str]:
     src = c.source
     assert isinstance(src, torch.Tensor)
     n = c.end - c.begin
-    view = memoryview((ctypes.c_char * n).from_address(src.data_ptr())).cast("B") if n else b""
+    view = raw_view(src.data_ptr(), n) if n else b""
     return c.name, xxhash.xxh3_128_hexdigest(view)

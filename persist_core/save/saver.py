@@ -1,5 +1,5 @@
 """The caller's thread of a save: check, plan (:mod:`persist_core.planning`), copy into a staging buffer
-(:mod:`persist_core.save.staging`), hand to the writer thread (:mod:`persist_core.save.writer`) — or, behind a
+(:mod:`persist_core.save.stage`), hand to the writer thread (:mod:`persist_core.save.writer`) — or, behind a
 guard, to the overlap's copy thread (:mod:`persist_core.save.overlap`) — and return a handle."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from persist_core.planning.save import PlanCache, plan_rank
 from persist_core.save.overlap import Overlap
 from persist_core.save.dedup import Unstaged
 from persist_core.save.snapshots import Snapshots
-from persist_core.save.staging import Staged, StagingPool, stage_into
+from persist_core.save.stage import Staged, stage_into
+from persist_core.save.staging import StagingPool
 from persist_core.save.writer import WriteJob, Writer
 
 log = logging.getLogger(__name__)

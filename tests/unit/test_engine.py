@@ -353,7 +353,7 @@ def test_next_save_copies_behind_the_running_write_without_corrupting_it(tmp_pat
 
 
 def test_a_failed_copy_behind_a_write_gives_the_buffer_back(tmp_path, monkeypatch):
-    import persist_core.save.staging as engine_module
+    import persist_core.save.stage as engine_module
 
     ops = GatedOps()
     ops.gate.set()
