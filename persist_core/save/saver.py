@@ -20,7 +20,7 @@ from persist_core.history import SaveHistory
 from persist_core.planning.save import PlanCache, plan_rank
 from persist_core.save.overlap import Overlap
 from persist_core.save.dedup import Unstaged
-from persist_core.save.snapshots import Snapshots
+from persist_core.save.snapshots import Filling, Snapshots
 from persist_core.save.stage import Staged, stage_into
 from persist_core.save.staging import StagingPool
 from persist_core.save.writer import WriteJob, Writer
@@ -97,16 +97,23 @@ class Saver:
         handle._update(stall_s=time.perf_counter() - t0)
         # training goes on from here: a guarded save's background copy is part of what slows it (and of D)
         self._history.meter.staged(step, self._history.now())
-        keep = None  # one process: the staged shard is also the step's memory snapshot (kept before the writer
-        if self.disk_is_snapshot and self._snapshots is not None:  # may release the buffer)
+        keep, filling = None, None  # one process: the staged shard is also the step's memory snapshot (kept before
+        if self.disk_is_snapshot and self._snapshots is not None:  # the writer may release the buffer)
             snapshots = self._snapshots
-            keep = lambda: snapshots.taken(staged.buf, base, plan_bytes, job.filename)  # noqa: E731
+            if staged.later is not None:  # guarded: its checksums follow the copy
+                filling = snapshots.follow(staged.buf, plan_bytes)
+            keep = lambda: snapshots.taken(staged.buf, base, plan_bytes, job.filename, filling)  # noqa: E731
         if staged.later is None:
             if keep is not None:
                 keep()
             self._writer.submit(job)
         else:  # guarded: the snapshot is kept once its deferred copies are made
-            self._overlap.run(handle, lambda: self._writer.submit_after(job, _then(staged.later, keep)))
+            try:
+                self._overlap.run(handle, lambda: self._writer.submit_after(job, _then(staged.later, keep, filling)))
+            except BaseException:
+                if filling is not None:
+                    filling.finish(False)
+                raise
         log.debug("[rank=%d][step=%d] staged %d bytes in %.3f s", self._coll.rank, step, handle.stats.nbytes,
                   handle.stats.staging_s)
         return handle
@@ -152,27 +159,41 @@ class Saver:
             base = dataclasses.replace(base, part=self._coll.rank)
         del plan  # a guarded snapshot's deferred copy needs its sources only
 
+        filling = None
+
         def keep() -> None:
             try:
-                self._snapshots.taken(staged.buf, base, nbytes, filename)  # type: ignore[union-attr]
+                self._snapshots.taken(staged.buf, base, nbytes, filename, filling)  # type: ignore[union-attr]
             finally:
                 self._pool.release(staged.buf)  # free again, but kept while it is a snapshot
 
         if staged.later is None:
             keep()
-        else:  # guarded: the parameters and optimizer state are copied while the next step computes
-            self._overlap.run(None, lambda: self._snapshot_after(staged, keep, step))
+            return
+        # guarded: the parameters and optimizer state are copied while the next step computes, checksummed behind
+        filling = self._snapshots.follow(staged.buf, nbytes)
+        try:
+            self._overlap.run(None, lambda: self._snapshot_after(staged, keep, step, filling))
+        except BaseException:
+            if filling is not None:
+                filling.finish(False)
+            raise
 
-    def _snapshot_after(self, staged: Staged, keep: Callable[[], None], step: int) -> None:
-        """Copy thread: a guarded snapshot's deferred copies, then the slot is kept. If they fail, the slot goes
-        back and the newest committed snapshot stays the newest (said once per failure; the disk saves go on)."""
+    def _snapshot_after(self, staged: Staged, keep: Callable[[], None], step: int, filling: Filling | None) -> None:
+        """Copy thread: a guarded snapshot's deferred copies (``filling`` told how far they got), then the slot is
+        kept. If they fail, the slot goes back and the newest committed snapshot stays the newest (said once per
+        failure; the disk saves go on)."""
         assert staged.later is not None
         try:
-            staged.later()
+            staged.later(progress=None if filling is None else filling.reached)
         except BaseException as e:
+            if filling is not None:
+                filling.finish(False)
             self._pool.abandon(staged.buf)
             log.warning("[rank=%d][step=%d] the memory snapshot's copy failed: %s", self._coll.rank, step, e)
             return
+        if filling is not None:
+            filling.finish(True)
         try:
             keep()
         except Exception as e:  # the fence that waits for this thread never raises: said here
@@ -188,13 +209,22 @@ class Saver:
         self._pool.warm(max(sizes))
 
 
-def _then(copy: Callable[[], float], after: Callable[[], None] | None) -> Callable[[], float]:
-    """``copy``, then ``after`` once it succeeded (a guarded save's snapshot is kept once its bytes are all there)."""
+def _then(copy: Callable[..., float], after: Callable[[], None] | None,
+          filling: Filling | None = None) -> Callable[[], float]:
+    """``copy``, then ``after`` once it succeeded (a guarded save's snapshot is kept once its bytes are all there);
+    ``filling`` is told how far the copy got, and how it ended."""
     if after is None:
         return copy
 
     def run() -> float:
-        behind = copy()
+        try:
+            behind = copy(progress=None if filling is None else filling.reached)
+        except BaseException:
+            if filling is not None:
+                filling.finish(False)
+            raise
+        if filling is not None:
+            filling.finish(True)
         after()
         return behind
     return run

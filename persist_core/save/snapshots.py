@@ -7,7 +7,8 @@ to disk costs nothing more. Who calls what: ``save()`` and the memory-only ``sna
 calls :meth:`Snapshots.reusing` before a slot is overwritten (its record goes first). On a thread of its own,
 :meth:`Snapshots._commit` checksums the slot and writes its record, then lets the previous snapshot's slot go: the
 newest committed snapshot's slot is kept (the pool hands it to no save) until a newer one is committed. Behind a guard
-the checksums hold off while an update runs (the overlap's :class:`~persist_core.turn.Turn`), as the disk writes do.
+the checksums hold off while an update runs (the overlap's :class:`~persist_core.turn.Turn`), as the disk writes do,
+and they follow the copy thread block by block (:class:`Filling`) instead of starting once it is done.
 """
 
 from __future__ import annotations
@@ -82,23 +83,47 @@ class Snapshots:
         if path is not None:
             self.store.drop(path)
 
-    def taken(self, buf: StagingBuffer, base: Manifest, nbytes: int, filename: str) -> None:
-        """Training thread: ``buf`` holds the shard image (``nbytes``, named ``filename``) of ``base``'s step; it
-        is kept from here and committed in the background."""
+    def follow(self, buf: StagingBuffer, nbytes: int) -> Filling | None:
+        """Training thread, before a guarded snapshot's deferred copies: its checksums are computed on this thread
+        of the snapshots as the copy thread fills ``buf`` (:meth:`Filling.reached`), so they end with the copy
+        instead of after it (on two cores they ran into the next update, and the next snapshot waited for them).
+        ``None``: not a slot of the memory tier. The copy thread must call :meth:`Filling.finish`."""
+        if self.allocator.path_of(buf.tensor) is None:
+            return None
+        filling = Filling()
+        filling.sums = self._thread.submit(self._checksums, buf, nbytes, filling)
+        return filling
+
+    def taken(self, buf: StagingBuffer, base: Manifest, nbytes: int, filename: str,
+              filling: Filling | None = None) -> None:
+        """Training thread (a guarded one's copy thread): ``buf`` holds the shard image (``nbytes``, named
+        ``filename``) of ``base``'s step; it is kept from here and committed in the background (``filling``: its
+        checksums, computed as the copy went, from :meth:`follow`)."""
         path = self.allocator.path_of(buf.tensor)
         if path is None or self.pool is None:
             return  # a buffer from this process's memory: the memory tier ran out of room
         self.pool.keep(buf)
-        self._last = self._thread.submit(self._commit, buf, path, base, nbytes, filename)
+        self._last = self._thread.submit(self._commit, buf, path, base, nbytes, filename, filling)
 
-    def _commit(self, buf: StagingBuffer, path: Path, base: Manifest, nbytes: int, filename: str) -> None:
+    def _checksums(self, buf: StagingBuffer, nbytes: int, filling: Filling | None = None) -> list[int] | None:
+        """A crc32c per block of ``buf``'s first ``nbytes``, each once the copy passed it (``filling``); ``None``: the
+        copy failed."""
+        view = buf.memoryview(nbytes)
+        crc = []
+        for o in range(0, nbytes, self._block):
+            if filling is not None and not filling.passed(min(o + self._block, nbytes)):
+                return None
+            self.turn.wait()  # a guarded update has the cores: the checksums go on after it
+            crc.append(crc32c.crc32c(view[o : o + self._block]))
+        return crc
+
+    def _commit(self, buf: StagingBuffer, path: Path, base: Manifest, nbytes: int, filename: str,
+                filling: Filling | None = None) -> None:
         assert self.pool is not None
         try:
-            view = buf.memoryview(nbytes)
-            crc = []
-            for o in range(0, nbytes, self._block):
-                self.turn.wait()  # a guarded update has the cores: the checksums go on after it
-                crc.append(crc32c.crc32c(view[o : o + self._block]))
+            crc = self._checksums(buf, nbytes) if filling is None else filling.sums.result()
+            if crc is None:
+                raise RuntimeError("its copy did not finish")
             entry = FileEntry(name=filename, rank=self._rank, size=nbytes, checksum=CHECKSUM_ALGORITHM,
                               chunk_bytes=self._block, chunks=tuple(crc))
             manifest = dataclasses.replace(base, files=(entry,))
@@ -140,3 +165,30 @@ class Snapshots:
         """Stop the commit thread; ``finished``: the run ended well, its snapshots go (a crash keeps them)."""
         self._thread.shutdown(wait=True)
         self.store.close(remove=finished)
+
+
+class Filling:
+    """How far a guarded snapshot's copy has filled its slot: the copy thread says :meth:`reached` and
+    :meth:`finish`; the snapshots' thread checksums each block once it is :meth:`passed`."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._end = 0
+        self._done: bool | None = None  # copied whole (True), failed (False), still copying (None)
+        self.sums: Future[list[int] | None]
+
+    def reached(self, end: int) -> None:
+        with self._cond:
+            self._end = max(self._end, end)
+            self._cond.notify_all()
+
+    def finish(self, ok: bool) -> None:
+        with self._cond:
+            self._done = ok
+            self._cond.notify_all()
+
+    def passed(self, end: int) -> bool:
+        """Whether bytes ``[0, end)`` are final (waits for the copy to get there); ``False``: it failed first."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._end >= end or self._done is not None)
+            return self._done is not False

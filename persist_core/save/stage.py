@@ -40,7 +40,8 @@ def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch
 
     Returns:
         ``(seconds spent in wait_free, the deferred copies' function or None)``; that function
-        returns its own seconds spent in ``wait_free``.
+        returns its own seconds spent in ``wait_free``, and takes an optional ``progress(end)``: called as the
+        bytes ``[0, end)`` of ``buf`` become final (a memory snapshot's checksums follow the copy).
     """
     data = buf.tensor[: plan.file_bytes]
     # the data section's padding is zeroed: no stale memory reaches the file, and equal states give equal bytes;
@@ -77,7 +78,8 @@ def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch
         events[device] = torch.cuda.Event()
         events[device].record(torch.cuda.current_stream(device))
     versions = [_version(c.source) for c in later]  # the moment of save(): an in-place change bumps them
-    return waited, lambda: _copy_all(later, data, base, streams, wait_free, events=events, versions=versions)
+    return waited, lambda progress=None: _copy_all(later, data, base, streams, wait_free, events=events,
+                                                   versions=versions, progress=progress)
 
 
 def _version(source: torch.Tensor | bytes) -> int | None:
@@ -87,8 +89,10 @@ def _version(source: torch.Tensor | bytes) -> int | None:
 
 def _copy_all(copies: list[EntryCopy], data: torch.Tensor, base: int, streams: dict[torch.device, torch.cuda.Stream],
               wait_free: Callable[[int], float], *, events: dict[torch.device, torch.cuda.Event],
-              versions: list[int | None] | None = None) -> float:
+              versions: list[int | None] | None = None, progress: Callable[[int], None] | None = None) -> float:
     """Copy each of ``copies`` into ``data`` (CUDA ones on side streams, waited for); seconds in ``wait_free``.
+    ``progress(end)``: after each host copy while no device copy is pending, the bytes before ``end`` are final (those
+    between the copies were staged before); it is not told the end (the caller knows when this returns).
 
     With ``versions`` (each source's version counter at ``save()``), a source changed in place since then —
     before its copy, or while it ran — fails the copy: the checkpoint would mix two moments.
@@ -102,6 +106,8 @@ def _copy_all(copies: list[EntryCopy], data: torch.Tensor, base: int, streams: d
         if versions is not None:
             _check_unchanged(c, versions[i])
         waited += _copy(c, data, base, streams, wait_free, used, events=events, here=True)
+        if progress is not None and not used:
+            progress(base + c.end)
     for stream in used:
         stream.synchronize()
     if versions is not None:  # and none changed while its copy ran
@@ -163,7 +169,7 @@ class Staged:
     wait_s: float  # waiting for a buffer, or for the previous write to pass the bytes overwritten
     staging_s: float  # copying
     done_at: float  # time.perf_counter() when the bytes were there (but the deferred ones)
-    later: Callable[[], float] | None = None  # makes the deferred copies (a background thread calls it)
+    later: Callable[..., float] | None = None  # makes the deferred copies (a background thread calls it; progress=)
 
 
 def stage_into(pool: StagingPool, plan: ShardPlan, streams: dict[torch.device, torch.cuda.Stream],

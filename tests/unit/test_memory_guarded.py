@@ -62,3 +62,52 @@ def test_a_guarded_disk_save_is_a_memory_snapshot_too(tmp_path):
         assert [c.step for c in reader.list()][-1] == 6
         got = reader.load()
     assert_state_equal(got["model"], expected[6]["model"])
+
+
+def test_a_guarded_snapshot_whose_copy_fails_midway_leaves_the_older_one_newest_and_the_next_commits(tmp_path,
+                                                                                                       monkeypatch):
+    # the checksums of a guarded snapshot follow its copy block by block: a copy that fails after some blocks were
+    # checksummed (a parameter changed in place outside the guard) records nothing, and nothing waits forever
+    import threading
+
+    import persist_core.save.stage as stage
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    memory = MemoryTier(memory_dir=tmp_path / "shm")
+    engine = CheckpointEngine(tmp_path / "ckpt", memory=memory, chunk_bytes=64 << 10)
+    engine.guard(opt)
+    gate, entered, copies = threading.Event(), threading.Event(), []
+    real = stage.hostmem.copy_here
+
+    def copy_here(dst, src):  # step 2's second deferred copy waits until the test has changed a parameter
+        copies.append(src)
+        if held[0] and len(copies) == 2:
+            entered.set()
+            assert gate.wait(30)
+        real(dst, src)
+    monkeypatch.setattr(stage.hostmem, "copy_here", copy_here)
+    held = [False]
+    expected = {}
+    for step in (1, 2, 3):
+        model(torch.randn(4, 512)).sum().backward()
+        opt.step()
+        held[0], copies[:] = step == 2, []
+        engine.maybe_save(lambda: {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, step)
+        expected[step] = type(model.state_dict())((k, v.clone()) for k, v in model.state_dict().items())
+        if step == 2:
+            assert entered.wait(30)
+            with torch.no_grad():
+                model[1].bias.add_(1.0)  # in place, outside the guarded update: step 2's copy must fail
+            gate.set()
+            engine.fence()
+            with CheckpointReader(tmp_path / "ckpt", memory=memory) as reader:
+                assert max(reader.memory_steps()) == 1  # step 2's record was never written
+            expected[2] = None
+    engine.wait()
+    engine.close(keep_memory=True)
+    with CheckpointReader(tmp_path / "ckpt", memory=memory) as reader:
+        assert 2 not in reader.memory_steps() and max(reader.memory_steps()) == 3
+        got = reader.load()
+    assert got["step"] == 3
+    assert_state_equal(got["model"], expected[3])
