@@ -20,7 +20,7 @@ from persist_core.history import SaveHistory
 from persist_core.planning.save import PlanCache, plan_rank
 from persist_core.save.overlap import Overlap
 from persist_core.save.dedup import Unstaged
-from persist_core.save.snapshots import Filling, Snapshots
+from persist_core.save.snapshots import Filling, Snapshots, followed
 from persist_core.save.stage import Staged, stage_into
 from persist_core.save.staging import StagingPool
 from persist_core.save.writer import WriteJob, Writer
@@ -108,12 +108,8 @@ class Saver:
                 keep()
             self._writer.submit(job)
         else:  # guarded: the snapshot is kept once its deferred copies are made
-            try:
-                self._overlap.run(handle, lambda: self._writer.submit_after(job, _then(staged.later, keep, filling)))
-            except BaseException:
-                if filling is not None:
-                    filling.finish(False)
-                raise
+            self._on_copy_thread(handle, lambda: self._writer.submit_after(job, _then(staged.later, keep, filling)),
+                                 filling)
         log.debug("[rank=%d][step=%d] staged %d bytes in %.3f s", self._coll.rank, step, handle.stats.nbytes,
                   handle.stats.staging_s)
         return handle
@@ -172,8 +168,13 @@ class Saver:
             return
         # guarded: the parameters and optimizer state are copied while the next step computes, checksummed behind
         filling = self._snapshots.follow(staged.buf, nbytes)
+        self._on_copy_thread(None, lambda: self._snapshot_after(staged, keep, step, filling), filling)
+
+    def _on_copy_thread(self, handle: SaveHandle | None, fn: Callable[[], None], filling: Filling | None) -> None:
+        """Hand ``fn`` (deferred copies, then what follows them) to the overlap's copy thread; if it cannot take
+        it, ``filling``'s checksums are told the copy failed (they would wait for it forever)."""
         try:
-            self._overlap.run(None, lambda: self._snapshot_after(staged, keep, step, filling))
+            self._overlap.run(handle, fn)
         except BaseException:
             if filling is not None:
                 filling.finish(False)
@@ -185,15 +186,11 @@ class Saver:
         failure; the disk saves go on)."""
         assert staged.later is not None
         try:
-            staged.later(progress=None if filling is None else filling.reached)
+            followed(staged.later, filling)
         except BaseException as e:
-            if filling is not None:
-                filling.finish(False)
             self._pool.abandon(staged.buf)
             log.warning("[rank=%d][step=%d] the memory snapshot's copy failed: %s", self._coll.rank, step, e)
             return
-        if filling is not None:
-            filling.finish(True)
         try:
             keep()
         except Exception as e:  # the fence that waits for this thread never raises: said here
@@ -217,14 +214,7 @@ def _then(copy: Callable[..., float], after: Callable[[], None] | None,
         return copy
 
     def run() -> float:
-        try:
-            behind = copy(progress=None if filling is None else filling.reached)
-        except BaseException:
-            if filling is not None:
-                filling.finish(False)
-            raise
-        if filling is not None:
-            filling.finish(True)
+        behind = followed(copy, filling)
         after()
         return behind
     return run

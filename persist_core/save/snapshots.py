@@ -192,3 +192,16 @@ class Filling:
         with self._cond:
             self._cond.wait_for(lambda: self._end >= end or self._done is not None)
             return self._done is not False
+
+
+def followed(copy: Callable[..., float], filling: Filling | None) -> float:
+    """``copy()`` (a guarded save's deferred copies), telling ``filling`` how far it got and how it ended."""
+    if filling is None:
+        return copy()
+    try:
+        behind = copy(progress=filling.reached)
+    except BaseException:
+        filling.finish(False)
+        raise
+    filling.finish(True)
+    return behind

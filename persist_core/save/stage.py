@@ -24,7 +24,7 @@ from persist_core.save.staging import StagingBuffer, StagingPool
 def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch.cuda.Stream],
           wait_free: Callable[[int], float] = lambda end: 0.0,
           defer: Callable[[EntryCopy], bool] | None = None,
-          skip: Callable[[EntryCopy], bool] | None = None) -> tuple[float, Callable[[], float] | None]:
+          skip: Callable[[EntryCopy], bool] | None = None) -> tuple[float, Callable[..., float] | None]:
     """Copy ``plan``'s header and sources into ``buf``; returns once the bytes are there.
 
     CUDA sources are copied ``non_blocking`` on a per-device side stream (created on demand in

@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable
 
-
 from persist_core import hostmem
 from persist_core.turn import NO_TURN, Turn
 from persist_core.save.allocators import Allocator, HostAllocator
