@@ -268,7 +268,7 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
                 + ("" if h is None else f"; against the fixed interval best on the other sequences (no selection "
                                         f"bias) {h:.3f}x") + ")"
                 for kind, ((ratio, k), h) in versions.items()]
-        table += ["", f"goodput, restart-normalized: " + "; ".join(said)
+        table += ["", "goodput, restart-normalized: " + "; ".join(said)
                   + ("" if names["continuous"] is None else
                      f"; continuous: P50 interval / save duration {'-' if p50 is None else format(p50, '.2f') + 'x'}"),
                   ""]

@@ -30,7 +30,7 @@ def _child(rank: int, port: int, base: str, shm: str, mib: int, reps: int) -> No
     import torch.distributed as dist
 
     from persist_core import CheckpointEngine, MemoryTier
-    from persist_core.distributed import TorchPointToPoint
+    from persist_core.distributed import SingleProcess, TorchPointToPoint  # copies offered directly: no agree()
     from persist_core.sync.partner import PartnerCopies
     from persist_core.tiers.memory import MemoryStore
 
@@ -46,7 +46,7 @@ def _child(rank: int, port: int, base: str, shm: str, mib: int, reps: int) -> No
         floor.append(time.perf_counter() - t0)
     if rank == 1:
         held = MemoryStore(Path(shm) / "node1" / "partner-of-rank-00000", local_dir=Path(base) / "node1")
-        receiver = PartnerCopies(p2p, rank=1, partner=None, source=0, held=held)
+        receiver = PartnerCopies(p2p, SingleProcess(), rank=1, partner=None, source=0, held=held)
         dist.barrier()  # the sender is done
         receiver.close(finished=True)
         dist.barrier()
@@ -54,7 +54,7 @@ def _child(rank: int, port: int, base: str, shm: str, mib: int, reps: int) -> No
         return
     memory = MemoryTier(memory_dir=Path(shm) / "node0")
     engine = CheckpointEngine(Path(base) / "ckpt", memory=memory)
-    sender = PartnerCopies(p2p, rank=0, partner=1, source=None, held=None)
+    sender = PartnerCopies(p2p, SingleProcess(), rank=0, partner=1, source=None, held=None)
     copies = []
     for step in range(1, reps + 1):
         engine.snapshot({"w": torch.full((nbytes // 4,), float(step)), "step": step}, step)

@@ -17,7 +17,7 @@ import torch
 
 from persist_core._knobs import check_callable, run_id_from_env
 from persist_core.config import Config
-from persist_core.distributed import Collectives, check_collectives, point_to_point
+from persist_core.distributed import Collectives, check_collectives, decision_channel, point_to_point
 from persist_core.errors import ConfigError, PersistError
 from persist_core.fileio import FileOps, OsFileOps
 from persist_core.format.manifest import Manifest
@@ -125,7 +125,7 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     if snapshots is None:
         pool = StagingPool(config.max_pending, pin=torch.cuda.is_available(), turn=overlap.turn)
     else:  # the staging buffers are the memory tier's slots: the newest snapshot's, one to fill, the writes'
-        pool = snapshots.pool = StagingPool(config.max_pending + 2, pin=False, turn=overlap.turn,
+        pool = snapshots.pool = StagingPool(_slots(config, nodes), pin=False, turn=overlap.turn,
                                             allocator=snapshots.allocator, reusing=snapshots.reusing)
     built: list[Saver] = []  # the sync thread starts in Pipeline and may upload a backlog before the saver exists
     pipeline = Pipeline(config, pool=pool, coll=coll, ops=file_ops or OsFileOps(), ledger=ledger, tier=tier,
@@ -165,7 +165,8 @@ def _partner(config: Config, root: Path, coll: Collectives, snapshots: Snapshots
         return None, None
     background = point_to_point(coll, background=True)
     restore = point_to_point(coll, background=False)
-    if background is None or restore is None:
+    channel = decision_channel(coll)  # the copy steps are agreed on the training thread's channel
+    if background is None or restore is None or channel is None:
         log.warning("[rank=%d] %d nodes, but the collectives make no point-to-point channel: no partner copies "
                     "(pass TorchCollectives.new_group())", coll.rank, len(nodes.groups))
         return None, None
@@ -175,8 +176,9 @@ def _partner(config: Config, root: Path, coll: Collectives, snapshots: Snapshots
     held = None if source is None else config.memory.partner_store(run_id, source, root)
     log.info("[rank=%d] memory snapshots are copied to rank %s on the next node; this rank holds rank %s's",
              coll.rank, partner, source)
-    copies = PartnerCopies(background, rank=coll.rank, partner=partner, source=source, held=held)
-    snapshots.on_committed = copies.offer
+    copies = PartnerCopies(background, channel, rank=coll.rank, partner=partner, source=source, held=held,
+                           settle=snapshots.settle)
+    snapshots.on_copy = lambda step, snap: copies.skip(step) if snap is None else copies.offer(snap)
     return copies, PartnerLink(restore, source=source, held=held, scratch=snapshots.store.root)
 
 
@@ -190,11 +192,11 @@ def _snapshots(config: Config, root: Path, coll: Collectives, nodes: Nodes | Non
         run_id = coll.broadcast((given or local_run_id(root)) if coll.rank == 0 else None)  # no save has started yet
         if nodes is not None and nodes.groups[nodes.mine][0] == coll.rank and _kept_run_id(root) != run_id:
             keep_run_id(root, run_id)  # a replaced node's fresh disk: a reader there finds the run (one writer)
-        return _snapshots_of(config, root, coll, run_id)
+        return _snapshots_of(config, root, coll, run_id, nodes)
     run_id = config.run_id or run_id_from_env() or local_run_id(root)
     if config.run_id is not None:
         keep_run_id(root, run_id)  # where a CheckpointReader(local_dir, memory=...) looks for this run's snapshots
-    return _snapshots_of(config, root, coll, run_id)
+    return _snapshots_of(config, root, coll, run_id, nodes)
 
 
 def _kept_run_id(root: Path) -> str | None:
@@ -204,7 +206,13 @@ def _kept_run_id(root: Path) -> str | None:
         return None
 
 
-def _snapshots_of(config: Config, root: Path, coll: Collectives, run_id: str) -> Snapshots:
+def _slots(config: Config, nodes: Nodes | None) -> int:
+    """The memory tier's slots: the newest snapshot's, one to fill, one per disk write in flight; with several nodes
+    two more, the copy steps' (the settled one and the one in flight: :mod:`persist_core.sync.partner`)."""
+    return config.max_pending + 2 + (2 if nodes is not None and len(nodes.groups) > 1 else 0)
+
+
+def _snapshots_of(config: Config, root: Path, coll: Collectives, run_id: str, nodes: Nodes | None) -> Snapshots:
     assert config.memory is not None
     store = config.memory.store(run_id, coll.rank, root)
 
@@ -213,7 +221,7 @@ def _snapshots_of(config: Config, root: Path, coll: Collectives, run_id: str) ->
                     "(docker run --shm-size=...) or pass MemoryTier(memory_dir=...) a larger tmpfs", coll.rank, why,
                     config.memory.base)
 
-    allocator = SlotAllocator(store.open_life, slots=config.max_pending + 2, free_bytes=store.free_bytes,
+    allocator = SlotAllocator(store.open_life, slots=_slots(config, nodes), free_bytes=store.free_bytes,
                               pin=torch.cuda.is_available(), on_full=full, make_room=store.remove_other_lives)
     return Snapshots(config.memory, store, allocator, chunk_bytes=config.chunk_bytes, rank=coll.rank)
 

@@ -105,7 +105,7 @@ class CheckpointEngine:
         self._check_open()
         if self._parts.snapshots is None:
             raise ConfigError("snapshot() needs CheckpointEngine(memory=MemoryTier(...))")
-        self._parts.saver.snapshot(state, step, metadata=metadata, resumed_at=self.resumed_step)
+        self._snapshot(lambda: state, step, metadata)
 
     def maybe_snapshot(self, make_state: Callable[[], Any], step: int, *,
                        metadata: dict[str, Any] | None = None) -> bool:
@@ -113,8 +113,22 @@ class CheckpointEngine:
         Without a memory tier (or once it ran out of room), nothing."""
         self._check_open()
         snapshots = self._parts.snapshots
-        if snapshots is None or not snapshots.due(step):
+        if snapshots is None or not snapshots.tier.due(step):
             return False
+        return self._snapshot(make_state, step, metadata)
+
+    def _snapshot(self, make_state: Callable[[], Any], step: int, metadata: dict[str, Any] | None) -> bool:
+        """Snapshot ``step``; with partner copies (several nodes) every rank first agrees whether it is a copy step
+        (a collective call: every rank snapshots the same steps). Whether a snapshot was taken."""
+        snapshots, partner = self._parts.snapshots, self._parts.partner
+        assert snapshots is not None
+        copy = partner is not None and partner.agree(step)
+        if not snapshots.active:  # out of room: disk only
+            if copy:
+                partner.skip(step)  # type: ignore[union-attr]
+            return False
+        if copy:
+            snapshots.copy_at(step)
         self._parts.saver.snapshot(make_state(), step, metadata=metadata, resumed_at=self.resumed_step)
         return True
 

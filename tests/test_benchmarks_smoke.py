@@ -40,6 +40,7 @@ SMOKES = {
     "bench_memory": (None, "kills lost <= 1 step"),
     "bench_memory_adapters": ("lightning", "every kill lost <= 1 step"),
     "bench_partner": (None, "partner copy / floor"),
+    "bench_node_loss": (None, "lost <= the steps since the last partner copy: 1 of 1"),
     "fault_sweep": ("moto", "OK: "),
     "lightning_kill_trials": ("lightning", "1 of 1 trials left a last.ckpt that loads and resumes"),
 }

@@ -148,6 +148,7 @@ class Saver:
                          replica_check=self._replica_check, seed=step,
                          cache=self._plans if one else self._snapshot_plans, split=False)
         self._snapshots.wait()  # the previous snapshot is committed before this one may take a slot
+        self._snapshots.hand_over_missed(step)  # a copy step before it that reached no commit: said to the partner
         staged = stage_into(self._pool, plan.shard, self._streams, claim=False, defer=self._overlap.deferral())
         base, nbytes, filename = plan.manifest(step=step, time=self._wall_clock(), metadata=metadata), \
             plan.shard.file_bytes, plan.filename

@@ -6,7 +6,9 @@ to disk costs nothing more. Who calls what: ``save()`` and the memory-only ``sna
 :class:`~persist_core.save.saver.Saver`) call :meth:`Snapshots.taken` once a slot holds a step's bytes; the pool
 calls :meth:`Snapshots.reusing` before a slot is overwritten (its record goes first). On a thread of its own,
 :meth:`Snapshots._commit` checksums the slot and writes its record, then lets the previous snapshot's slot go: the
-newest committed snapshot's slot is kept (the pool hands it to no save) until a newer one is committed. Behind a guard
+newest committed snapshot's slot is kept (the pool hands it to no save) until a newer one is committed; with partner
+copies (several nodes), so is the slot of each copy step until a newer one is settled (:meth:`Snapshots.copy_at`,
+:meth:`Snapshots.settle`; :mod:`persist_core.sync.partner` says why). Behind a guard
 the checksums hold off while an update runs (the overlap's :class:`~persist_core.turn.Turn`), as the disk writes do,
 and they follow the copy thread block by block (:class:`Filling`) instead of starting once it is done.
 """
@@ -57,7 +59,11 @@ class Snapshots:
         self._last: Future[None] | None = None  # the last commit submitted
         self._taken_max = -1  # the newest step saved or snapshot by this engine
         self._others_gone = False  # an earlier process's slots were removed (at the first commit)
-        self.on_committed: Callable[[Snapshot], None] | None = None  # each committed snapshot (the partner copies)
+        # partner copies: the copy step assigned (copy_at), the newest one handed over (to on_copy: its snapshot,
+        # or None when it has none), and the slots kept for copy steps, by step
+        self.on_copy: Callable[[int, Snapshot | None], None] | None = None
+        self._copy_step = self._handed = -1
+        self._copy_slots: dict[int, StagingBuffer] = {}
         self.turn: Turn = NO_TURN  # the overlap's: a guarded update holds the checksums off (set by the build)
 
     @property
@@ -76,6 +82,33 @@ class Snapshots:
         if step < self._taken_max or not self._others_gone:
             self.store.drop_newer(step)
         self._taken_max = max(self._taken_max, step)
+
+    def copy_at(self, step: int) -> None:
+        """Training thread, before the snapshot of ``step``: every rank agreed it is a copy step; once committed, its
+        slot is kept and it goes to ``on_copy``."""
+        with self._lock:
+            self._copy_step = step
+
+    def hand_over_missed(self, before: int) -> None:
+        """Training thread, once the snapshots before ``before`` are committed or failed: a copy step among them that
+        reached no commit (its copy failed, the memory tier ran out of room, the snapshot raised) goes to ``on_copy``
+        as having no snapshot, so that every rank can go on to the next copy step."""
+        with self._lock:
+            missed = self._copy_step if self._handed < self._copy_step < before else None
+            if missed is not None:
+                self._handed = missed
+        if missed is not None and self.on_copy is not None:
+            self.on_copy(missed, None)
+
+    def settle(self, settled: int) -> None:
+        """Training thread (:meth:`PartnerCopies.agree <persist_core.sync.partner.PartnerCopies.agree>`), as a new
+        copy step starts: every rank completed ``settled``; the slots kept for other copy steps go back."""
+        assert self.pool is not None
+        with self._lock:
+            gone = [b for s, b in self._copy_slots.items() if s != settled]
+            self._copy_slots = {s: b for s, b in self._copy_slots.items() if s == settled}
+        for buf in gone:
+            self.pool.unkeep(buf)
 
     def reusing(self, buf: StagingBuffer) -> None:
         """Pool (a save's thread): ``buf`` is about to be overwritten; its record goes first."""
@@ -132,20 +165,26 @@ class Snapshots:
         except BaseException as e:  # the previous snapshot stays the newest
             log.warning("[rank=%d][step=%d] the memory snapshot was not committed: %s", self._rank, base.step, e)
             self.pool.unkeep(buf)
+            self.hand_over_missed(base.step + 1)
             return
         with self._lock:
             previous, self._newest = self._newest, buf
             self._newest_step = base.step
             self._committed += 1
             first = self._committed == 1
+            copy = base.step == self._copy_step > self._handed
+            if copy:  # a copy step: its slot stays until a newer one is settled
+                self._handed = base.step
+                self._copy_slots[base.step] = buf
+                self.pool.keep(buf)
         if previous is not None:
             self.pool.unkeep(previous)
         if first:  # a restart read what it needed by now: the killed process's slots go
             self.store.remove_other_lives()
             self._others_gone = True
         log.debug("[rank=%d][step=%d] memory snapshot committed in %s", self._rank, base.step, path)
-        if self.on_committed is not None:
-            self.on_committed(Snapshot(manifest, path))
+        if copy and self.on_copy is not None:
+            self.on_copy(base.step, Snapshot(manifest, path))
 
     def wait(self) -> None:
         """Until the snapshots taken so far are committed. A save calls it before it stages: the step before it

@@ -1,21 +1,29 @@
-"""Partner copies (issue 42 b): each rank's newest memory snapshot also goes to a partner rank on another node, so a
-node lost with its host memory is restored from the other node's memory rather than from disk or the remote.
+"""Partner copies (issue 42 b): each rank's snapshots also go to a partner rank on another node, so a node lost with
+its host memory is restored from the other node's memory rather than from disk or the remote.
 
 A rank's partner is the rank of the same local rank on the next node (the nodes as the commit finds them out,
 :func:`~persist_core.save.commit.discover_nodes`); it holds the copies under
 ``memory_dir/<run-id>/partner-of-rank-R/`` in the same slot-and-record format as the rank's own snapshots (a record
 is written once every byte of its copy verified: a copy is whole or ignored). With one node there is no partner.
 
+**Every rank copies the same steps.** A restore after a node loss needs one step that the surviving ranks hold in
+their own memory *and* that the lost ranks' partners hold copies of. Copies that ran free, each rank sending its
+newest snapshot whenever its last copy was done, gave steps that no two ranks shared once the copies lagged the
+snapshots (each rank's own memory keeps only its newest slots). So the ranks agree at each snapshot step
+(:meth:`PartnerCopies.agree`, one small all-gather on the training thread's channel): a step is a *copy step* when
+every rank has finished the last one, both ways; the newest copy step every rank completed, both ways, is *settled*.
+Each rank keeps its own slot of the settled step and of the copy step in flight (the memory tier's
+:meth:`~persist_core.save.snapshots.Snapshots.copy_committed`), and each holder keeps the settled copy while it
+receives the next. What a lost node loses is the steps since the settled copy.
+
 Who calls what: the engine's build makes :class:`PartnerCopies` (two threads, on a point-to-point channel of their
-own); the memory tier's commit thread calls :meth:`PartnerCopies.offer` with each committed snapshot; ``wait()``
-calls :meth:`PartnerCopies.flush`; ``close()`` calls :meth:`PartnerCopies.close`. On the wire
-(:mod:`persist_core.tiers.wire`), per copy::
+own); the engine calls :meth:`PartnerCopies.agree` at each snapshot step, on every rank; the memory tier's commit
+thread calls :meth:`PartnerCopies.offer` with a copy step's committed snapshot, or :meth:`PartnerCopies.skip` when
+there is none; ``wait()`` calls :meth:`PartnerCopies.flush`; ``close()`` calls :meth:`PartnerCopies.close`. On the
+wire (:mod:`persist_core.tiers.wire`), per copy step::
 
-    sender (rank R)      BEGIN, record, CHUNK..., END      (ABORT instead of a chunk: a newer snapshot came)
+    sender (rank R)      BEGIN, record, CHUNK..., END     (ABORT: no snapshot of that step, or closing)
     receiver (partner)   verify every byte, write the record, ACK (kept or not)
-
-Newest wins: the sender gives up a copy in flight as soon as a newer snapshot is offered. So after a node is lost,
-what its ranks lose is the steps since their last completed partner copy.
 """
 
 from __future__ import annotations
@@ -24,15 +32,18 @@ import logging
 import threading
 from pathlib import Path
 
-from persist_core.distributed import PointToPoint
+from collections.abc import Callable
+
+from persist_core.distributed import Collectives, PointToPoint
 from persist_core.layout import slot_filename
 from persist_core.tiers.memory import MemoryStore, Snapshot
-from persist_core.tiers.wire import ACK, BEGIN, STOP, recv_header, recv_image, send_header, send_image
+from persist_core.tiers.wire import ABORT, ACK, BEGIN, STOP, recv_header, recv_image, send_header, send_image
 
 log = logging.getLogger(__name__)
 
 DATA_TAG, ACK_TAG = 1, 2
-_SLOTS = 2  # the newest whole copy and the one being received
+_SLOTS = 2  # the settled copy and the one being received
+_NONE = 2**62  # a direction this rank has no part in (no partner, or no source): never the one waited for
 
 
 def partners(groups: tuple[tuple[int, ...], ...], rank: int) -> tuple[int | None, int | None]:
@@ -48,27 +59,38 @@ def partners(groups: tuple[tuple[int, ...], ...], rank: int) -> tuple[int | None
 
 
 class PartnerCopies:
-    """This rank's side of the partner copies: a sender thread (its newest snapshot to ``partner``) and a receiver
-    thread (``source``'s snapshots into ``held``).
+    """This rank's side of the partner copies: a sender thread (its copy steps' snapshots to ``partner``) and a
+    receiver thread (``source``'s into ``held``), on the copy steps every rank agreed on (:meth:`agree`).
 
     Args:
         p2p: a channel of its own (:func:`~persist_core.distributed.point_to_point`, ``background=True``).
+        channel: the training thread's collectives (:func:`~persist_core.distributed.decision_channel`), for
+            :meth:`agree`.
         rank: this process's rank (for the log).
         partner / source: see :func:`partners` (``None``: no such thread).
         held: where ``source``'s copies go (``memory_dir/<run-id>/partner-of-rank-<source>``).
+        settle: called on the training thread with the settled step when a new copy step starts: the memory tier
+            lets go of the slots it kept for older copy steps.
         chunk_bytes: the size of each message (64 MiB: gloo moves a few GB/s with them).
     """
 
-    def __init__(self, p2p: PointToPoint, *, rank: int, partner: int | None, source: int | None,
-                 held: MemoryStore | None, chunk_bytes: int = 64 << 20) -> None:
-        self._p2p, self._rank, self.partner, self.source, self.held = p2p, rank, partner, source, held
+    def __init__(self, p2p: PointToPoint, channel: Collectives, *, rank: int, partner: int | None,
+                 source: int | None, held: MemoryStore | None, settle: Callable[[int], None] = lambda step: None,
+                 chunk_bytes: int = 64 << 20) -> None:
+        self._p2p, self._channel, self._rank, self.partner, self.source, self.held = (p2p, channel, rank, partner,
+                                                                                      source, held)
+        self._settle = settle
         self._chunk = chunk_bytes
         self._cond = threading.Condition()
-        self._offered: Snapshot | None = None  # the newest snapshot not sent yet
+        self._offered: tuple[int, Snapshot | None] | None = None  # the copy step to send (None: say there is none)
         self._busy = False
         self._closing = False
+        # the newest copy step each direction finished (whatever came of it), and completed whole
+        self._sent = self._sent_ok = -1 if partner is not None else _NONE
+        self._received = self._received_ok = -1 if source is not None and held is not None else _NONE
+        self._current = -1  # the newest copy step agreed on
+        self.settled = -1  # the newest copy step every rank completed, both ways (training thread)
         self.copied_step = -1  # the newest step the partner acknowledged whole
-        self.abandoned = 0  # copies given up for a newer snapshot
         self._threads = []
         if partner is not None:
             self._threads.append(threading.Thread(target=self._send_loop, name="persist-partner-send", daemon=True))
@@ -77,25 +99,54 @@ class PartnerCopies:
         for t in self._threads:
             t.start()
 
+    # ---- the copy steps (training thread, every rank at the same steps)
+
+    def agree(self, step: int) -> bool:
+        """Whether ``step``'s snapshot is a copy step: every rank finished the last one, both ways (a collective
+        call, at each snapshot step). Also learns the newest copy step every rank completed (:attr:`settled`) and,
+        when a new copy step starts, lets the memory tier go of the slots older copy steps kept (``settle``)."""
+        votes = self._channel.all_gather(self.vote())
+        settled = min(v[1] for v in votes)
+        if settled != _NONE:
+            self.settled = max(self.settled, settled)
+        if min(v[0] for v in votes) < self._current:
+            return False  # a copy still in flight somewhere
+        self._current = step
+        self._settle(self.settled)
+        return True
+
+    def vote(self) -> tuple[int, int]:
+        """What this rank says in :meth:`agree`: the newest copy step it finished both ways (whatever came of it), and
+        the newest it completed whole both ways."""
+        with self._cond:
+            return min(self._sent, self._received), min(self._sent_ok, self._received_ok)
+
     # ---- the sending side
 
     def offer(self, snap: Snapshot) -> None:
-        """The memory tier committed ``snap``: it is the one to copy next (an older one not sent yet is dropped,
-        one in flight given up)."""
+        """The memory tier committed the snapshot of a copy step (:meth:`agree`): it goes to the partner next."""
+        self._queue(snap.step, snap)
+
+    def skip(self, step: int) -> None:
+        """The copy step ``step`` has no snapshot on this rank (it failed, or the memory tier is out of room): the
+        partner is told, so that every rank can go on to the next copy step."""
+        self._queue(step, None)
+
+    def _queue(self, step: int, snap: Snapshot | None) -> None:
         if self.partner is None:
             return
         with self._cond:
-            self._offered = snap
+            self._offered = (step, snap)
             self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until the newest snapshot offered has been sent (or given up for good); whether it was."""
+        """Wait until the copy step offered has been sent (or given up for good); whether it was."""
         with self._cond:
             return self._cond.wait_for(lambda: self._closing or (self._offered is None and not self._busy), timeout)
 
-    def _newer(self) -> bool:
+    def _is_closing(self) -> bool:
         with self._cond:
-            return self._offered is not None or self._closing
+            return self._closing
 
     def _send_loop(self) -> None:
         assert self.partner is not None
@@ -105,11 +156,15 @@ class PartnerCopies:
                     self._cond.wait_for(lambda: self._offered is not None or self._closing)
                     if self._offered is None:
                         break  # closing, nothing left to send
-                    snap, self._offered, self._busy = self._offered, None, True
+                    (step, snap), self._offered, self._busy = self._offered, None, True
+                ok = False
                 try:
-                    self._send(snap)
+                    ok = self._send(step, snap)
                 finally:
                     with self._cond:
+                        self._sent = max(self._sent, step)
+                        if ok:
+                            self._sent_ok = max(self._sent_ok, step)
                         self._busy = False
                         self._cond.notify_all()
             send_header(self._p2p, self.partner, DATA_TAG, STOP)
@@ -120,24 +175,28 @@ class PartnerCopies:
                 self._closing = True
                 self._cond.notify_all()
 
-    def _send(self, snap: Snapshot) -> None:
+    def _send(self, step: int, snap: Snapshot | None) -> bool:
+        """Send the copy step ``step`` (``snap``; ``None``: say there is none); whether the partner kept it whole."""
         assert self.partner is not None
-        if not send_image(self._p2p, self.partner, DATA_TAG, snap, chunk_bytes=self._chunk, newer=self._newer):
-            self.abandoned += 1
-            log.debug("[rank=%d][step=%d] partner copy given up for a newer snapshot", self._rank, snap.step)
-            return
-        op, step, kept, _ = recv_header(self._p2p, self.partner, ACK_TAG)
+        if snap is None:
+            send_header(self._p2p, self.partner, DATA_TAG, ABORT, step)
+            return False
+        if not send_image(self._p2p, self.partner, DATA_TAG, snap, chunk_bytes=self._chunk, newer=self._is_closing):
+            log.debug("[rank=%d][step=%d] partner copy not sent", self._rank, step)
+            return False
+        op, acked, kept, _ = recv_header(self._p2p, self.partner, ACK_TAG)
         if op == ACK and kept:
-            self.copied_step = max(self.copied_step, step)
-            log.debug("[rank=%d][step=%d] partner copy on rank %d complete", self._rank, step, self.partner)
-        else:
-            log.warning("[rank=%d][step=%d] rank %d did not keep the partner copy", self._rank, step, self.partner)
+            self.copied_step = max(self.copied_step, acked)
+            log.debug("[rank=%d][step=%d] partner copy on rank %d complete", self._rank, acked, self.partner)
+            return True
+        log.warning("[rank=%d][step=%d] rank %d did not keep the partner copy", self._rank, step, self.partner)
+        return False
 
     # ---- the receiving side
 
     def _receive_loop(self) -> None:
         assert self.source is not None and self.held is not None
-        newest: Path | None = None  # the slot of the newest whole copy
+        steps: dict[Path, int] = {}  # the whole copy in each slot, by step
         try:
             life = self.held.open_life()
             while True:
@@ -145,25 +204,41 @@ class PartnerCopies:
                 op, step = header[0], header[1]
                 if op == STOP:
                     return
-                if op != BEGIN:
-                    continue  # an ABORT between copies
-                slot = next(life / slot_filename(i) for i in range(_SLOTS) if life / slot_filename(i) != newest)
+                if op != BEGIN:  # ABORT: the source has no snapshot of this copy step
+                    self._received_one(step, False)
+                    continue
+                slot = self._slot_for(life, steps)
+                steps.pop(slot, None)
                 self.held.drop(slot)  # its record goes before its bytes are overwritten
                 ended, manifest = recv_image(self._p2p, self.source, DATA_TAG, header, slot, chunk_bytes=self._chunk)
-                if not ended:
-                    continue  # given up for a newer snapshot: no answer expected
-                kept = manifest is not None
+                if not ended:  # the source could not read its slot, or is closing: no answer expected
+                    self._received_one(step, False)
+                    continue
                 if manifest is not None:
                     self.held.commit(slot, manifest)
-                    if newest is None:
+                    if not steps:
                         self.held.remove_other_lives()  # an earlier process's copies (a restart read them by now)
-                    newest = slot
+                    steps[slot] = step
                     log.debug("[rank=%d][step=%d] holding rank %d's partner copy", self._rank, step, self.source)
-                send_header(self._p2p, self.source, ACK_TAG, ACK, step, int(kept))
+                self._received_one(step, manifest is not None)
+                send_header(self._p2p, self.source, ACK_TAG, ACK, step, int(manifest is not None))
         except Exception as e:  # the source's process is gone, or the tmpfs: the copies held so far stay
             if not self._closing:
                 log.warning("[rank=%d] partner copies from rank %d stopped: %s: %s", self._rank, self.source,
                             type(e).__name__, e)
+
+    def _slot_for(self, life: Path, steps: dict[Path, int]) -> Path:
+        """The slot the next copy goes into: never the settled copy's (a restore after a node loss needs it until a
+        newer one is settled); of the others, an empty one, else the oldest."""
+        slots = [life / slot_filename(i) for i in range(_SLOTS)]
+        free = [s for s in slots if steps.get(s) != self.settled]
+        return min(free, key=lambda s: steps.get(s, -1))
+
+    def _received_one(self, step: int, kept: bool) -> None:
+        with self._cond:
+            self._received = max(self._received, step)
+            if kept:
+                self._received_ok = max(self._received_ok, step)
 
     def close(self, *, finished: bool, timeout: float = 30.0) -> None:
         """Send what is offered, say STOP to the partner, and wait (at most ``timeout`` s each) for the threads: the

@@ -2,7 +2,8 @@
 
 One image goes as ``BEGIN`` (the step, the record's length, the image's length) and the record (the snapshot's
 manifest), then ``CHUNK`` s (offset, length, then the bytes), then ``END``; a sender that has something newer to
-send says ``ABORT`` instead of the next chunk (newest wins), one without the image says ``NONE``. The receiver
+says ``ABORT`` instead of the next chunk (it is closing, or it cannot read its slot; alone, without ``BEGIN``: it has no
+snapshot of that copy step), one without the image says ``NONE``. The receiver
 writes the chunks into a file and, at ``END``, checks every byte against the record's checksums: an image that
 does not verify is no copy. ``ACK`` (the background copies' answer) and ``STOP`` (the sender is closing) complete
 the set. Who sends what when is :mod:`persist_core.sync.partner`'s (background) and

@@ -8,6 +8,9 @@ prints ``resumed <step> <source> <equal>`` (the source the state was read from: 
 ``remote``; ``-1 none`` when there was nothing), then takes
 ``STEPS`` more steps (a snapshot every step, a disk save every 5th; after each, ``engine.wait()``: its snapshot and
 its partner copy are done) and prints ``ready <step>``; then it waits to be killed. ``STEPS=0``: it closes and exits after the resume.
+A seventh argument ``free``: no ``engine.wait()`` between steps (the partner copies run behind the snapshots, as in
+training), and after ``ready`` the rank goes on taking steps until it is killed (the kill lands in the middle of
+snapshots and copies).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def main() -> None:
 
     rank, world, port, base, nodes, steps = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
                                              int(sys.argv[5]), int(sys.argv[6]))
+    free = sys.argv[7:] == ["free"]
     node = Path(base) / f"node{node_of(rank, world, nodes)}"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     coll = TorchCollectives.new_group(timeout_s=60)
@@ -67,11 +71,15 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
         return
-    for step in range(start, start + steps):
+    step = start
+    while free or step < start + steps:
         engine.maybe_save(lambda: state_for(step, rank), step)
-        engine.wait()  # each snapshot and its partner copy done: the slots each node holds do not depend on timing
-    sys.stdout.flush()  # the line in one write: the ranks share this pipe, and a print may write "\n" on its own
-    os.write(1, f"ready {start + steps - 1}\n".encode())
+        if not free:
+            engine.wait()  # each snapshot and its partner copy done: the slots each node holds do not depend on timing
+        if step == start + steps - 1:
+            sys.stdout.flush()  # the line in one write: a print may write "\n" on its own
+            os.write(1, f"ready {step}\n".encode())
+        step += 1
     sys.stdin.read()  # until killed
     os._exit(0)
 

@@ -1,5 +1,6 @@
 """Partner copies (issue 42 b, ``persist_core.sync.partner``) between two ranks joined by an in-process channel: who
-partners whom, a copy whole or ignored, newest wins (a copy in flight given up for a newer snapshot)."""
+partners whom, a copy whole or ignored, the copy steps every rank agrees on (a new one only once every rank finished
+the last), the settled copy kept by the rank that holds it."""
 
 from __future__ import annotations
 
@@ -65,53 +66,117 @@ def test_the_partner_is_the_same_local_rank_on_the_next_node(groups, rank, expec
     assert partners(groups, rank) == expected
 
 
-def _snapshots(tmp_path: Path) -> list[Snapshot]:
-    """Committed snapshots of steps 1 and 2 (1 MiB each) left in ``tmp_path/shm`` by an engine."""
+class Everyone:
+    """The training thread's channel of ranks that live in this process: an all-gather is each one's vote, as each
+    would say it (``extra``: the votes of ranks that are not here)."""
+
+    def __init__(self, extra: list[tuple[int, int]] = ()) -> None:
+        self.ranks: list[PartnerCopies] = []
+        self.extra = list(extra)
+
+    def all_gather(self, mine):
+        return [r.vote() for r in self.ranks] + self.extra
+
+
+def _three(tmp_path: Path) -> list[Snapshot]:
+    """Committed snapshots of steps 1, 2 and 3 (an engine's memory tier keeps its newest two)."""
+    return _snapshots(tmp_path / "a") + _snapshots(tmp_path / "b", (2, 3))[1:]
+
+
+def _snapshots(tmp_path: Path, steps: tuple[int, int] = (1, 2)) -> list[Snapshot]:
+    """Committed snapshots of ``steps`` (1 MiB each) left in ``tmp_path/shm`` by an engine."""
     memory = MemoryTier(memory_dir=tmp_path / "shm")
     engine = CheckpointEngine(tmp_path / "ckpt", memory=memory)
-    for step in (1, 2):
+    for step in steps:
         engine.snapshot(state_for(step, (512, 512), random=True), step)
     engine.wait()
     engine._close(finished=False)
     snaps = sorted(MemoryStore(next((tmp_path / "shm").iterdir()) / "rank-00000").snapshots(), key=lambda s: s.step)
-    assert [s.step for s in snaps] == [1, 2]
+    assert [s.step for s in snaps] == list(steps)
     return snaps
 
 
-def test_a_copy_in_flight_is_given_up_for_a_newer_snapshot_and_a_copy_that_does_not_verify_is_not_kept(tmp_path):
-    old, new = _snapshots(tmp_path)
-    wire = Wire()
+def _torn(snap: Snapshot, path: Path) -> Snapshot:
+    """``snap`` with a byte of its image changed after its record was written."""
+    shutil.copyfile(snap.path, path)
+    with open(path, "r+b") as f:
+        f.seek(100_000)
+        b = f.read(1)
+        f.seek(100_000)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return Snapshot(snap.manifest, path)
+
+
+def test_a_new_copy_step_waits_until_every_rank_finished_the_last_and_a_copy_that_does_not_verify_is_not_kept(
+        tmp_path):
+    one, two, three = _three(tmp_path)
+    wire, channel, settled = Wire(), Everyone(), []
     sending = wire.end(0)
     held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", local_dir=tmp_path / "node1")
-    sender = PartnerCopies(sending, rank=0, partner=1, source=None, held=None, chunk_bytes=64 << 10)
-    receiver = PartnerCopies(wire.end(1), rank=1, partner=None, source=0, held=held, chunk_bytes=64 << 10)
+    sender = PartnerCopies(sending, channel, rank=0, partner=1, source=None, held=None, settle=settled.append,
+                           chunk_bytes=64 << 10)
+    receiver = PartnerCopies(wire.end(1), channel, rank=1, partner=None, source=0, held=held, chunk_bytes=64 << 10)
+    channel.ranks += [sender, receiver]
     try:
+        assert sender.agree(1) and receiver.agree(1)  # the first snapshot step is a copy step on every rank
         sending.hold_at = 6  # BEGIN, record, then chunk 1 and 2 (a header and its bytes each): the copy is in flight
-        sender.offer(old)
+        sender.offer(one)
         assert sending.held.wait(30)
-        sender.offer(new)  # newest wins
+        assert not sender.agree(2) and not receiver.agree(2)  # step 1's copy in flight: no new copy step
         sending.release.set()
-        assert sender.flush(30)
-        assert sender.abandoned == 1 and sender.copied_step == 2
-        assert [s.step for s in held.snapshots()] == [2]  # the whole newer one, nothing of the older
+        assert sender.flush(30) and sender.copied_step == 1
+        assert sender.agree(3) and receiver.agree(3)  # every rank finished step 1: a new copy step
+        assert sender.settled == receiver.settled == 1 and settled[-1] == 1  # ... and step 1 is settled
 
-        torn = tmp_path / "torn"
-        shutil.copyfile(old.path, torn)
-        with open(torn, "r+b") as f:  # a byte changed after its record was written
-            f.seek(100_000)
-            b = f.read(1)
-            f.seek(100_000)
-            f.write(bytes([b[0] ^ 0xFF]))
-        sender.offer(Snapshot(old.manifest, torn))
+        sender.offer(_torn(three, tmp_path / "torn"))  # copy step 3, a byte changed after its record was written
         assert sender.flush(30)
-        assert sender.copied_step == 2  # not acknowledged as kept
-        assert [s.step for s in held.snapshots()] == [2]  # a copy is whole or ignored
+        assert sender.copied_step == 1  # not acknowledged as kept
+        assert [s.step for s in held.snapshots()] == [1]  # a copy is whole or ignored
+        assert sender.agree(4) and receiver.agree(4)  # finished (not whole): the next copy step may start
+        assert sender.settled == 1  # still the newest every rank has whole
     finally:
         sender.close(finished=False)
         receiver.close(finished=False)
     assert not any(t.is_alive() for t in sender._threads + receiver._threads)  # STOP ended the receiver
     copy = held.snapshots()[0]
-    assert copy.path.read_bytes()[: new.manifest.files[0].size] == new.path.read_bytes()[: new.manifest.files[0].size]
+    assert copy.path.read_bytes()[: one.manifest.files[0].size] == one.path.read_bytes()[: one.manifest.files[0].size]
+
+
+def test_the_rank_holding_the_copies_never_overwrites_the_settled_one_and_a_step_without_a_snapshot_is_said(tmp_path):
+    one, two, three = _three(tmp_path)
+    wire = Wire()
+    channel = Everyone()
+    held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", local_dir=tmp_path / "node1")
+    sender = PartnerCopies(wire.end(0), channel, rank=0, partner=1, source=None, held=None, chunk_bytes=64 << 10)
+    receiver = PartnerCopies(wire.end(1), channel, rank=1, partner=None, source=0, held=held, chunk_bytes=64 << 10)
+    channel.ranks += [sender, receiver]
+    try:
+        assert sender.agree(1) and receiver.agree(1)
+        sender.offer(one)
+        assert sender.flush(30)
+        channel.extra = [(1, 1)]  # a third rank: finished step 1 whole, and it will not get step 2 whole
+        assert sender.agree(2) and receiver.agree(2) and receiver.settled == 1
+        sender.offer(two)
+        assert sender.flush(30) and sender.copied_step == 2
+        channel.extra = [(2, 1)]  # ... it finished step 2, not whole: 1 stays settled
+        assert sender.agree(3) and receiver.agree(3) and receiver.settled == 1
+        assert sorted(s.step for s in held.snapshots()) == [1, 2]  # two slots
+        sender.offer(three)
+        assert sender.flush(30)
+        # the copy of 3 took the slot of 2 (newer, not settled), not the settled 1's: a node lost now resumes at 1
+        assert sorted(s.step for s in held.snapshots()) == [1, 3]
+
+        channel.extra = [(3, 3)]
+        assert sender.agree(4) and receiver.agree(4) and receiver.settled == 3
+        sender.skip(4)  # copy step 4 has no snapshot on the sending rank (its copy failed, say)
+        assert sender.flush(30)
+    finally:
+        sender.close(finished=False)
+        receiver.close(finished=False)  # it takes the word for step 4, then the STOP
+    channel.extra = [(4, 4)]
+    assert receiver.vote() == (4, 3)  # finished step 4, nothing of it whole
+    assert sender.agree(5) and receiver.agree(5)  # so the copy steps go on
+    assert sorted(s.step for s in held.snapshots()) == [1, 3]
 
 
 def test_persist_ls_shows_the_partner_copies_a_node_holds_and_gc_never_removes_a_live_receivers(tmp_path):
@@ -126,9 +191,12 @@ def test_persist_ls_shows_the_partner_copies_a_node_holds_and_gc_never_removes_a
     run = next(shm.iterdir())
     wire = Wire()
     held = MemoryStore(run / "partner-of-rank-00001", local_dir=tmp_path / "ckpt")  # this node holds rank 1's
-    sender = PartnerCopies(wire.end(1), rank=1, partner=0, source=None, held=None, chunk_bytes=64 << 10)
-    receiver = PartnerCopies(wire.end(0), rank=0, partner=None, source=1, held=held, chunk_bytes=64 << 10)
+    channel = Everyone()
+    sender = PartnerCopies(wire.end(1), channel, rank=1, partner=0, source=None, held=None, chunk_bytes=64 << 10)
+    receiver = PartnerCopies(wire.end(0), channel, rank=0, partner=None, source=1, held=held, chunk_bytes=64 << 10)
+    channel.ranks += [sender, receiver]
     try:
+        assert sender.agree(2) and receiver.agree(2)
         sender.offer(new)
         assert sender.flush(30) and sender.copied_step == 2
 
