@@ -4,7 +4,7 @@ Each node has its own ``local_dir`` (its NVMe: the engine finds out the nodes fr
 memory); the job trains with ``MemoryTier(every_n_steps=1)`` (each rank's newest snapshot also goes to the same local
 rank on the other node), a disk save every ``--disk-every`` steps and a ``file://`` remote. Each step waits
 ``--step-ms`` of "device time" with the host free, then updates the state in place (``--mib`` MiB a rank: a
-replicated model and a part of its own). A trial: the job resumes (``engine.load()``, every rank agreeing), trains a
+model and its optimizer state, replicated as in data parallel training, and an RNG state of each rank's own). A trial: the job resumes (``engine.load()``, every rank agreeing), trains a
 random 5 to 25 steps, then every process is SIGKILLed and node 1's memory and disk are wiped (a machine lost; node
 0's processes die with the job, their memory stays). The next trial's job is its restart.
 
@@ -61,12 +61,12 @@ def child(rank: int, port: int, base: Path, shm: Path, mib: int, step_ms: float,
                               memory=MemoryTier(every_n_steps=1, memory_dir=shm / f"node{node}"))
     n = (mib << 20) // 8  # two float32 tensors of mib / 2 MiB each
     pattern = torch.arange(n, dtype=torch.float32).remainder_(4096)
-    state = {"model": {"w": pattern.clone()}, "opt": {"m": pattern + rank}, "step": 0,
-             "rng": PerRank(torch.tensor([rank]))}
+    state = {"model": {"w": pattern.clone()}, "opt": {"m": pattern.clone()}, "step": 0,
+             "rng": PerRank(torch.tensor([rank]))}  # data parallel: replicated but for the RNG
 
-    def expected(step: int) -> bool:  # the state every rank holds at ``step``: integers, exact in float32
+    def expected(step: int, rng: object) -> bool:  # the state every rank holds at ``step``: integers, exact in float32
         return (state["step"] == step and torch.equal(state["model"]["w"], pattern + step)
-                and torch.equal(state["opt"]["m"], pattern + (rank + step)))
+                and torch.equal(state["opt"]["m"], pattern + 2 * step) and torch.equal(rng, torch.tensor([rank])))
 
     t0 = time.perf_counter()
     try:
@@ -74,7 +74,7 @@ def child(rank: int, port: int, base: Path, shm: Path, mib: int, step_ms: float,
         state["model"]["w"].copy_(loaded["model"]["w"])
         state["opt"]["m"].copy_(loaded["opt"]["m"])
         state["step"] = loaded["step"]
-        said = f"{loaded['step']} {engine.reader.loaded_source} {expected(loaded['step'])}"
+        said = f"{loaded['step']} {engine.reader.loaded_source} {expected(loaded['step'], loaded['rng'])}"
     except CheckpointNotFoundError:
         said = "0 none True"
     _say(f"resumed {said} {time.perf_counter() - t0:.3f}")
@@ -86,7 +86,7 @@ def child(rank: int, port: int, base: Path, shm: Path, mib: int, step_ms: float,
     for _ in range(steps):
         time.sleep(step_ms / 1e3)  # the device computes; the host is free
         state["model"]["w"].add_(1.0)
-        state["opt"]["m"].add_(1.0)
+        state["opt"]["m"].add_(2.0)
         state["step"] += 1
         engine.maybe_save(lambda: state, state["step"])
         _say(f"step {state['step']}")
