@@ -39,6 +39,7 @@ class PersistAutoSave(Callback):
         self._filename = filename
         self.saved_steps: list[int] = []
         self.snapshot_steps: list[int] = []  # steps kept in memory only (memory_every_n_steps)
+        self._asked = -1  # the last step offered to the memory tier (taken or not)
         self._said_ranks = False
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
@@ -75,8 +76,9 @@ class PersistAutoSave(Callback):
 
     def _snapshot(self, trainer: Any, step: int) -> None:
         """The state Lightning would save at ``step``, into the memory tier: each rank's whole state, its own."""
-        if self.snapshot_steps and self.snapshot_steps[-1] == step:
-            return  # gradient accumulation: the same optimizer step, nothing new to keep
+        if self._asked == step:  # gradient accumulation: the same optimizer step, nothing new to keep; on every
+            return  # rank alike, taken or not (with several nodes, maybe_snapshot is a collective call)
+        self._asked = step
         engine = self._io._get_engine()  # the dump only when this rank's tier takes it (DDP's dump gathers nothing)
         if engine.maybe_snapshot(lambda: trainer._checkpoint_connector.dump_checkpoint(weights_only=False), step):
             self.snapshot_steps.append(step)

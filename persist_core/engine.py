@@ -97,7 +97,8 @@ class CheckpointEngine:
     def snapshot(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> None:
         """Copy ``state`` into the memory tier as ``step`` (nothing goes to disk); returns once it is copied. A
         restart on this machine resumes from it (``load()`` reads the freshest source). :meth:`maybe_save` calls
-        it at the memory tier's steps; call it yourself to snapshot at steps of your choosing.
+        it at the memory tier's steps; call it yourself to snapshot at steps of your choosing (with several nodes,
+        on every rank at the same steps: the ranks agree which snapshots go to their partners).
 
         Raises:
             ConfigError: the engine has no ``memory`` tier; a bad step or metadata.
@@ -124,8 +125,12 @@ class CheckpointEngine:
         assert snapshots is not None
         copy = partner is not None and partner.agree(step)
         if not snapshots.active:  # out of room: disk only
-            if copy:
-                partner.skip(step)  # type: ignore[union-attr]
+            if self._coll.world_size > 1:  # the run's timeline checked as a snapshot would (with several ranks, a
+                self._parts.saver.allow(step, self.resumed_step)  # collective call the first time)
+            if partner is not None:  # copy steps missed are said to the partner
+                snapshots.hand_over_missed(step)
+                if copy:
+                    partner.skip(step)
             return False
         if copy:
             snapshots.copy_at(step)

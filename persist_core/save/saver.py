@@ -171,6 +171,11 @@ class Saver:
         filling = self._snapshots.follow(staged.buf, nbytes)
         self._on_copy_thread(None, lambda: self._snapshot_after(staged, keep, step, filling), filling)
 
+    def allow(self, step: int, resumed_at: int | None) -> None:
+        """The run's timeline check a snapshot of ``step`` makes, without the snapshot (a rank whose memory tier ran
+        out of room, beside ranks that snapshot: with several ranks the check is a collective call)."""
+        self._check_step(_knobs.check_step(step), resumed_at)
+
     def _on_copy_thread(self, handle: SaveHandle | None, fn: Callable[[], None], filling: Filling | None) -> None:
         """Hand ``fn`` (deferred copies, then what follows them) to the overlap's copy thread; if it cannot take
         it, ``filling``'s checksums are told the copy failed (they would wait for it forever)."""

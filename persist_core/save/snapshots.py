@@ -87,6 +87,8 @@ class Snapshots:
         """Training thread, before the snapshot of ``step``: every rank agreed it is a copy step; once committed, its
         slot is kept and it goes to ``on_copy``."""
         with self._lock:
+            if step <= self._handed:  # the run went back to an older step: the copy steps started over
+                self._handed = -1
             self._copy_step = step
 
     def hand_over_missed(self, before: int) -> None:
@@ -133,8 +135,9 @@ class Snapshots:
         ``filename``) of ``base``'s step; it is kept from here and committed in the background (``filling``: its
         checksums, computed as the copy went, from :meth:`follow`)."""
         path = self.allocator.path_of(buf.tensor)
-        if path is None or self.pool is None:
-            return  # a buffer from this process's memory: the memory tier ran out of room
+        if path is None or self.pool is None:  # a buffer from this process's memory: the memory tier ran out of room
+            self.hand_over_missed(base.step + 1)
+            return
         self.pool.keep(buf)
         self._last = self._thread.submit(self._commit, buf, path, base, nbytes, filename, filling)
 

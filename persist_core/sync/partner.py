@@ -35,6 +35,7 @@ from pathlib import Path
 from collections.abc import Callable
 
 from persist_core.distributed import Collectives, PointToPoint
+from persist_core.format.manifest import Manifest
 from persist_core.layout import slot_filename
 from persist_core.tiers.memory import MemoryStore, Snapshot
 from persist_core.tiers.wire import ABORT, ACK, BEGIN, STOP, recv_header, recv_image, send_header, send_image
@@ -85,11 +86,13 @@ class PartnerCopies:
         self._offered: tuple[int, Snapshot | None] | None = None  # the copy step to send (None: say there is none)
         self._busy = False
         self._closing = False
-        # the newest copy step each direction finished (whatever came of it), and completed whole
-        self._sent = self._sent_ok = -1 if partner is not None else _NONE
+        # the newest copy step each direction finished (whatever came of it), and completed whole; without a partner,
+        # "sent" is this rank's own snapshot of it handed over (a survivor of the other node's loss needs it kept)
+        self._sent = self._sent_ok = -1
         self._received = self._received_ok = -1 if source is not None and held is not None else _NONE
         self._current = -1  # the newest copy step agreed on
-        self.settled = -1  # the newest copy step every rank completed, both ways (training thread)
+        self.settled = -1  # the newest copy step every rank completed whole, both ways
+        self._held_steps: dict[Path, int] = {}  # the receiver's slots: the whole copy in each, by step
         self.copied_step = -1  # the newest step the partner acknowledged whole
         self._threads = []
         if partner is not None:
@@ -103,17 +106,38 @@ class PartnerCopies:
 
     def agree(self, step: int) -> bool:
         """Whether ``step``'s snapshot is a copy step: every rank finished the last one, both ways (a collective
-        call, at each snapshot step). Also learns the newest copy step every rank completed (:attr:`settled`) and,
-        when a new copy step starts, lets the memory tier go of the slots older copy steps kept (``settle``)."""
+        call, at each snapshot step). When a new one starts, the last one is :attr:`settled` if every rank completed
+        it whole, and the memory tier lets go of the slots kept for other copy steps (``settle``). A step before the
+        current copy step (the run went back to an older step) starts the copy steps over."""
+        if step < self._current:
+            self._start_over(step)
         votes = self._channel.all_gather(self.vote())
-        settled = min(v[1] for v in votes)
-        if settled != _NONE:
-            self.settled = max(self.settled, settled)
-        if min(v[0] for v in votes) < self._current:
-            return False  # a copy still in flight somewhere
-        self._current = step
+        if step == self._current or min(v[0] for v in votes) < self._current:
+            return False  # this copy step again, or the last one still in flight somewhere
+        with self._cond:
+            if self._current >= 0 and all(v[1] in (self._current, _NONE) for v in votes):
+                self.settled = self._current
+            self._current = step
+            self._cond.notify_all()  # the receiver picks its slot once it knows what is settled
         self._settle(self.settled)
         return True
+
+    def _start_over(self, step: int) -> None:
+        """Training thread, every rank alike: the run went back to before ``step``. The copies in flight are
+        finished on every rank first (each sender's flush, then a collective call); the holder drops its copies of
+        ``step`` and newer (a branch given up: the new one will have its own steps of those numbers), and the counts
+        start again."""
+        self.flush()
+        self._channel.all_gather(None)  # every sender has its answers: every receiver is done with its copies
+        with self._cond:
+            self._sent = self._sent_ok = -1
+            if self._received != _NONE:
+                self._received = self._received_ok = -1
+            self._current = self.settled = -1
+            if self.held is not None:
+                self.held.drop_newer(step - 1)
+                self._held_steps = {p: s for p, s in self._held_steps.items() if s < step}
+        self._settle(-1)
 
     def vote(self) -> tuple[int, int]:
         """What this rank says in :meth:`agree`: the newest copy step it finished both ways (whatever came of it), and
@@ -133,7 +157,11 @@ class PartnerCopies:
         self._queue(step, None)
 
     def _queue(self, step: int, snap: Snapshot | None) -> None:
-        if self.partner is None:
+        if self.partner is None:  # nothing to send: this rank's own part of the copy step is done
+            with self._cond:
+                self._sent = max(self._sent, step)
+                if snap is not None:
+                    self._sent_ok = max(self._sent_ok, step)
             return
         with self._cond:
             self._offered = (step, snap)
@@ -196,7 +224,6 @@ class PartnerCopies:
 
     def _receive_loop(self) -> None:
         assert self.source is not None and self.held is not None
-        steps: dict[Path, int] = {}  # the whole copy in each slot, by step
         try:
             life = self.held.open_life()
             while True:
@@ -207,32 +234,52 @@ class PartnerCopies:
                 if op != BEGIN:  # ABORT: the source has no snapshot of this copy step
                     self._received_one(step, False)
                     continue
-                slot = self._slot_for(life, steps)
-                steps.pop(slot, None)
-                self.held.drop(slot)  # its record goes before its bytes are overwritten
+                slot = self._slot_for(life, step)
+                try:
+                    self.held.drop(slot)  # its record goes before its bytes are overwritten
+                except OSError as e:
+                    log.warning("[rank=%d][step=%d] the partner copy's slot %s cannot be cleared: %s", self._rank,
+                                step, slot, e)
+                    slot = None  # received and dropped: the source still gets its answer
                 ended, manifest = recv_image(self._p2p, self.source, DATA_TAG, header, slot, chunk_bytes=self._chunk)
                 if not ended:  # the source could not read its slot, or is closing: no answer expected
                     self._received_one(step, False)
                     continue
-                if manifest is not None:
-                    self.held.commit(slot, manifest)
-                    if not steps:
-                        self.held.remove_other_lives()  # an earlier process's copies (a restart read them by now)
-                    steps[slot] = step
-                    log.debug("[rank=%d][step=%d] holding rank %d's partner copy", self._rank, step, self.source)
-                self._received_one(step, manifest is not None)
-                send_header(self._p2p, self.source, ACK_TAG, ACK, step, int(manifest is not None))
+                kept = manifest is not None and slot is not None and self._keep(slot, manifest, step)
+                self._received_one(step, kept)
+                send_header(self._p2p, self.source, ACK_TAG, ACK, step, int(kept))
         except Exception as e:  # the source's process is gone, or the tmpfs: the copies held so far stay
             if not self._closing:
                 log.warning("[rank=%d] partner copies from rank %d stopped: %s: %s", self._rank, self.source,
                             type(e).__name__, e)
 
-    def _slot_for(self, life: Path, steps: dict[Path, int]) -> Path:
-        """The slot the next copy goes into: never the settled copy's (a restore after a node loss needs it until a
-        newer one is settled); of the others, an empty one, else the oldest."""
+    def _keep(self, slot: Path, manifest: Manifest, step: int) -> bool:
+        """Write the record of the copy of ``step`` received whole into ``slot``; whether it was."""
+        assert self.held is not None
+        try:
+            self.held.commit(slot, manifest)
+        except OSError as e:
+            log.warning("[rank=%d][step=%d] the partner copy's record cannot be written: %s", self._rank, step, e)
+            return False
+        with self._cond:
+            first = not self._held_steps
+            self._held_steps[slot] = step
+        if first:
+            self.held.remove_other_lives()  # an earlier process's copies (a restart read them by now)
+        log.debug("[rank=%d][step=%d] holding rank %d's partner copy", self._rank, step, self.source)
+        return True
+
+    def _slot_for(self, life: Path, step: int) -> Path:
+        """The slot the copy of ``step`` goes into: never the settled copy's (a restore after a node loss needs it
+        until a newer one is settled); of the others, an empty one, else the oldest. Waits until this rank's own
+        :meth:`agree` has made ``step`` the current copy step (so it knows what is settled)."""
         slots = [life / slot_filename(i) for i in range(_SLOTS)]
-        free = [s for s in slots if steps.get(s) != self.settled]
-        return min(free, key=lambda s: steps.get(s, -1))
+        with self._cond:
+            self._cond.wait_for(lambda: self._current >= step or self._closing)
+            free = [s for s in slots if self._held_steps.get(s) != self.settled]
+            slot = min(free, key=lambda s: self._held_steps.get(s, -1))
+            self._held_steps.pop(slot, None)
+            return slot
 
     def _received_one(self, step: int, kept: bool) -> None:
         with self._cond:

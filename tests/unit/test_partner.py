@@ -119,6 +119,7 @@ def test_a_new_copy_step_waits_until_every_rank_finished_the_last_and_a_copy_tha
     channel.ranks += [sender, receiver]
     try:
         assert sender.agree(1) and receiver.agree(1)  # the first snapshot step is a copy step on every rank
+        receiver.offer(one)  # the receiving rank's own snapshot of it (it has no partner: nothing to send)
         sending.hold_at = 6  # BEGIN, record, then chunk 1 and 2 (a header and its bytes each): the copy is in flight
         sender.offer(one)
         assert sending.held.wait(30)
@@ -129,11 +130,12 @@ def test_a_new_copy_step_waits_until_every_rank_finished_the_last_and_a_copy_tha
         assert sender.settled == receiver.settled == 1 and settled[-1] == 1  # ... and step 1 is settled
 
         sender.offer(_torn(three, tmp_path / "torn"))  # copy step 3, a byte changed after its record was written
+        receiver.offer(three)
         assert sender.flush(30)
         assert sender.copied_step == 1  # not acknowledged as kept
         assert [s.step for s in held.snapshots()] == [1]  # a copy is whole or ignored
         assert sender.agree(4) and receiver.agree(4)  # finished (not whole): the next copy step may start
-        assert sender.settled == 1  # still the newest every rank has whole
+        assert sender.settled == receiver.settled == 1  # still the newest every rank has whole
     finally:
         sender.close(finished=False)
         receiver.close(finished=False)
@@ -153,15 +155,18 @@ def test_the_rank_holding_the_copies_never_overwrites_the_settled_one_and_a_step
     try:
         assert sender.agree(1) and receiver.agree(1)
         sender.offer(one)
+        receiver.offer(one)
         assert sender.flush(30)
         channel.extra = [(1, 1)]  # a third rank: finished step 1 whole, and it will not get step 2 whole
         assert sender.agree(2) and receiver.agree(2) and receiver.settled == 1
         sender.offer(two)
+        receiver.offer(two)
         assert sender.flush(30) and sender.copied_step == 2
         channel.extra = [(2, 1)]  # ... it finished step 2, not whole: 1 stays settled
         assert sender.agree(3) and receiver.agree(3) and receiver.settled == 1
         assert sorted(s.step for s in held.snapshots()) == [1, 2]  # two slots
         sender.offer(three)
+        receiver.offer(three)
         assert sender.flush(30)
         # the copy of 3 took the slot of 2 (newer, not settled), not the settled 1's: a node lost now resumes at 1
         assert sorted(s.step for s in held.snapshots()) == [1, 3]
@@ -169,6 +174,7 @@ def test_the_rank_holding_the_copies_never_overwrites_the_settled_one_and_a_step
         channel.extra = [(3, 3)]
         assert sender.agree(4) and receiver.agree(4) and receiver.settled == 3
         sender.skip(4)  # copy step 4 has no snapshot on the sending rank (its copy failed, say)
+        receiver.skip(4)
         assert sender.flush(30)
     finally:
         sender.close(finished=False)
@@ -216,3 +222,32 @@ def test_persist_ls_shows_the_partner_copies_a_node_holds_and_gc_never_removes_a
     done = CliRunner().invoke(main, ["gc", ckpt, "--memory", "--memory-dir", str(shm), "--json"])
     assert [p for p in json.loads(done.output)["memory_removed"] if "partner-of-rank-00001" in p]
     assert not held.snapshots()
+
+
+def test_a_run_that_goes_back_to_an_older_step_starts_the_copy_steps_over_and_drops_the_given_up_branchs_copies(
+        tmp_path):
+    one, two = _snapshots(tmp_path)
+    wire, channel, settled = Wire(), Everyone(), []
+    held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", local_dir=tmp_path / "node1")
+    sender = PartnerCopies(wire.end(0), channel, rank=0, partner=1, source=None, held=None, settle=settled.append,
+                           chunk_bytes=64 << 10)
+    receiver = PartnerCopies(wire.end(1), channel, rank=1, partner=None, source=0, held=held, chunk_bytes=64 << 10)
+    channel.ranks += [sender, receiver]
+    try:
+        for snap in (one, two):
+            assert sender.agree(snap.step) and receiver.agree(snap.step)
+            sender.offer(snap)
+            receiver.offer(snap)
+            assert sender.flush(30)
+        assert sender.settled == 1 and sorted(s.step for s in held.snapshots()) == [1, 2]
+        # engine.load(1): the run goes on from step 1 again; its steps 1, 2, ... are not the ones copied before
+        assert sender.agree(1) and receiver.agree(1)
+        assert held.snapshots() == []  # the given-up branch's copies: a restore must never pull them
+        assert sender.settled == receiver.settled == -1 and settled[-1] == -1  # the kept slots go back
+        sender.offer(one)
+        receiver.offer(one)
+        assert sender.flush(30) and sender.agree(2) and receiver.agree(2) and sender.settled == 1
+        assert [s.step for s in held.snapshots()] == [1]
+    finally:
+        sender.close(finished=False)
+        receiver.close(finished=False)
