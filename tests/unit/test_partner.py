@@ -78,6 +78,18 @@ class Everyone:
         return [r.vote() for r in self.ranks] + self.extra
 
 
+def _pair(wire: Wire, held: MemoryStore, *, ranks: tuple[int, int] = (0, 1), settle=lambda step: None,
+          ) -> tuple[Everyone, PartnerCopies, PartnerCopies]:
+    """Rank ``ranks[0]`` sending its copies to ``ranks[1]``, which holds them in ``held``; their channel."""
+    channel = Everyone()
+    a, b = ranks
+    sender = PartnerCopies(wire.end(a), channel, rank=a, partner=b, source=None, held=None, settle=settle,
+                           chunk_bytes=64 << 10)
+    receiver = PartnerCopies(wire.end(b), channel, rank=b, partner=None, source=a, held=held, chunk_bytes=64 << 10)
+    channel.ranks += [sender, receiver]
+    return channel, sender, receiver
+
+
 def _three(tmp_path: Path) -> list[Snapshot]:
     """Committed snapshots of steps 1, 2 and 3 (an engine's memory tier keeps its newest two)."""
     return _snapshots(tmp_path / "a") + _snapshots(tmp_path / "b", (2, 3))[1:]
@@ -110,13 +122,10 @@ def _torn(snap: Snapshot, path: Path) -> Snapshot:
 def test_a_new_copy_step_waits_until_every_rank_finished_the_last_and_a_copy_that_does_not_verify_is_not_kept(
         tmp_path):
     one, two, three = _three(tmp_path)
-    wire, channel, settled = Wire(), Everyone(), []
-    sending = wire.end(0)
+    wire, settled = Wire(), []
     held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", local_dir=tmp_path / "node1")
-    sender = PartnerCopies(sending, channel, rank=0, partner=1, source=None, held=None, settle=settled.append,
-                           chunk_bytes=64 << 10)
-    receiver = PartnerCopies(wire.end(1), channel, rank=1, partner=None, source=0, held=held, chunk_bytes=64 << 10)
-    channel.ranks += [sender, receiver]
+    channel, sender, receiver = _pair(wire, held, settle=settled.append)
+    sending = sender._p2p
     try:
         assert sender.agree(1) and receiver.agree(1)  # the first snapshot step is a copy step on every rank
         receiver.offer(one)  # the receiving rank's own snapshot of it (it has no partner: nothing to send)
@@ -146,12 +155,8 @@ def test_a_new_copy_step_waits_until_every_rank_finished_the_last_and_a_copy_tha
 
 def test_the_rank_holding_the_copies_never_overwrites_the_settled_one_and_a_step_without_a_snapshot_is_said(tmp_path):
     one, two, three = _three(tmp_path)
-    wire = Wire()
-    channel = Everyone()
     held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", local_dir=tmp_path / "node1")
-    sender = PartnerCopies(wire.end(0), channel, rank=0, partner=1, source=None, held=None, chunk_bytes=64 << 10)
-    receiver = PartnerCopies(wire.end(1), channel, rank=1, partner=None, source=0, held=held, chunk_bytes=64 << 10)
-    channel.ranks += [sender, receiver]
+    channel, sender, receiver = _pair(Wire(), held)
     try:
         assert sender.agree(1) and receiver.agree(1)
         sender.offer(one)
@@ -197,10 +202,7 @@ def test_persist_ls_shows_the_partner_copies_a_node_holds_and_gc_never_removes_a
     run = next(shm.iterdir())
     wire = Wire()
     held = MemoryStore(run / "partner-of-rank-00001", local_dir=tmp_path / "ckpt")  # this node holds rank 1's
-    channel = Everyone()
-    sender = PartnerCopies(wire.end(1), channel, rank=1, partner=0, source=None, held=None, chunk_bytes=64 << 10)
-    receiver = PartnerCopies(wire.end(0), channel, rank=0, partner=None, source=1, held=held, chunk_bytes=64 << 10)
-    channel.ranks += [sender, receiver]
+    channel, sender, receiver = _pair(wire, held, ranks=(1, 0))
     try:
         assert sender.agree(2) and receiver.agree(2)
         sender.offer(new)
@@ -227,12 +229,9 @@ def test_persist_ls_shows_the_partner_copies_a_node_holds_and_gc_never_removes_a
 def test_a_run_that_goes_back_to_an_older_step_starts_the_copy_steps_over_and_drops_the_given_up_branchs_copies(
         tmp_path):
     one, two = _snapshots(tmp_path)
-    wire, channel, settled = Wire(), Everyone(), []
+    settled = []
     held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", local_dir=tmp_path / "node1")
-    sender = PartnerCopies(wire.end(0), channel, rank=0, partner=1, source=None, held=None, settle=settled.append,
-                           chunk_bytes=64 << 10)
-    receiver = PartnerCopies(wire.end(1), channel, rank=1, partner=None, source=0, held=held, chunk_bytes=64 << 10)
-    channel.ranks += [sender, receiver]
+    channel, sender, receiver = _pair(Wire(), held, settle=settled.append)
     try:
         for snap in (one, two):
             assert sender.agree(snap.step) and receiver.agree(snap.step)
