@@ -30,12 +30,13 @@ def _child(rank: int, port: int, base: str, shm: str, mib: int, reps: int) -> No
     import torch.distributed as dist
 
     from persist_core import CheckpointEngine, MemoryTier
-    from persist_core.distributed import SingleProcess, TorchPointToPoint  # copies offered directly: no agree()
+    from persist_core.distributed import TorchCollectives, TorchPointToPoint
     from persist_core.sync.partner import PartnerCopies
     from persist_core.tiers.memory import MemoryStore
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     p2p = TorchPointToPoint(dist.new_group(backend="gloo"))
+    channel = TorchCollectives(dist.new_group(backend="gloo"))  # each copy step agreed, as the engine does
     nbytes = mib << 20
     raw = torch.empty(nbytes, dtype=torch.uint8)
     floor = []
@@ -46,7 +47,11 @@ def _child(rank: int, port: int, base: str, shm: str, mib: int, reps: int) -> No
         floor.append(time.perf_counter() - t0)
     if rank == 1:
         held = MemoryStore(Path(shm) / "node1" / "partner-of-rank-00000", local_dir=Path(base) / "node1")
-        receiver = PartnerCopies(p2p, SingleProcess(), rank=1, partner=None, source=0, held=held)
+        receiver = PartnerCopies(p2p, channel, rank=1, partner=None, source=0, held=held)
+        for step in range(1, reps + 1):
+            assert receiver.agree(step), "every rank finished the last copy step"
+            receiver.skip(step)  # this rank's own snapshot of the copy step: it has none (it only holds)
+            dist.barrier()  # the copy is acknowledged
         dist.barrier()  # the sender is done
         receiver.close(finished=True)
         dist.barrier()
@@ -54,9 +59,10 @@ def _child(rank: int, port: int, base: str, shm: str, mib: int, reps: int) -> No
         return
     memory = MemoryTier(memory_dir=Path(shm) / "node0")
     engine = CheckpointEngine(Path(base) / "ckpt", memory=memory)
-    sender = PartnerCopies(p2p, SingleProcess(), rank=0, partner=1, source=None, held=None)
+    sender = PartnerCopies(p2p, channel, rank=0, partner=1, source=None, held=None)
     copies = []
     for step in range(1, reps + 1):
+        assert sender.agree(step), "every rank finished the last copy step"
         engine.snapshot({"w": torch.full((nbytes // 4,), float(step)), "step": step}, step)
         engine.wait()
         snap = next(s for s in engine._parts.snapshots.store.snapshots() if s.step == step)
@@ -65,6 +71,7 @@ def _child(rank: int, port: int, base: str, shm: str, mib: int, reps: int) -> No
         sender.flush()
         copies.append(time.perf_counter() - t0)
         assert sender.copied_step == step, "the partner did not keep the copy"
+        dist.barrier()
     engine.close()
     dist.barrier()
     sender.close(finished=True)
