@@ -98,7 +98,8 @@ class CheckpointEngine:
         """Copy ``state`` into the memory tier as ``step`` (nothing goes to disk); returns once it is copied. A
         restart on this machine resumes from it (``load()`` reads the freshest source). :meth:`maybe_save` calls
         it at the memory tier's steps; call it yourself to snapshot at steps of your choosing (with several nodes,
-        on every rank at the same steps: the ranks agree which snapshots go to their partners).
+        such a snapshot goes to no partner: the partner copies are of the steps :meth:`maybe_snapshot` takes, which
+        every rank calls at the same steps).
 
         Raises:
             ConfigError: the engine has no ``memory`` tier; a bad step or metadata.
@@ -106,7 +107,7 @@ class CheckpointEngine:
         self._check_open()
         if self._parts.snapshots is None:
             raise ConfigError("snapshot() needs CheckpointEngine(memory=MemoryTier(...))")
-        self._snapshot(lambda: state, step, metadata)
+        self._snapshot(lambda: state, step, metadata, copies=False)
 
     def maybe_snapshot(self, make_state: Callable[[], Any], step: int, *,
                        metadata: dict[str, Any] | None = None) -> bool:
@@ -118,10 +119,11 @@ class CheckpointEngine:
             return False
         return self._snapshot(make_state, step, metadata)
 
-    def _snapshot(self, make_state: Callable[[], Any], step: int, metadata: dict[str, Any] | None) -> bool:
-        """Snapshot ``step``; with partner copies (several nodes) every rank first agrees whether it is a copy step
-        (a collective call: every rank snapshots the same steps). Whether a snapshot was taken."""
-        snapshots, partner = self._parts.snapshots, self._parts.partner
+    def _snapshot(self, make_state: Callable[[], Any], step: int, metadata: dict[str, Any] | None, *,
+                  copies: bool = True) -> bool:
+        """Snapshot ``step``; with partner copies (several nodes, ``copies``) every rank first agrees whether it is a
+        copy step (a collective call: every rank snapshots the same steps). Whether a snapshot was taken."""
+        snapshots, partner = self._parts.snapshots, self._parts.partner if copies else None
         assert snapshots is not None
         copy = partner is not None and partner.agree(step)
         if not snapshots.active:  # out of room: disk only
