@@ -178,6 +178,7 @@ def _partner(config: Config, root: Path, coll: Collectives, snapshots: Snapshots
              coll.rank, partner, source)
     copies = PartnerCopies(background, channel, rank=coll.rank, partner=partner, source=source, held=held,
                            settle=snapshots.settle)
+    snapshots.agree = copies.agree
     snapshots.on_copy = lambda step, snap: copies.skip(step) if snap is None else copies.offer(snap)
     return copies, PartnerLink(restore, source=source, held=held, scratch=snapshots.store.root)
 

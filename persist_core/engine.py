@@ -123,19 +123,12 @@ class CheckpointEngine:
                   copies: bool = True) -> bool:
         """Snapshot ``step``; with partner copies (several nodes, ``copies``) every rank first agrees whether it is a
         copy step (a collective call: every rank snapshots the same steps). Whether a snapshot was taken."""
-        snapshots, partner = self._parts.snapshots, self._parts.partner if copies else None
+        snapshots = self._parts.snapshots
         assert snapshots is not None
-        copy = partner is not None and partner.agree(step)
-        if not snapshots.active:  # out of room: disk only
+        if not snapshots.before(step, copies=copies):  # out of room: disk only
             if self._coll.world_size > 1:  # the run's timeline checked as a snapshot would (with several ranks, a
                 self._parts.saver.allow(step, self.resumed_step)  # collective call the first time)
-            if partner is not None:  # copy steps missed are said to the partner
-                snapshots.hand_over_missed(step)
-                if copy:
-                    partner.skip(step)
             return False
-        if copy:
-            snapshots.copy_at(step)
         self._parts.saver.snapshot(make_state(), step, metadata=metadata, resumed_at=self.resumed_step)
         return True
 

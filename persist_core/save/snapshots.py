@@ -62,6 +62,7 @@ class Snapshots:
         # partner copies: the copy step assigned (copy_at), the newest one handed over (to on_copy: its snapshot,
         # or None when it has none), and the slots kept for copy steps, by step
         self.on_copy: Callable[[int, Snapshot | None], None] | None = None
+        self.agree: Callable[[int], bool] | None = None  # whether a step is a copy step (a collective call)
         self._copy_step = self._handed = -1
         self._copy_slots: dict[int, StagingBuffer] = {}
         self.turn: Turn = NO_TURN  # the overlap's: a guarded update holds the checksums off (set by the build)
@@ -71,9 +72,6 @@ class Snapshots:
         """Snapshots are kept in memory (not given up for lack of room)."""
         return not self.allocator.full
 
-    def due(self, step: int) -> bool:
-        return self.active and self.tier.due(step)
-
     def branch(self, step: int) -> None:
         """Training thread: a save or snapshot of ``step`` was allowed (the timeline's check): memory records of
         newer steps are a branch the run went back from (a resume from an older step, ``start_over``), dropped now,
@@ -82,6 +80,18 @@ class Snapshots:
         if step < self._taken_max or not self._others_gone:
             self.store.drop_newer(step)
         self._taken_max = max(self._taken_max, step)
+
+    def before(self, step: int, *, copies: bool = True) -> bool:
+        """Training thread, at a snapshot step: with partner copies (``copies``: not for an explicit snapshot) every
+        rank first agrees whether it is a copy step (:attr:`agree`, a collective call at each such step); whether
+        this rank takes the snapshot (``False``: out of room, and a copy step then said to the partner as having
+        none)."""
+        if copies and self.agree is not None and self.agree(step):
+            self.copy_at(step)
+        if self.active:
+            return True
+        self.hand_over_missed(step + 1)
+        return False
 
     def copy_at(self, step: int) -> None:
         """Training thread, before the snapshot of ``step``: every rank agreed it is a copy step; once committed, its

@@ -17,9 +17,9 @@ Each rank keeps its own slot of the settled step and of the copy step in flight 
 receives the next. What a lost node loses is the steps since the settled copy.
 
 Who calls what: the engine's build makes :class:`PartnerCopies` (two threads, on a point-to-point channel of their
-own); the engine calls :meth:`PartnerCopies.agree` at each snapshot step, on every rank; the memory tier's commit
-thread calls :meth:`PartnerCopies.offer` with a copy step's committed snapshot, or :meth:`PartnerCopies.skip` when
-there is none; ``wait()`` calls :meth:`PartnerCopies.flush`; ``close()`` calls :meth:`PartnerCopies.close`. On the
+own); the memory tier calls :meth:`PartnerCopies.agree` at each snapshot step, on every rank
+(:meth:`~persist_core.save.snapshots.Snapshots.before`), and :meth:`PartnerCopies.offer` with a copy step's
+committed snapshot, or :meth:`PartnerCopies.skip` when there is none; ``wait()`` calls :meth:`PartnerCopies.flush`; ``close()`` calls :meth:`PartnerCopies.close`. On the
 wire (:mod:`persist_core.tiers.wire`), per copy step::
 
     sender (rank R)      BEGIN, record, CHUNK..., END     (ABORT: no snapshot of that step, or closing)
@@ -209,7 +209,7 @@ class PartnerCopies:
         if snap is None:
             send_header(self._p2p, self.partner, DATA_TAG, ABORT, step)
             return False
-        if not send_image(self._p2p, self.partner, DATA_TAG, snap, chunk_bytes=self._chunk, newer=self._is_closing):
+        if not send_image(self._p2p, self.partner, DATA_TAG, snap, chunk_bytes=self._chunk, give_up=self._is_closing):
             log.debug("[rank=%d][step=%d] partner copy not sent", self._rank, step)
             return False
         op, acked, kept, _ = recv_header(self._p2p, self.partner, ACK_TAG)

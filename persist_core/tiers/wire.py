@@ -1,9 +1,9 @@
 """A memory snapshot's image sent to another rank (issue 42 b): the partner copies' messages, bytes only.
 
 One image goes as ``BEGIN`` (the step, the record's length, the image's length) and the record (the snapshot's
-manifest), then ``CHUNK`` s (offset, length, then the bytes), then ``END``; a sender that has something newer to
-says ``ABORT`` instead of the next chunk (it is closing, or it cannot read its slot; alone, without ``BEGIN``: it has no
-snapshot of that copy step), one without the image says ``NONE``. The receiver
+manifest), then ``CHUNK`` s (offset, length, then the bytes), then ``END``; a sender that is closing, or cannot read
+its slot, says ``ABORT`` instead of the next chunk (alone, without ``BEGIN``: it has no snapshot of that copy step), one
+without the image says ``NONE``. The receiver
 writes the chunks into a file and, at ``END``, checks every byte against the record's checksums: an image that
 does not verify is no copy. ``ACK`` (the background copies' answer) and ``STOP`` (the sender is closing) complete
 the set. Who sends what when is :mod:`persist_core.sync.partner`'s (background) and
@@ -47,9 +47,10 @@ def recv_header(p2p: PointToPoint, peer: int, tag: int) -> tuple[int, int, int, 
 
 
 def send_image(p2p: PointToPoint, peer: int, tag: int, snap: Snapshot, *, chunk_bytes: int,
-               newer: Callable[[], bool] = lambda: False) -> bool:
-    """Send ``snap`` (its record, then its image in chunks of ``chunk_bytes``) to ``peer``; ``False`` when ``newer()``
-    said to give it up (``ABORT`` sent) or its slot could not be read (``ABORT`` too: the receiver never waits)."""
+               give_up: Callable[[], bool] = lambda: False) -> bool:
+    """Send ``snap`` (its record, then its image in chunks of ``chunk_bytes``) to ``peer``; ``False`` when
+    ``give_up()`` said so before a chunk (``ABORT`` sent) or its slot could not be read (``ABORT`` too: the receiver
+    never waits)."""
     record = snap.manifest.to_bytes()
     nbytes = snap.manifest.files[0].size
     send_header(p2p, peer, tag, BEGIN, snap.step, len(record), nbytes)
@@ -63,7 +64,7 @@ def send_image(p2p: PointToPoint, peer: int, tag: int, snap: Snapshot, *, chunk_
         return False
     try:
         for offset in range(0, nbytes, chunk_bytes):
-            if newer():
+            if give_up():
                 send_header(p2p, peer, tag, ABORT, snap.step)
                 return False
             n = min(chunk_bytes, nbytes - offset)
