@@ -257,12 +257,11 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
             return statistics.mean(ratios)
 
         versions = {kind: (versus(name), held_out(name)) for kind, name in names.items() if name is not None}
-        verdicts[mtbf] = {kind: ratio for kind, ((ratio, _), _) in versions.items()}
-        verdicts[mtbf].update({f"{kind}_held_out": h for kind, (_, h) in versions.items()})
-        verdicts[mtbf].update({f"{kind}_k": k for kind, ((_, k), _) in versions.items()})
         c_row = rows.get(names["continuous"] or "")
         p50 = None if not c_row or not c_row["p50"] or not c_row["save"] else c_row["p50"] / c_row["save"]
-        verdicts[mtbf]["p50_over_d"] = p50
+        verdicts[mtbf] = {"p50_over_d": p50}
+        for kind, ((ratio, k), h) in versions.items():
+            verdicts[mtbf].update({kind: ratio, f"{kind}_k": k, f"{kind}_held_out": h})
         said = [f"{kind if kind != 'memory' else 'memory tier'} / the best fixed interval ({fixed}) {ratio:.3f}x (per "
                 f"sequence {', '.join(f'{x:.3f}' for x in k)}; {mean_interval(k)}"
                 + ("" if h is None else f"; against the fixed interval best on the other sequences (no selection "
