@@ -304,6 +304,7 @@ class CheckpointEngine:
         engine continues from the step its full engine resumed from."""
         self._resumed = step
         self._history.resumed()
+        self._pipeline.timeline.resumed()
         if from_remote:
             self._pipeline.adopt_remote_run()
 
@@ -349,6 +350,7 @@ class CheckpointEngine:
         process continues from it (the save decisions' interval counts from now), and the staging buffers for
         saves about as large are made ready in the background (:meth:`Saver.warm`)."""
         self._history.resumed()  # an interval policy counts from this checkpoint
+        self._pipeline.timeline.resumed()  # the next step past it decides, once, whether this resume branches
         if self._parts.pipeline.incremental is not None and self._reader.loaded_from_remote:
             self._parts.pipeline.incremental.loaded_from_remote(manifest.step)  # the next save: full unless it is local
         if not self._closed:

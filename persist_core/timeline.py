@@ -68,12 +68,20 @@ class Timeline:
         self._listing_timeout_s = listing_timeout_s
         self._agree = agree
         self._newest: int | None = None  # the newest step committed or saved on the live branch
+        self._settled: int | None = None  # the step resumed from whose branch (or none) is decided
+
+    def resumed(self) -> None:
+        """This run (again) continues from a committed step: the first check at or past it decides whether that
+        resume starts a branch (the newer checkpoints committed then are set aside), and no later check does."""
+        self._settled = None
+        self._newest = None  # what is committed is listed again (a resume within one engine)
 
     def check(self, step: int, resumed_at: int | None) -> None:
         """Refuse a save older than the newest committed, unless the run resumed from an older step.
 
-        The first save at or past ``resumed_at`` with newer checkpoints committed starts a branch: they are
-        set aside here at once and on the remote before the next upload.
+        The first save or snapshot at or past ``resumed_at`` decides, once per resume (:meth:`resumed`): with
+        newer checkpoints committed it starts a branch, and they are set aside here at once and on the remote
+        before the next upload; every later step of this run, snapshot or save, is the live branch.
 
         Raises:
             ConfigError: ``step`` is older than the newest committed checkpoint and no resume explains it.
@@ -82,7 +90,11 @@ class Timeline:
             started_over = self._settle(resumed_at)
             remote = self._sync.known_steps() if self._sync is not None and not started_over else set()
             self._newest = max([*self._local.committed_steps(), *remote], default=-1)
-        if resumed_at is not None and resumed_at <= step <= self._newest and not step == resumed_at == self._newest:
+        if resumed_at is not None and resumed_at != self._settled and step >= resumed_at:
+            self._settled = resumed_at  # decided once: a snapshot and a save of one step never branch twice
+            if step > self._newest or step == resumed_at == self._newest:
+                self._newest = step
+                return
             if self._leader:
                 for newer in [s for s in self._local.committed_steps() if s > resumed_at]:
                     self._local.set_aside(newer, resumed_at)

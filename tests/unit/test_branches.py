@@ -80,3 +80,45 @@ def test_a_run_killed_between_the_local_and_the_remote_set_aside_never_resumes_t
         assert [a.step for a in restarted.abandoned("remote")] == [30]
     with CheckpointReader(tmp_path / "fresh", remote_url=url) as fresh:
         assert fresh.load()["step"] == 21
+
+
+def test_after_a_resume_a_snapshot_and_a_save_of_the_same_steps_set_nothing_of_this_run_aside(tmp_path, url):
+    """Issue 53, item 0: the branch starts once per resume; the steps this run snapshots and saves after it are the
+    live branch, however the memory tier's checks and the disk's interleave."""
+    from persist_core import MemoryTier
+    local, memory = tmp_path / "ckpt", MemoryTier(memory_dir=tmp_path / "shm")
+    with CheckpointEngine(local, remote_url=url, memory=memory, keep_local=KeepLastN(3)) as engine:
+        for step in (10, 20, 30):
+            engine.save(state_for(step), step=step)
+    with CheckpointEngine(local, remote_url=url, memory=memory, keep_local=KeepLastN(3)) as engine:
+        engine.load(20)  # back to 20 on purpose: 30 is the abandoned branch
+        for step in range(21, 27):
+            engine.snapshot(state_for(step), step=step)
+            engine.save(state_for(step), step=step)
+        engine.wait()
+        assert [a.step for a in engine.abandoned()] == [30]
+        assert [a.step for a in engine.abandoned("remote")] == [30]
+        assert [c.step for c in engine.list()] == [24, 25, 26]
+    with CheckpointEngine(local, remote_url=url, memory=memory, keep_local=KeepLastN(3)) as engine:
+        engine.load()  # from the latest: no branch, whatever the order of snapshots and saves
+        for step in (27, 28):
+            engine.snapshot(state_for(step), step=step)
+            engine.save(state_for(step), step=step)
+        engine.wait()
+        assert [a.step for a in engine.abandoned()] == [30] and [c.step for c in engine.list()] == [26, 27, 28]
+
+
+def test_a_second_resume_in_one_engine_starts_its_own_branch(tmp_path):
+    with CheckpointEngine(tmp_path) as engine:
+        for step in (10, 20, 30):
+            engine.save(state_for(step), step=step)
+        engine.wait()
+        engine.load(20)
+        for step in (21, 22):
+            engine.save(state_for(step), step=step)
+        engine.wait()
+        engine.load(21)  # back again, within the same engine
+        engine.save(state_for(22) | {"again": True}, step=22)
+        engine.wait()
+        assert sorted(a.step for a in engine.abandoned()) == [22, 30]
+        assert [c.step for c in engine.list()] == [10, 20, 21, 22] and engine.load(22)["again"] is True
