@@ -6,9 +6,9 @@ policy (``Continuous``, ``EveryNSteps``, ``OptimalInterval``, ...) with the engi
 last save and what saves cost, and broadcasts the answer, so every rank saves the same step or
 none does. When Lightning has received SIGTERM during the batch (on any rank), every rank saves
 that step whatever the policy says; Lightning then stops and the plugin's ``teardown`` flushes
-the commit and upload within the grace period. With ``memory_every_n_steps`` it also keeps those steps in memory
-(one process: those not saved to disk, whose copy is a snapshot already; several: each rank its own whole state,
-under ``PersistDDPStrategy``; plain DDP calls the plugin on rank 0 only, so it saves to disk only, said once).
+the commit and upload within the grace period. With ``memory_every_n_steps`` it offers each step to the memory tier
+after its own save (:func:`lightning_persist.snapshots.offer`: one process skips a step just saved to disk, whose
+copy is a snapshot already), so the entry point's callback, which offers it too, finds it taken.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from lightning_persist.snapshots import offer
 from persist_core.policies import SavePolicy, check_save_policy
 
 log = logging.getLogger(__name__)
@@ -38,15 +39,12 @@ class PersistAutoSave(Callback):
         self._policy = None if policy is None else check_save_policy(policy)
         self._filename = filename
         self.saved_steps: list[int] = []
-        self.snapshot_steps: list[int] = []  # steps kept in memory only (memory_every_n_steps)
-        self._asked = -1  # the last step offered to the memory tier (taken or not)
-        self._said_ranks = False
+        self.snapshot_steps: list[int] = []  # steps this callback kept in memory (memory_every_n_steps)
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         step = trainer.global_step
         session = self._io._session
-        memory = session.options.memory is not None and self._every_rank(trainer)
-        if memory:
+        if session.options.memory is not None and trainer.world_size == session.collectives.world_size:
             self._io._get_engine()  # opened on every rank at once: with several, opening is a collective call
         decision = False
         if trainer.is_global_zero and self._policy is not None:
@@ -58,29 +56,7 @@ class PersistAutoSave(Callback):
         if decision:
             trainer.save_checkpoint(os.path.join(str(self._io.local_dir), self._filename))
             self.saved_steps.append(step)
-        # one process: a step saved to disk is a snapshot already; several: each rank's shard is a part of it
-        if memory and (not session.saved(step) or session.collectives.world_size > 1):
-            self._snapshot(trainer, step)
-
-    def _every_rank(self, trainer: Any) -> bool:
-        """Whether every rank has the plugin's engine (one process, or ``PersistDDPStrategy``): with plain DDP,
-        Lightning calls the plugin on rank 0 only, and the memory tier is left out (said once)."""
-        if trainer.world_size == self._io._session.collectives.world_size:
-            return True
-        if not self._said_ranks and trainer.is_global_zero:
-            log.warning("with %s and %d processes Lightning calls the plugin on rank 0 only, so the memory tier "
-                        "takes no snapshots and this run saves to disk only; pass strategy=PersistDDPStrategy() to "
-                        "snapshot on every rank", type(trainer.strategy).__name__, trainer.world_size)
-        self._said_ranks = True
-        return False
-
-    def _snapshot(self, trainer: Any, step: int) -> None:
-        """The state Lightning would save at ``step``, into the memory tier: each rank's whole state, its own."""
-        if self._asked == step:  # gradient accumulation: the same optimizer step, nothing new to keep; on every
-            return  # rank alike, taken or not (with several nodes, maybe_snapshot is a collective call)
-        self._asked = step
-        engine = self._io._get_engine()  # the dump only when this rank's tier takes it (DDP's dump gathers nothing)
-        if engine.maybe_snapshot(lambda: trainer._checkpoint_connector.dump_checkpoint(weights_only=False), step):
+        if session.options.memory is not None and offer(self._io, trainer):  # once a step, whoever offers first
             self.snapshot_steps.append(step)
 
 

@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_persist._agree import agreed_step
 from lightning_persist._memory import load_snapshot
+from lightning_persist.snapshots import warn_without_entry_point
 from lightning_persist._paths import device, kind_of, path_key, remote_path, restricted, shard_checkpoint
 from lightning_persist._strategies import check_strategy
 from lightning_persist._trainer import exit_as_sigterm, find_trainer, loggers_sink, rank_zero_info
@@ -153,6 +154,7 @@ class PersistCheckpointIO(CheckpointIO):
         super().__init__()
         self._exit_after_sigterm = exit_after_sigterm
         self._strategy_seen = False  # the Trainer's strategy was checked (a CheckpointIO has no set-up hook)
+        self._memory_refusal_said = False  # a strategy that cannot snapshot was said (lightning_persist.snapshots)
         options = Config.from_keywords(
             local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
             keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
@@ -167,6 +169,8 @@ class PersistCheckpointIO(CheckpointIO):
             release_hint="Here that is an earlier PersistCheckpointIO on this local_dir: call io.teardown() on it (a "
                          "Trainer's fit does; after trainer.save_checkpoint() outside fit, io.wait() only flushes)",
             links=self._links)
+        if options.memory is not None:
+            warn_without_entry_point()
 
     # ------------------------------------------------------------------ set-up
 

@@ -30,8 +30,11 @@ __all__ = ["PersistPreflight", "callbacks"]
 
 
 def callbacks() -> list[Callback]:
-    """The entry point Lightning calls for every ``Trainer`` (group ``lightning.pytorch.callbacks_factory``)."""
-    return [PersistPreflight()]
+    """The entry point Lightning calls for every ``Trainer`` (group ``lightning.pytorch.callbacks_factory``): the
+    checks before the first batch, and the memory tier's snapshots (:mod:`lightning_persist.snapshots`)."""
+    from lightning_persist.snapshots import PersistMemorySnapshots
+
+    return [PersistPreflight(), PersistMemorySnapshots()]
 
 
 def persist_io_of(trainer: Any) -> Any | None:

@@ -63,6 +63,7 @@ class PersistSession:
         self._reader: CheckpointReader | None = None
         self._collectives: Collectives = SingleProcess()
         self._saved: dict[tuple[str, int], SaveHandle | None] = {}  # (kind, step); None: restored from it
+        self._offered = -1  # the last step offered to the memory tier (first_offer)
         self._others: dict[str, CheckpointEngine] = {}  # the engines of kinds other than full, by kind
         self._unreported: list[SaveHandle] = []
         self._flush: SignalFlush | None = None
@@ -208,6 +209,14 @@ class PersistSession:
 
     def handle(self, step: int, kind: str = FULL) -> SaveHandle | None:
         return self._saved.get((kind, step))
+
+    def first_offer(self, step: int) -> bool:
+        """Whether ``step`` is offered to the memory tier for the first time: the adapters' callbacks (two of them,
+        or gradient accumulation's repeated optimizer step) offer a step once, taken or not, on every rank alike."""
+        if step == self._offered:
+            return False
+        self._offered = step
+        return True
 
     def newest_saved(self) -> int:
         return max((step for _, step in self._saved), default=-1)

@@ -1,0 +1,59 @@
+"""Issue 53, items 1 and 2: ``memory_every_n_steps=N`` alone keeps a snapshot every N optimizer steps in every
+adapter (no ``io.autosave``, no ``hook.maybe_save()``), and a restart with ``ModelCheckpoint`` continues the live
+branch: nothing of its own is set aside, retention keeps the newest ``keep_last``, every link resolves."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback
+
+from accelerate_persist import PersistHook
+from lightning_persist import PersistCheckpointIO
+from persist_core import CheckpointReader
+from tests.support.lightning_app import Net, checkpoint_callback, linked
+from tests.support.lightning_app import weights as lightning_weights
+from tests.support.states import assert_state_equal
+
+
+class _CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def _trainer(io, d, max_steps, callbacks=()):
+    ckpt = checkpoint_callback(d, every_n_train_steps=4, save_top_k=2)
+    return Trainer(max_steps=max_steps, plugins=[io], callbacks=[ckpt, *callbacks], accelerator="cpu", devices=1,
+                   logger=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+def test_lightning_memory_every_n_steps_alone_snapshots_and_a_restart_continues_the_live_branch(tmp_path):
+    straight = Net()
+    _trainer(PersistCheckpointIO(local_dir=tmp_path / "a"), tmp_path / "a", 22).fit(straight)
+
+    d, shm = tmp_path / "b", tmp_path / "shm"
+    options = dict(local_dir=d, memory_every_n_steps=1, memory_dir=shm, keep_last=3)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        _trainer(PersistCheckpointIO(**options), d, 22, [_CrashAt(7)]).fit(Net())  # the README's one keyword
+    io = PersistCheckpointIO(**options)  # a restarted process
+    path = io.latest_path()
+    assert path is not None and str(shm) in path  # memory's step 7, newer than the disk's 4
+    resumed = Net()
+    _trainer(io, d, 22).fit(resumed, ckpt_path=path)
+    assert_state_equal(lightning_weights(resumed), lightning_weights(straight))  # bit-exact from step 7
+
+    with CheckpointReader(d) as reader:
+        assert [c.step for c in reader.list()] == [12, 16, 20]  # keep_last=3 of the live branch
+        assert reader.abandoned() == []  # nothing of its own set aside
+    for name in os.listdir(d):
+        if name.endswith(".ckpt"):
+            assert os.path.exists(d / name), name  # every link resolves
+    assert linked(d / "last.ckpt") == "step-000000000020"
