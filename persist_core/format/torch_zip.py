@@ -25,6 +25,11 @@ the first local header (:func:`image_offset`) and reads the safetensors layout b
   and our own loads verify every chunk's crc32c. A strict zip tool (``unzip -t``, Python's
   ``zipfile`` reading a member) reports bad CRCs; ``torch.load`` of a ``.ckpt`` is unverified.
 
+* A shard that holds no whole state pickles a call that raises an error saying how to load it instead:
+  rank 0's of a split state (:class:`SplitShard`), and an incremental save's compacted one
+  (:class:`ReferencingShard`, issue 53), whose global's name itself says the fix (``torch.load``'s
+  ``weights_only=True`` refuses it and its error shows the name).
+
 :func:`zip_plan` decides whether a state can be written so (every tensor's dtype has a torch
 storage type and each storage group holds one dtype) and pickles it; :func:`local_header` and
 :func:`zip_tail` make the bytes the planner places.
@@ -215,6 +220,30 @@ class SplitShard:
 
     def __reduce__(self) -> tuple[Any, tuple[int]]:
         return split_shard, (self.world_size,)
+
+
+def incremental_checkpoint__load_with_lightning_persist_load_from_checkpoint(step: int, references: list[int]) -> None:
+    """What ``torch.load`` of a referencing checkpoint's ``.ckpt`` runs (``weights_only=False``): an error saying how
+    to load it. With ``weights_only=True`` (torch's default) torch refuses this global and its error shows the dotted
+    name, which says the fix."""
+    steps = f"step{'s' * (len(references) > 1)} {', '.join(map(str, references))}"
+    raise PersistError(
+        f"this file is incremental checkpoint step {step}'s: it holds only the tensors that changed and references "
+        f"the bytes of the others in {steps} (torch-persist, incremental=True), so torch.load cannot read it "
+        "whole; load it with torch-persist: lightning_persist.load_from_checkpoint(ModelClass, path) for a "
+        "LightningModule (or persist_core.CheckpointReader(<its local_dir>).load(step)), or write one file torch.load "
+        f"reads: persist export <its local_dir> --step {step} --to whole.ckpt")
+
+
+class ReferencingShard:
+    """Pickled as a call of :func:`incremental_checkpoint__load_with_lightning_persist_load_from_checkpoint`: the
+    ``data.pkl`` of a torch-loadable shard compacted by an incremental save (it holds no tensors)."""
+
+    def __init__(self, step: int, references: list[int]) -> None:
+        self.step, self.references = step, references
+
+    def __reduce__(self) -> tuple[Any, tuple[int, list[int]]]:
+        return incremental_checkpoint__load_with_lightning_persist_load_from_checkpoint, (self.step, self.references)
 
 
 def pickle_state(state: Any, tensors: dict[int, tuple[StorageRef, int, tuple[int, ...], tuple[int, ...]]]) -> bytes:

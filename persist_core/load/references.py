@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 
-from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError
+from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError, RemoteError
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.format.records import Chunk
 from persist_core.layout import checkpoint_dirname
 from persist_core.load.assemble import _read_shard, load_checkpoint, load_into
 from persist_core.load.blocks import LoadStats, ReadBlocks, ReadPlan, bytes_of
 from persist_core.load.plan import LoadOptions
+from persist_core.tiers._retry import is_missing
 from persist_core.tiers.local import checkpoint_dir, read_blocks, read_manifest
 
 
@@ -40,13 +41,16 @@ def resolve(manifest: Manifest, manifest_of: Callable[[int], Manifest], *, where
     Args:
         manifest: a manifest whose records reference older checkpoints (``depends_on()``).
         manifest_of: the manifest of a committed checkpoint of the same tier, its files checked for presence and
-            size (raises when it is missing or does not read).
+            size (raises when it is missing or does not read; a remote's ``RemoteError`` for a manifest that is not
+            there, its prefix removed by a lifecycle rule say, counts as missing).
         where: the referencing checkpoint, for messages.
 
     Raises:
         CorruptCheckpointError: a referenced checkpoint is missing or does not read, or does not hold the bytes
             referenced (the same entry of the same file, with the same hash, dtype and shape): the referencing
-            checkpoint is corrupt too.
+            checkpoint is corrupt too (the message names the step it references).
+        RemoteError: the remote could not be read (not a missing object: a transient failure that outlasted the
+            retries, a permission): nothing is known about the referenced checkpoint.
     """
     held: dict[int, _Held] = {}
     for step in sorted(manifest.depends_on()):
@@ -54,6 +58,11 @@ def resolve(manifest: Manifest, manifest_of: Callable[[int], Manifest], *, where
             held[step] = _Held(manifest_of(step))
         except (CorruptCheckpointError, CheckpointNotFoundError) as e:
             raise CorruptCheckpointError(f"{where} references bytes of step {step}, which does not read: {e}") from e
+        except RemoteError as e:
+            if not is_missing(e):
+                raise
+            raise CorruptCheckpointError(f"{where} references bytes of step {step}, which is gone from that tier (its "
+                                         f"manifest is not there: {e})") from e
     files = {f.name: f for f in manifest.files}
 
     def held_file(step: int, file: str) -> str:

@@ -28,6 +28,8 @@ from persist_core._knobs import ENTRY_ALIGN_BYTES, PAGE_BYTES
 from persist_core.format.manifest import Manifest
 from persist_core.format.records import TensorRecord
 from persist_core.format.shard_file import encode_header
+from persist_core.format.torch_zip import HEADER_RECORD, Record, header_record, zip_tail
+from persist_core.planning.torch_loadable import TAIL_ENTRY
 
 
 def hashable(rec: TensorRecord | None) -> bool:
@@ -211,12 +213,14 @@ class Compaction:
     """A staged shard without its dropped entries: the new ``header`` at byte 0, each kept entry's ``copies``
     ``(from, to, nbytes)`` (absolute offsets, ascending, ``to <= from``: safe in order with ``memmove``; all of them
     make the shard in a zeroed buffer of its own, the :attr:`moves` make it in place), the ``zeros`` ranges (the new
-    padding, in place), and the new file size."""
+    padding, in place), the new file size, and the ``tail`` that ends the file (a torch-loadable shard's archive
+    tail, written last: its ``data.pkl`` says what the file is; ``b""`` for none)."""
 
     header: bytes
     file_bytes: int
     copies: tuple[tuple[int, int, int], ...]
     zeros: tuple[tuple[int, int], ...]
+    tail: bytes = b""
 
     @property
     def moves(self) -> tuple[tuple[int, int, int], ...]:
@@ -224,14 +228,17 @@ class Compaction:
         return tuple(c for c in self.copies if c[0] != c[1])
 
 
-def compact(header: bytes, dropped: frozenset[str], *, image: int = 0) -> Compaction | None:
+def compact(header: bytes, dropped: frozenset[str], *, image: int = 0, archive: bytes | None = None) -> Compaction | None:
     """The layout of the shard whose safetensors header is ``header`` without the entries ``dropped``: every kept
     entry in the same order, each on a 64-byte boundary, the gaps ``__pad__.N`` entries, the file a multiple of 4
     KiB; ``None`` when it cannot be made in place (its header would grow).
 
     ``image``: where ``header`` starts in the staged shard (a torch-loadable shard's zip local header before it).
-    The compacted shard always starts with its header: it is no zip archive any more (its ``__pad__`` entries,
-    which hold the zip records, are dropped like the referenced entries)."""
+    ``archive``: the compacted shard is a torch-loadable one again (issue 53), a zip archive whose ``data.pkl`` is
+    these bytes (:class:`~persist_core.format.torch_zip.ReferencingShard`: ``torch.load`` fails naming what the file
+    is and how to load it; the kept entries are no records of it, the dropped ``__pad__`` entries held those); its
+    header is the zip local header of ``archive/.persist_header`` again, its last entry the archive's tail. Without
+    ``archive`` it starts with its safetensors header."""
     (n,) = struct.unpack("<Q", header[:8])
     entries = json.loads(header[8 : 8 + n])
     meta = entries.pop("__metadata__", None)
@@ -247,13 +254,34 @@ def compact(header: bytes, dropped: frozenset[str], *, image: int = 0) -> Compac
         out[name] = {**entries[name], "data_offsets": [start, start + end - begin]}
         places.append((begin, start, end - begin, pos))
         pos = start + end - begin
-    gap = -pos % PAGE_BYTES
-    if gap:
-        out[f"__pad__.{pads}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [pos, pos + gap]}
-    new = encode_header(out)
-    if len(new) > len(header):
+    gap, tail = -pos % PAGE_BYTES, b""
+    if archive is not None:  # the tail ends the file on 4 KiB itself
+        (new, tail), gap = _archive(out, pos, archive), 0
+    else:
+        if gap:
+            out[f"__pad__.{pads}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [pos, pos + gap]}
+        new = encode_header(out)
+    if len(new) > image + len(header):
         return None
     old, h = image + len(header), len(new)
     copies = tuple((old + b, h + s, size) for b, s, size, _ in places if size)
     zeros = tuple((h + p, h + s) for _, s, _, p in places if s > p) + ((h + pos, h + pos + gap),) * bool(gap)
-    return Compaction(header=new, file_bytes=h + pos + gap, copies=copies, zeros=zeros)
+    return Compaction(header=new, file_bytes=h + pos + gap + len(tail), copies=copies, zeros=zeros, tail=tail)
+
+
+def _archive(entries: dict, pos: int, data_pkl: bytes) -> tuple[bytes, bytes]:
+    """``(the file's header, the archive's tail)`` of a compacted torch-loadable shard whose safetensors ``entries``
+    end at ``pos`` (:func:`compact`): the tail is its last entry, right there; offsets in it are absolute, and the
+    header's length depends on them only past ZIP64's limits (as :func:`~persist_core.planning.torch_loadable.lay_out`
+    settles it)."""
+    header_len = 2 * PAGE_BYTES
+    for _ in range(4):
+        tail = zip_tail([Record(HEADER_RECORD, 0, header_len - PAGE_BYTES)], data_pkl, start=header_len + pos,
+                        align=PAGE_BYTES)
+        st_header = encode_header({**entries, TAIL_ENTRY: {"dtype": "U8", "shape": [len(tail)],
+                                                           "data_offsets": [pos, pos + len(tail)]}})
+        header = header_record(len(st_header), PAGE_BYTES) + st_header
+        if len(header) == header_len:
+            return header, tail
+        header_len = len(header)
+    raise AssertionError("the compacted shard's header did not settle")

@@ -36,7 +36,7 @@ from persist_core._knobs import INCREMENTAL_MAX_SPAN
 from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError, PersistError
 from persist_core.format.manifest import Manifest
 from persist_core.format.shard_file import parse_header
-from persist_core.format.torch_zip import image_offset
+from persist_core.format.torch_zip import ReferencingShard, image_offset, pickle_state
 from persist_core.hostmem import raw_view
 from persist_core.layout import MANIFEST_NAME
 from persist_core.planning.incremental import (Held, compact, hashable, hashed_entries, reference_unchanged,
@@ -205,7 +205,9 @@ class Incremental:
         decision = reference_unchanged(base.tensors, hashes, previous, since_full=since_full,
                                        full_every=self._full_every, max_span=self._max_span, missing=missing,
                                        known=known)
-        layout = None if decision.full else compact(header, decision.dropped, image=image)
+        archive = None if not image or decision.full else pickle_state(  # torch.load's error says what it is
+            ReferencingShard(base.step, sorted(decision.depends_on())), {})
+        layout = None if decision.full else compact(header, decision.dropped, image=image, archive=archive)
         if layout is None and known:  # the unstaged bytes cannot be written: this save fails, nothing is lost
             raise PersistError(f"step {base.step}: the shard without its unchanged tensors does not fit its header; "
                                "nothing was committed for this step (the next save is written whole)")
@@ -227,6 +229,8 @@ class Incremental:
             for begin, end in layout.zeros:
                 ctypes.memset(addr + begin, 0, end - begin)
         ctypes.memmove(addr, layout.header, len(layout.header))
+        if layout.tail:  # past every kept entry: written once they are in place
+            ctypes.memmove(addr + layout.file_bytes - len(layout.tail), layout.tail, len(layout.tail))
         log.debug("[step=%d] incremental: %d of %d bytes written, %d tensor(s) referenced in step(s) %s", base.step,
                   layout.file_bytes, nbytes, len(decision.dropped), sorted(decision.depends_on()))
         return (replace(base, tensors=decision.records), layout.file_bytes,  # type: ignore[arg-type]

@@ -64,6 +64,12 @@ def is_transient(error: BaseException) -> bool:
     return any(_transient_one(e) for e in causes(error))
 
 
+def is_missing(error: BaseException) -> bool:
+    """Whether ``error`` (a :class:`RemoteError`, say) says the object is not there: it, or an exception it was
+    raised ``from``, is a ``FileNotFoundError`` (fsspec's "no such key" on every backend)."""
+    return any(isinstance(e, FileNotFoundError) for e in causes(error))
+
+
 def retry(what: str, where: str, fn: Callable[[], T], *, attempts: int, backoff_s: float,
           sleep: Callable[[float], None] = time.sleep) -> T:
     """Run ``fn``; retry transient failures up to ``attempts`` attempts in all, doubling the delay.

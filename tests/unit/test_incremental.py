@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from persist_core import CheckpointEngine, CheckpointReader, ConfigError, CorruptCheckpointError, KeepLastN
+from persist_core import (CheckpointEngine, CheckpointReader, ConfigError, CorruptCheckpointError, KeepLastN,
+                          PersistError)
 from persist_core.format.manifest import Manifest
 from tests.support.states import assert_state_equal
 
@@ -197,8 +198,10 @@ def test_a_referencing_shard_is_a_safetensors_file_of_the_changed_tensors_only(t
 
 def test_torch_loadable_full_checkpoints_stay_zip_archives_and_referencing_ones_hold_the_changes_only(tmp_path):
     """The Lightning plugin's layout: a full checkpoint is the archive torch.load reads; a referencing one is the
-    staged archive compacted to a safetensors file of what changed (no zip any more), loaded bit-exact by us."""
-    from safetensors import safe_open
+    staged archive compacted to what changed, still a zip archive whose data.pkl makes torch.load fail naming what it
+    is (issue 53), loaded bit-exact by us."""
+    from persist_core.format.shard_file import parse_header
+    from persist_core.planning.torch_loadable import TAIL_ENTRY
 
     base = _frozen()
     states = {step: _state(step, base) for step in (1, 2, 3)}
@@ -212,10 +215,14 @@ def test_torch_loadable_full_checkpoints_stay_zip_archives_and_referencing_ones_
     assert _manifest(tmp_path, 2).depends_on() == {1} == _manifest(tmp_path, 3).depends_on()
     full = (_ckpt(tmp_path, 1) / ckpt).stat().st_size
     for step in (2, 3):
-        assert (_ckpt(tmp_path, step) / ckpt).stat().st_size < full / 4
-        with safe_open(str(_ckpt(tmp_path, step) / ckpt), framework="pt") as f:
-            assert {k for k in f.keys() if not k.startswith("__pad__")} == {"model/adapter", "optim/exp_avg",
-                                                                                "optim/exp_avg_sq"}
+        path = _ckpt(tmp_path, step) / ckpt
+        raw = path.read_bytes()
+        assert len(raw) < full / 4 and len(raw) % 4096 == 0
+        names = {name for name, _, _ in parse_header(raw, file_size=len(raw))[1]}
+        assert {n for n in names if not n.startswith("__pad__")} == {"model/adapter", "optim/exp_avg",
+                                                                     "optim/exp_avg_sq"} and TAIL_ENTRY in names
+        with pytest.raises(PersistError, match=f"incremental checkpoint step {step}'s.*step 1"):
+            torch.load(path, weights_only=False)
 
 
 def test_a_guarded_save_is_incremental_too(tmp_path):
