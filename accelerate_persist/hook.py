@@ -31,6 +31,7 @@ from types import TracebackType
 from typing import Any
 
 from accelerate_persist import _state
+from accelerate_persist._snapshots import StepSnapshots
 from accelerate_persist._dirs import named_dir, newest_plain, optimizer_steps_of, plain_accelerate_dir
 from persist_core import CheckpointNotFoundError, CheckpointReader, ConfigError, KeepLastN, RetentionPolicy, SingleProcess
 from persist_core import TorchCollectives
@@ -152,6 +153,7 @@ class PersistHook:
         self._accelerator: Any = None
         self._originals: dict[str, Any] = {}
         self._wrapped: list[tuple[Any, Any]] = []  # (optimizer, its own step) to put back on close
+        self._snapshots: StepSnapshots | None = None  # memory_every_n_steps: a snapshot at the next forward
         self._optimizer_steps = 0
         self._links = Links(self._options.local_dir)  # directories named in save_state(dir); no policy: all kept
 
@@ -211,6 +213,9 @@ class PersistHook:
         accelerator.end_training = self._end_training
         for optimizer in accelerator._optimizers:
             self._count_steps(optimizer)
+        if options.memory is not None:
+            self._snapshots = StepSnapshots(lambda: self._optimizer_steps, self._offer_snapshot)
+            self._snapshots.install(accelerator)
         session.install_flush()  # without a save policy: SIGTERM drains, then ends the process
         if self._overlap and accelerator._optimizers:  # the update after the next backward waits for the copy
             self._guard = session.open().guard(*[getattr(o, "optimizer", o) for o in accelerator._optimizers])
@@ -294,6 +299,8 @@ class PersistHook:
                             weights_only=weights_only)
         self._optimizer_steps = _state.apply(acc, state)
         session.restored(self._optimizer_steps)  # saving again at this step is a no-op
+        if self._snapshots is not None:
+            self._snapshots.restored()
 
     def resume(self) -> int:
         """Restore the newest committed checkpoint (local, else remote) into the Accelerator.
@@ -327,17 +334,25 @@ class PersistHook:
             raise ConfigError("maybe_save() needs PersistHook(save_policy=...), e.g. Continuous(min_interval_s=30), "
                               "or memory_every_n_steps=...")
         decision, preempting = engine.decide(step)  # agreed across processes
-        # one process: a step saved to disk is a snapshot already; several: each one's shard is only a part of it
-        snapshot = memory is not None and memory.due(step) and not session.saved(step) and (
-            not decision or session.collectives.world_size > 1)
         if decision:
             self._save_state()
-        if snapshot:  # captured on every process alike (it gathers), also where the tier gave up (no room)
-            state = _state.capture(self._accelerator, optimizer_steps=step)
-            engine.maybe_snapshot(lambda: state, step)
+        if memory is not None:
+            self._offer_snapshot(step)
         if preempting:
             engine.finish_preemption()
         return decision
+
+    def _offer_snapshot(self, step: int) -> bool:
+        """Snapshot ``step`` in memory when the tier is due there, once a step (every process alike: the capture
+        gathers, also where the tier gave up for want of room). One process: a step just saved to disk is a
+        snapshot already."""
+        session, memory = self._session_or_raise(), self._options.memory
+        if memory is None or not memory.due(step) or not session.first_offer(step):
+            return False
+        if session.saved(step) and session.collectives.world_size == 1:
+            return False
+        state = _state.capture(self._accelerator, optimizer_steps=step)
+        return session.open().maybe_snapshot(lambda: state, step)
 
     @property
     def preempted(self) -> bool:
@@ -376,6 +391,9 @@ class PersistHook:
             if self._guard is not None:
                 self._guard.remove()
                 self._guard = None
+            if self._snapshots is not None:
+                self._snapshots.remove()
+                self._snapshots = None
             for name, original in self._originals.items():
                 setattr(acc, name, original)
             for optimizer, step in reversed(self._wrapped):

@@ -57,3 +57,54 @@ def test_lightning_memory_every_n_steps_alone_snapshots_and_a_restart_continues_
         if name.endswith(".ckpt"):
             assert os.path.exists(d / name), name  # every link resolves
     assert linked(d / "last.ckpt") == "step-000000000020"
+
+
+def _accelerator():
+    from tests.support.accelerate_app import fresh_accelerator
+
+    acc = fresh_accelerator(gradient_accumulation_steps=2)
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)  # as on a GPU with fp16: it skips steps
+    return acc
+
+
+def _accumulating(acc, *, micro_batches: int, crash_at: int | None = None, hook=None):
+    """``micro_batches`` of a model with dropout, accumulating 2 a step, a scheduler, a scaler that skips the step of
+    micro-batch 7 (inf loss); resumes after ``hook.resume()`` at the micro-batch the restored counter says."""
+    from tests.support.accelerate_app import build
+
+    model, optimizer, loader, scheduler, counter = build(acc)
+    batches = [b for _ in range(3) for b in loader]  # fetched first: the prepared loader's epochs draw from the RNG
+    start = None
+    if hook is not None:
+        hook.register(acc)
+        start = hook.resume()
+    seen = counter.seen // 8  # micro-batches done
+    batches = batches[seen:micro_batches]
+    for i, (x, y) in enumerate(batches, start=seen):
+        if i == crash_at:
+            raise RuntimeError("NCCL watchdog timeout")
+        with acc.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x), y) * (float("inf") if i == 7 else 1.0)
+            acc.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        counter.seen += len(x)
+    return model, start
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_accelerate_memory_every_n_steps_alone_snapshots_and_resumes_bit_exactly(tmp_path):
+    from tests.support.accelerate_app import weights
+
+    straight = weights(_accumulating(_accelerator(), micro_batches=24)[0])
+    options = dict(local_dir=tmp_path / "ckpt", memory_every_n_steps=1, memory_dir=tmp_path / "shm")
+    with pytest.raises(RuntimeError, match="NCCL"):
+        with PersistHook(**options) as hook:  # the README's one keyword; no hook.maybe_save() in the loop
+            _accumulating(_accelerator(), micro_batches=24, crash_at=15, hook=hook)
+    assert hook.step == 6  # 7 sync points in micro-batches 0..14, the one of micro-batch 7 skipped by the scaler
+    with PersistHook(**options) as hook:
+        resumed, start = _accumulating(_accelerator(), micro_batches=24, hook=hook)
+        assert start == 6 and not list((tmp_path / "ckpt").glob("step-*"))  # from memory alone: nothing lost
+        assert hook.step == 11
+    assert_state_equal(weights(resumed), straight)
