@@ -46,7 +46,7 @@ def _child(rank: int, port: int, base: str, shm: str, mib: int, reps: int) -> No
         dist.send(raw, dst=1) if rank == 0 else dist.recv(raw, src=0)
         floor.append(time.perf_counter() - t0)
     if rank == 1:
-        held = MemoryStore(Path(shm) / "node1" / "partner-of-rank-00000", local_dir=Path(base) / "node1")
+        held = MemoryStore(Path(shm) / "node1" / "partner-of-rank-00000", identity="nodes-0-1")
         receiver = PartnerCopies(p2p, channel, rank=1, partner=None, source=0, held=held)
         for step in range(1, reps + 1):
             assert receiver.agree(step), "every rank finished the last copy step"

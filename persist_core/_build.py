@@ -41,6 +41,7 @@ from persist_core.sidefiles import read_side_file
 from persist_core.sync.lease import keep_run_id, local_run_id
 from persist_core.sync.partner import PartnerCopies, partners
 from persist_core.tiers.local import open_local_dir
+from persist_core.tiers.memory_files import local_dir_identity
 from persist_core.tiers.remote import RemoteTier
 
 if TYPE_CHECKING:
@@ -88,7 +89,8 @@ class Parts:
         if self.partner is not None:  # before the slots it reads from go
             self.partner.close(finished=finished)
         if self.snapshots is not None:
-            self.snapshots.close(finished=finished)
+            self.snapshots.close(finished=finished, disk_step=lambda: max((c.step for c in self.reader.list()),
+                                                                          default=-1))
         self.pipeline.close()
         if self.tier is not None:
             self.tier.close()
@@ -173,7 +175,7 @@ def _partner(config: Config, root: Path, coll: Collectives, snapshots: Snapshots
     partner, source = partners(nodes.groups, coll.rank)
     assert config.memory is not None
     run_id = snapshots.store.root.parent.name
-    held = None if source is None else config.memory.partner_store(run_id, source, root)
+    held = None if source is None else config.memory.partner_store(run_id, source, layout=nodes.groups)
     log.info("[rank=%d] memory snapshots are copied to rank %s on the next node; this rank holds rank %s's",
              coll.rank, partner, source)
     copies = PartnerCopies(background, channel, rank=coll.rank, partner=partner, source=source, held=held,
@@ -215,7 +217,7 @@ def _slots(config: Config, nodes: Nodes | None) -> int:
 
 def _snapshots_of(config: Config, root: Path, coll: Collectives, run_id: str, nodes: Nodes | None) -> Snapshots:
     assert config.memory is not None
-    store = config.memory.store(run_id, coll.rank, root)
+    store = config.memory.store(run_id, coll.rank, root, local_dir_identity(root, create=True))
 
     def full(why: str) -> None:
         log.warning("[rank=%d] the memory tier has too little room (%s): saving to disk only; give %s more room "

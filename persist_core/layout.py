@@ -207,21 +207,39 @@ def node_probe_filename(token: str, rank: int) -> str:
 
 # The memory tier (issue 42): snapshots in host shared memory that outlives the process::
 #
-#     memory_dir/                            /dev/shm/torch-persist by default
+#     memory_dir/                            /dev/shm/torch-persist-<uid> by default (every directory 0700, file 0600)
 #         <run-id>/rank-00000/               one rank's snapshots
 #             life-1a2b3c4d/                 one engine's (a process's) slots; flock-ed while it lives
 #                 slot-0  slot-1 ...         mapped staging buffers: a shard file image each
 #                 slot-0.json ...            a slot's commit record (its manifest), written after its bytes
-#                 .local-dir                 the local_dir of the engine that mapped them
+#                 .local-dir                 the local_dir of the engine that mapped them (its path)
+#                 .identity                  whose they are: local_dir's .local-dir-id (partner copies: the layout)
 #         <run-id>/partner-of-rank-00002/    the copy of rank 2's newest snapshot this node holds (its partner, the
 #             life-5e6f7a8b/                 same local rank on the previous node; sync/partner.py): slots and
 #                 slot-0  slot-0.json ...    records as above, a record written once every byte verified
 #         <run-id>/rank-00002/pulled-<token> a partner's copy pulled back on restore (removed once read)
-DEFAULT_MEMORY_DIR = "/dev/shm/torch-persist"
+DEFAULT_MEMORY_DIR = "/dev/shm/torch-persist-<uid>"  # for messages; tiers.memory_files.default_base() makes it
 _LIFE_RE = re.compile(r"life-([0-9a-f]{8,32})")
 _SLOT_RE = re.compile(r"slot-([0-9]{1,6})")
 SLOT_RECORD_SUFFIX = ".json"
 LOCAL_DIR_NAME = ".local-dir"  # in a life's directory: the local_dir of the engine that mapped it
+IDENTITY_NAME = ".identity"  # in a life's directory: whose snapshots they are (below)
+LOCAL_DIR_ID_NAME = ".local-dir-id"  # in local_dir: the identity of this incarnation of it (made once, random)
+
+
+def memory_base_dirname(uid: int) -> str:
+    """The default memory tier base's name (in ``/dev/shm``): one per user."""
+    return f"torch-persist-{uid}"
+
+
+def local_dir_identity_value(token: str) -> str:
+    """What ``.local-dir-id`` holds, and a life of that ``local_dir`` records."""
+    return f"local-dir-{token}"
+
+
+def layout_identity(groups: tuple[tuple[int, ...], ...]) -> str:
+    """What a life of partner copies records: the run's node layout (each node's ranks), not a node's local_dir."""
+    return "nodes-" + "-".join(".".join(str(r) for r in g) for g in groups)
 
 
 def memory_rank_dirname(rank: int) -> str:

@@ -61,21 +61,22 @@ def read_side_file(path: Path) -> bytes:
         return f.read()
 
 
-def write_side_file(path: Path, data: bytes) -> None:
+def write_side_file(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     """Replace the side file ``path`` with ``data`` in one rename, from ``<name>.tmp`` created with ``O_EXCL``
-    (one left by a crash is removed first). The rename replaces a link at ``path`` itself, never its target.
+    (one left by a crash is removed first), ``mode`` (less the umask). The rename replaces a link at ``path``
+    itself, never its target.
 
     Raises:
         ConfigError: ``<name>.tmp`` is a link (named).
     """
     tmp = path.with_name(path.name + ".tmp")
     try:
-        fd = open_side_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        fd = open_side_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     except FileExistsError:
         if os.path.islink(tmp):
             raise linked(tmp) from None
         tmp.unlink()  # left by a crash: one writer per name (the holder of the directory's writer lock)
-        fd = open_side_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        fd = open_side_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

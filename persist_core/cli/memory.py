@@ -1,6 +1,7 @@
 """The memory tier in the ``persist`` command: ``ls`` lists a local directory's run's snapshots in memory (kind
 ``memory``: its ranks' own; ``memory-partner``: the copies this node holds for another node's ranks), ``gc
---memory`` removes those no live process holds (a run killed for good leaves them in ``/dev/shm``)."""
+--memory`` removes those no live process holds (a run killed for good leaves them in ``/dev/shm``), and those of an
+earlier incarnation of the directory (erased and made again) or that name none, which no restart reads."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import Any
 
 from persist_core import _knobs
 from persist_core.errors import ConfigError
-from persist_core.layout import DEFAULT_MEMORY_DIR, RUN_ID_NAME, is_url, parse_partner_dirname
+from persist_core.layout import RUN_ID_NAME, is_url, parse_partner_dirname
 from persist_core.sidefiles import read_side_file
 from persist_core.tiers.memory import remove_stale, run_lives
+from persist_core.tiers.memory_files import default_base
 
 
 def _run_id(location: str) -> str | None:
@@ -32,7 +34,7 @@ def memory_rows(location: str, memory_dir: str | None) -> list[dict[str, Any]]:
         return []
     rows = []
     local_dir = Path(location.removeprefix("file://"))
-    for life, live, snaps in run_lives(Path(os.path.expanduser(memory_dir or DEFAULT_MEMORY_DIR)), run_id, local_dir):
+    for life, live, snaps in run_lives(_base(memory_dir), run_id, local_dir, check_base=memory_dir is None):
         of_rank = parse_partner_dirname(life.parent.name)
         for s in snaps:
             rows.append({"step": s.step, "kind": "memory" if of_rank is None else "memory-partner",
@@ -47,5 +49,9 @@ def remove_stale_memory(location: str, memory_dir: str | None, *, dry_run: bool)
     run_id = _run_id(location)
     if run_id is None:
         return []
-    return [str(p) for p in remove_stale(Path(os.path.expanduser(memory_dir or DEFAULT_MEMORY_DIR)), run_id,
-                                         Path(location.removeprefix("file://")), dry_run=dry_run)]
+    return [str(p) for p in remove_stale(_base(memory_dir), run_id, Path(location.removeprefix("file://")),
+                                         check_base=memory_dir is None, dry_run=dry_run)]
+
+
+def _base(memory_dir: str | None) -> Path:
+    return default_base() if memory_dir is None else Path(os.path.expanduser(memory_dir))

@@ -22,6 +22,7 @@ from persist_core.load.plan import LoadOptions
 from persist_core.sidefiles import read_side_file
 from persist_core.tiers.local import ShardFile, read_blocks
 from persist_core.tiers.memory import MemoryStore, MemoryTier
+from persist_core.tiers.memory_files import local_dir_identity
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,12 @@ def run_store(memory: MemoryTier | None, root: Path) -> MemoryStore | None:
     if run_id is None:
         log.info("no run id in %s: no memory snapshots to read", root)
         return None
-    return memory.store(run_id, 0, root)
+    identity = local_dir_identity(root, create=False)
+    if identity is None:
+        log.info("%s has no identity of its own (no engine with a memory tier made it): no memory snapshots to read",
+                 root)
+        return None
+    return memory.store(run_id, 0, root, identity)
 
 
 def newest_snapshot(store: MemoryStore | None, *, newer_than: int) -> CheckpointInfo | None:

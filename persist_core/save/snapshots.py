@@ -213,10 +213,14 @@ class Snapshots:
         with self._lock:
             return self._newest_step
 
-    def close(self, *, finished: bool) -> None:
-        """Stop the commit thread; ``finished``: the run ended well, its snapshots go (a crash keeps them)."""
+    def close(self, *, finished: bool, disk_step: Callable[[], int] = lambda: -1) -> None:
+        """Stop the commit thread; ``finished``: the run ended well, its snapshots go (a crash keeps them), and those
+        of an earlier process once this engine committed a snapshot, or the disk a checkpoint of their step or later
+        (``disk_step``: the newest committed there): a process that only read a killed run's snapshot leaves it."""
         self._thread.shutdown(wait=True)
-        self.store.close(remove=finished)
+        with self._lock:
+            own = self._committed > 0
+        self.store.close(remove=finished, others_up_to=None if own or not finished else disk_step())
 
 
 class Filling:

@@ -299,5 +299,7 @@ class PartnerCopies:
             t.join(timeout)
             if t.is_alive():
                 log.warning("[rank=%d] the partner thread %s did not end in %.0f s", self._rank, t.name, timeout)
-        if self.held is not None:
-            self.held.close(remove=finished)
+        if self.held is not None:  # an earlier process's copies go once this one holds a copy of its own
+            with self._cond:
+                received = bool(self._held_steps)
+            self.held.close(remove=finished, others_up_to=None if received else -1)

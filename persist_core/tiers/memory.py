@@ -7,7 +7,10 @@ snapshot it holds, written after its bytes and removed before they are overwritt
 
 Layout (:mod:`persist_core.layout`): ``memory_dir/<run-id>/rank-R/life-<token>/slot-N`` and ``slot-N.json``. Each
 engine maps its slots in a directory of its own (``life-...``), ``flock``-ed while it lives, so a restart reads the
-killed process's slots while it maps new ones; the older lives are removed once the new one has a snapshot.
+killed process's slots while it maps new ones; the older lives are removed once the new one has a snapshot (or a
+disk checkpoint holds their step, at a clean close). Every directory and file is this user's own, never reached
+through a link, and each life belongs to one incarnation of ``local_dir``
+(:mod:`persist_core.tiers.memory_files`).
 
 A process killed in the middle of a fill leaves that slot without a record (the record goes first), so the other
 slots are what a restart reads; every byte read is checked against the record's checksums.
@@ -19,17 +22,18 @@ import fcntl
 import logging
 import os
 import secrets
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format.manifest import Manifest
-from persist_core.layout import (DEFAULT_MEMORY_DIR, LOCAL_DIR_NAME, SLOT_RECORD_SUFFIX, is_life_dirname,
+from persist_core.layout import (DEFAULT_MEMORY_DIR, IDENTITY_NAME, LOCAL_DIR_NAME, is_life_dirname, layout_identity,
                                  life_dirname, memory_rank_dirname, parse_partner_dirname, parse_slot_record_name,
                                  partner_dirname)
-from persist_core.sidefiles import is_link, read_side_file, write_side_file
+from persist_core.sidefiles import warn_once, write_side_file
+from persist_core.tiers.memory_files import (all_ours, default_base, local_dir_identity, make_dir, ours, read_own_file,
+                                             record_of, remove_life)
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,8 @@ class MemoryTier:
 
     Args:
         every_n_steps: snapshot every this many steps (1: every step).
-        memory_dir: a tmpfs to keep the snapshots in (default ``/dev/shm/torch-persist``); it needs room for
+        memory_dir: a tmpfs to keep the snapshots in (default ``/dev/shm/torch-persist-<uid>``, one per user); it
+            needs room for
             ``max_pending + 2`` copies of each rank's state, and with several nodes two more of each partner's (the
             copies this node holds for the previous node's ranks). Where it has less, the engine warns once and
             saves to disk only (partner copies: dropped, said once).
@@ -69,18 +74,24 @@ class MemoryTier:
     @property
     def base(self) -> Path:
         """Where every run's snapshots live."""
-        return Path(os.fspath(self.memory_dir or DEFAULT_MEMORY_DIR)).expanduser().absolute()
+        if self.memory_dir is None:
+            return default_base()
+        return Path(os.fspath(self.memory_dir)).expanduser().absolute()
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is a snapshot step."""
         return step % self.every_n_steps == 0
 
-    def store(self, run_id: str, rank: int, local_dir: Path) -> MemoryStore:
-        return MemoryStore(self.base / run_id / memory_rank_dirname(rank), local_dir=local_dir)
+    def store(self, run_id: str, rank: int, local_dir: Path, identity: str) -> MemoryStore:
+        """Rank ``rank``'s snapshots of run ``run_id`` made for ``local_dir`` (its :func:`local_dir_identity`)."""
+        return MemoryStore(self.base / run_id / memory_rank_dirname(rank), identity=identity, local_dir=local_dir,
+                           check_base=self.memory_dir is None)
 
-    def partner_store(self, run_id: str, of_rank: int, local_dir: Path) -> MemoryStore:
-        """The copies of rank ``of_rank``'s snapshots that this node holds as its partner."""
-        return MemoryStore(self.base / run_id / partner_dirname(of_rank), local_dir=local_dir)
+    def partner_store(self, run_id: str, of_rank: int, *, layout: tuple[tuple[int, ...], ...]) -> MemoryStore:
+        """The copies of rank ``of_rank``'s snapshots that this node holds as its partner: the run's (its id and
+        node ``layout``), whatever this node's ``local_dir`` (a replaced node's is new)."""
+        return MemoryStore(self.base / run_id / partner_dirname(of_rank), identity=layout_identity(layout),
+                           check_base=self.memory_dir is None)
 
 
 def check_memory(value: Any) -> MemoryTier | None:
@@ -116,39 +127,58 @@ class Snapshot:
 
 
 class MemoryStore:
-    """One rank's snapshots under ``root`` (``memory_dir/<run-id>/rank-R``) of the engines on ``local_dir`` (each
-    life names its ``local_dir``: two jobs that share a launcher's run id never read or remove each other's)."""
+    """One rank's snapshots under ``root`` (``memory_dir/<run-id>/rank-R``) of the engines of ``identity`` (each
+    life records the identity it was made for, :mod:`persist_core.tiers.memory_files`: the incarnation of
+    ``local_dir``, so two jobs that share a launcher's run id, or a ``local_dir`` erased and made again, never read
+    each other's; ``None``: every life, for listing). ``local_dir``: the path the lives name (which a life of an
+    earlier incarnation of it names too: ``persist gc --memory`` removes those). ``check_base``: the base is the
+    default one, checked as this user's own as the directories below it are."""
 
-    def __init__(self, root: Path, *, local_dir: Path | None = None) -> None:
+    def __init__(self, root: Path, *, identity: str | None, local_dir: Path | None = None,
+                 check_base: bool = False) -> None:
         self.root = root
+        self.identity = identity
         self.local_dir = None if local_dir is None else os.path.realpath(local_dir)
+        self._check_base = check_base
         self.life: Path | None = None  # this engine's slots (open_life)
         self._lock_fd: int | None = None
+
+    def _dirs(self) -> list[Path]:
+        """The directories above the lives, from the base (the default one) down."""
+        run = self.root.parent
+        return [run.parent, run, self.root] if self._check_base else [run, self.root]
 
     # ---- the writing engine's own life
 
     def open_life(self) -> Path:
-        """Make (mode 0700, never through a link) and lock this engine's slot directory; its path.
+        """Make (mode 0700, each directory this user's own, never through a link) and lock this engine's slot
+        directory; its path.
 
         Raises:
-            ConfigError: a link is planted on the way, or the directory cannot be made (named, with the fix).
+            ConfigError: a directory on the way is a link or not this user's own, or cannot be made (named, with the
+                fix).
         """
         if self.life is not None:
             return self.life
-        for d in (self.root.parent, self.root):  # memory_dir itself is the user's to choose
-            if is_link(d):
-                raise ConfigError(f"{d} is a symbolic link; the memory tier never follows links there: remove it "
-                                  "or pass MemoryTier(memory_dir=...) elsewhere")
+        base = self.root.parent.parent
+        try:  # a memory_dir the user chose: made as asked, its parents too
+            base.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot make the memory tier's directory {base} ({e.strerror or e}); pass "
+                              "MemoryTier(memory_dir=...) a writable tmpfs") from e
+        for d in self._dirs():
+            make_dir(d)
         life = self.root / life_dirname(secrets.token_hex(8))
+        make_dir(life)
         try:
-            life.mkdir(mode=0o700, parents=True)
             fd = os.open(life, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
-            raise ConfigError(f"cannot make the memory tier's directory {life} ({e.strerror or e}); pass "
-                              "MemoryTier(memory_dir=...) a writable tmpfs") from e
+            raise ConfigError(f"cannot open the memory tier's directory {life} ({e.strerror or e})") from e
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # while this engine lives: another never removes it
+        if self.identity is not None:
+            write_side_file(life / IDENTITY_NAME, self.identity.encode(), mode=0o600)
         if self.local_dir is not None:
-            write_side_file(life / LOCAL_DIR_NAME, self.local_dir.encode())
+            write_side_file(life / LOCAL_DIR_NAME, self.local_dir.encode(), mode=0o600)
         self.life, self._lock_fd = life, fd
         return life
 
@@ -159,11 +189,11 @@ class MemoryStore:
 
     def commit(self, slot: Path, manifest: Manifest) -> None:
         """The bytes of ``slot`` are ``manifest``'s snapshot: write its record (one rename)."""
-        write_side_file(_record(slot), manifest.to_bytes())
+        write_side_file(record_of(slot), manifest.to_bytes(), mode=0o600)
 
     def drop(self, slot: Path) -> None:
         """``slot`` is about to be overwritten: its record goes first."""
-        _record(slot).unlink(missing_ok=True)
+        record_of(slot).unlink(missing_ok=True)
 
     def drop_newer(self, step: int) -> None:
         """A snapshot of ``step`` was committed: records of newer steps are a branch the run went back from
@@ -174,35 +204,49 @@ class MemoryStore:
 
     def remove_other_lives(self) -> None:
         """Remove the slots of earlier engines that no live process holds (a restart read what it needed)."""
-        for life in self._lives():
-            if life != self.life and _unlocked(life):
-                _remove(life)
+        self._remove([life for life in self._lives() if life != self.life and _unlocked(life)])
 
-    def close(self, *, remove: bool) -> None:
-        """Release this engine's lock; ``remove``: the run finished, its snapshots (every life no live process
-        holds) go, and the run's directories once empty."""
+    def close(self, *, remove: bool, others_up_to: int | None = None) -> None:
+        """Release this engine's lock; ``remove``: the run finished, this engine's snapshots go, and the run's
+        directories once empty; so do those of earlier engines no live process holds whose newest step is at most
+        ``others_up_to`` (``None``: every one; this engine's own snapshot superseded them): the only copy of a newer
+        step stays (a process that only read it closes well). The oldest go first: a kill in the middle leaves the
+        newest."""
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
         if not remove:
             return
-        if self.life is not None:  # its own, even if a forked child (a DataLoader worker) still holds the lock
-            _remove(self.life)
+        lives = [] if self.life is None else [self.life]  # even if a forked child (a DataLoader worker) holds it
         for life in self._lives():
-            if _unlocked(life):
-                _remove(life)
+            if life == self.life or not _unlocked(life):
+                continue
+            newest = max((s.step for s in self.snapshots([life])), default=-1)
+            if others_up_to is None or newest <= others_up_to:
+                lives.append(life)
+            else:
+                log.info("kept the memory snapshot of step %d in %s: no snapshot of this process nor a disk "
+                         "checkpoint holds that step yet", newest, life)
+        self._remove(lives)
         for d in (self.root, self.root.parent):
             try:
                 d.rmdir()
             except OSError:
                 break  # another rank's or life's are there
 
+    def _remove(self, lives: list[Path]) -> None:
+        """Remove ``lives``, the one with the oldest newest snapshot first, each oldest record first."""
+        order = sorted(((self.snapshots([life]), life) for life in lives),
+                       key=lambda t: t[0][0].step if t[0] else -1)
+        for snaps, life in order:
+            remove_life(life, [s.path for s in reversed(snaps)])
+
     # ---- reading (any process)
 
     def snapshots(self, lives: list[Path] | None = None) -> list[Snapshot]:
         """Every committed snapshot (of ``lives``; default: all of this rank's) whose record reads and whose slot
-        is as large as it says, newest first (a torn or overwritten one has no record; one whose bytes do not
-        check fails its read)."""
+        is as large as it says, both this user's own, newest first (a torn or overwritten one has no record; one
+        whose bytes do not check fails its read)."""
         found = []
         for life in self._lives() if lives is None else lives:
             try:
@@ -215,9 +259,14 @@ class MemoryStore:
                     continue
                 slot = life / slot_name
                 try:
-                    manifest = Manifest.from_bytes(read_side_file(life / name), where=str(life / name))
+                    manifest = Manifest.from_bytes(read_own_file(life / name), where=str(life / name))
+                    if not ours(slot, directory=False):
+                        continue
                     size = os.lstat(slot).st_size
-                except (OSError, CorruptCheckpointError, ConfigError) as e:
+                except ConfigError as e:  # not this user's own, or a link
+                    warn_once(log, str(life / name), "%s", e)
+                    continue
+                except (OSError, CorruptCheckpointError) as e:
                     log.debug("memory snapshot record %s skipped: %s", life / name, e)
                     continue
                 if len(manifest.files) == 1 and manifest.files[0].size <= size:
@@ -227,19 +276,47 @@ class MemoryStore:
     def steps(self) -> set[int]:
         return {s.step for s in self.snapshots()}
 
-    def _lives(self) -> list[Path]:
+    def _all_lives(self) -> list[Path]:
+        """Every life under ``root`` that is this user's own (none when a directory above is not)."""
+        if not all_ours(self._dirs()):
+            return []
         try:
             names = os.listdir(self.root)
         except OSError:
             return []
-        lives = [self.root / n for n in names if is_life_dirname(n) and not is_link(self.root / n)]
-        return [life for life in lives if self.local_dir is None or _local_dir_of(life) in (None, self.local_dir)]
+        return [self.root / n for n in sorted(names) if is_life_dirname(n) and ours(self.root / n)]
+
+    def _lives(self) -> list[Path]:
+        """The lives of this store's identity (the others skipped: one log line each, when it may be a user's)."""
+        return [life for life in self._all_lives() if self.identity is None or self._mine(life)]
+
+    def _mine(self, life: Path) -> bool:
+        identity = _side(life, IDENTITY_NAME)
+        if identity == self.identity:
+            return True
+        if identity is None:
+            warn_once(log, str(life), "memory snapshots in %s skipped: they name no identity (an older version's, or "
+                      "torn), so no local_dir resumes from them; `persist gc LOCAL_DIR --memory` removes them", life)
+        elif self.local_dir is not None and _side(life, LOCAL_DIR_NAME) == self.local_dir:
+            warn_once(log, str(life), "memory snapshots in %s skipped: made for an earlier incarnation of %s (erased "
+                      "and made again since), never resumed from; `persist gc %s --memory` removes them", life,
+                      self.local_dir, self.local_dir)
+        else:
+            log.debug("memory snapshots in %s are another job's (%s)", life, identity)
+        return False
+
+    def orphans(self) -> list[Path]:
+        """The lives no ``local_dir`` resumes from that this store's ``local_dir`` answers for: those that name no
+        identity, and those made for an earlier incarnation of it."""
+        return [life for life in self._all_lives() if (identity := _side(life, IDENTITY_NAME)) is None
+                or (identity != self.identity and self.local_dir is not None
+                    and _side(life, LOCAL_DIR_NAME) == self.local_dir)]
 
 
-def _local_dir_of(life: Path) -> str | None:
-    """The ``local_dir`` whose engine mapped ``life`` (``None``: not said)."""
+def _side(life: Path, name: str) -> str | None:
+    """What ``life``'s side file ``name`` says (``None``: nothing readable)."""
     try:
-        return read_side_file(life / LOCAL_DIR_NAME).decode()
+        return read_own_file(life / name).decode() or None
     except (OSError, UnicodeDecodeError, ConfigError):
         return None
 
@@ -249,10 +326,6 @@ def _written_ns(path: Path) -> int:
         return os.lstat(path).st_mtime_ns
     except OSError:
         return 0
-
-
-def _record(slot: Path) -> Path:
-    return slot.with_name(slot.name + SLOT_RECORD_SUFFIX)
 
 
 def _unlocked(life: Path) -> bool:
@@ -270,38 +343,46 @@ def _unlocked(life: Path) -> bool:
         os.close(fd)
 
 
-def _remove(life: Path) -> None:
-    if is_link(life):
-        return
-    shutil.rmtree(life, ignore_errors=True)
-    log.debug("removed the memory snapshots in %s", life)
-
-
-def run_lives(base: Path, run_id: str, local_dir: Path | None = None) -> list[tuple[Path, bool, list[Snapshot]]]:
-    """Every slot directory of run ``run_id`` under ``base`` (each rank's, each engine's, and the partner copies this
-    node holds for other ranks, ``partner-of-rank-R``): its path, whether a live process holds it, and its committed
-    snapshots (newest first)."""
+def _stores(base: Path, run_id: str, local_dir: Path | None, check_base: bool) -> list[MemoryStore]:
+    """Run ``run_id``'s stores under ``base`` as ``local_dir`` answers for them: each rank's of its identity, and
+    the partner copies this node holds for other ranks (the run's, whatever the local_dir)."""
     run = base / run_id
-    if is_link(run):
+    if not all_ours([base, run] if check_base else [run]):
         return []
+    identity = None if local_dir is None else (local_dir_identity(local_dir, create=False) or "")
     try:
-        ranks = [run / n for n in sorted(os.listdir(run))
-                 if (n.startswith("rank-") or parse_partner_dirname(n) is not None) and not is_link(run / n)]
+        names = sorted(os.listdir(run))
     except OSError:
         return []
+    stores = []
+    for n in names:
+        partner = parse_partner_dirname(n) is not None
+        if (n.startswith("rank-") or partner) and ours(run / n):
+            stores.append(MemoryStore(run / n, identity=None if partner else identity, local_dir=local_dir))
+    return stores
+
+
+def run_lives(base: Path, run_id: str, local_dir: Path | None = None, *, check_base: bool = False,
+              orphans: bool = False) -> list[tuple[Path, bool, list[Snapshot]]]:
+    """Every slot directory of run ``run_id`` under ``base`` that ``local_dir`` reads (each rank's, each engine's,
+    and the partner copies this node holds for other ranks, ``partner-of-rank-R``; ``orphans``: also those it
+    answers for that no local_dir reads): its path, whether a live process holds it, and its committed snapshots
+    (newest first)."""
     found = []
-    for rank in ranks:
-        store = MemoryStore(rank, local_dir=local_dir)
-        for life in sorted(store._lives()):
+    for store in _stores(base, run_id, local_dir, check_base):
+        lives = store._lives() + (store.orphans() if orphans and store.identity is not None else [])
+        for life in sorted(set(lives)):
             found.append((life, not _unlocked(life), store.snapshots([life])))
     return found
 
 
-def remove_stale(base: Path, run_id: str, local_dir: Path | None = None, *, dry_run: bool = False) -> list[Path]:
-    """Remove (``dry_run``: only name) the slot directories of run ``run_id`` (``local_dir``'s) that no live
-    process holds."""
-    stale = [life for life, live, _ in run_lives(base, run_id, local_dir) if not live]
+def remove_stale(base: Path, run_id: str, local_dir: Path | None = None, *, check_base: bool = False,
+                 dry_run: bool = False) -> list[Path]:
+    """Remove (``dry_run``: only name) the slot directories of run ``run_id`` (``local_dir``'s, and those of earlier
+    incarnations of it or that name none) that no live process holds, each oldest record first."""
+    stale = [(life, snaps) for life, live, snaps in run_lives(base, run_id, local_dir, check_base=check_base,
+                                                               orphans=True) if not live]
     if not dry_run:
-        for life in stale:
-            _remove(life)
-    return stale
+        for life, snaps in stale:
+            remove_life(life, [s.path for s in reversed(snaps)])
+    return [life for life, _ in stale]

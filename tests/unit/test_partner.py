@@ -103,7 +103,8 @@ def _snapshots(tmp_path: Path, steps: tuple[int, int] = (1, 2)) -> list[Snapshot
         engine.snapshot(state_for(step, (512, 512), random=True), step)
     engine.wait()
     engine._close(finished=False)
-    snaps = sorted(MemoryStore(next((tmp_path / "shm").iterdir()) / "rank-00000").snapshots(), key=lambda s: s.step)
+    snaps = sorted(MemoryStore(next((tmp_path / "shm").iterdir()) / "rank-00000", identity=None).snapshots(),
+                   key=lambda s: s.step)
     assert [s.step for s in snaps] == list(steps)
     return snaps
 
@@ -123,7 +124,7 @@ def test_a_new_copy_step_waits_until_every_rank_finished_the_last_and_a_copy_tha
         tmp_path):
     one, two, three = _three(tmp_path)
     wire, settled = Wire(), []
-    held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", local_dir=tmp_path / "node1")
+    held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", identity="nodes-0-1")
     channel, sender, receiver = _pair(wire, held, settle=settled.append)
     sending = sender._p2p
     try:
@@ -155,7 +156,7 @@ def test_a_new_copy_step_waits_until_every_rank_finished_the_last_and_a_copy_tha
 
 def test_the_rank_holding_the_copies_never_overwrites_the_settled_one_and_a_step_without_a_snapshot_is_said(tmp_path):
     one, two, three = _three(tmp_path)
-    held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", local_dir=tmp_path / "node1")
+    held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", identity="nodes-0-1")
     channel, sender, receiver = _pair(Wire(), held)
     try:
         assert sender.agree(1) and receiver.agree(1)
@@ -201,7 +202,7 @@ def test_persist_ls_shows_the_partner_copies_a_node_holds_and_gc_never_removes_a
     shm, ckpt = tmp_path / "shm", str(tmp_path / "ckpt")
     run = next(shm.iterdir())
     wire = Wire()
-    held = MemoryStore(run / "partner-of-rank-00001", local_dir=tmp_path / "ckpt")  # this node holds rank 1's
+    held = MemoryStore(run / "partner-of-rank-00001", identity=None)  # this node holds rank 1's
     channel, sender, receiver = _pair(wire, held, ranks=(1, 0))
     try:
         assert sender.agree(2) and receiver.agree(2)
@@ -230,7 +231,7 @@ def test_a_run_that_goes_back_to_an_older_step_starts_the_copy_steps_over_and_dr
         tmp_path):
     one, two = _snapshots(tmp_path)
     settled = []
-    held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", local_dir=tmp_path / "node1")
+    held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", identity="nodes-0-1")
     channel, sender, receiver = _pair(Wire(), held, settle=settled.append)
     try:
         for snap in (one, two):
