@@ -182,3 +182,27 @@ def test_a_finished_run_removes_its_slots_even_with_a_forked_child_alive(tmp_pat
         child.join()
 
 
+
+
+# a tmpfs that fills up after the slots were made (a DataLoader's shared memory): each snapshot's record finds no room
+def test_a_full_tmpfs_warns_once_for_the_run_not_once_per_snapshot(tmp_path, monkeypatch, caplog):
+    import errno
+    import os
+
+    from persist_core.tiers import memory as memory_mod
+
+    real = memory_mod.write_side_file
+
+    def no_room(path, data):
+        if str(path).startswith(str(tmp_path / "shm")) and str(path).endswith(".json"):  # the records
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(path, data)
+
+    monkeypatch.setattr(memory_mod, "write_side_file", no_room)
+    with caplog.at_level(logging.WARNING), CheckpointEngine(tmp_path / "ckpt", memory=_mem(tmp_path)) as engine:
+        for step in range(1, 6):
+            engine.maybe_save(lambda: state_for(step, (64,)), step)
+        engine.wait()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "No space" in r.getMessage()]
+    assert len(said) == 1, said
+    assert str(tmp_path / "shm") in said[0]
