@@ -36,7 +36,7 @@ from persist_core.save.saver import Saver
 from persist_core.save.snapshots import Snapshots
 from persist_core.save.staging import StagingPool
 from persist_core.scheduler import SaveScheduler
-from persist_core.layout import RUN_ID_NAME
+from persist_core.layout import RUN_ID_NAME, parse_memory_rank_dirname
 from persist_core.sidefiles import read_side_file
 from persist_core.sync.lease import keep_run_id, local_run_id
 from persist_core.sync.partner import PartnerCopies, partners
@@ -224,9 +224,25 @@ def _snapshots_of(config: Config, root: Path, coll: Collectives, run_id: str, no
                     "(docker run --shm-size=...) or pass MemoryTier(memory_dir=...) a larger tmpfs", coll.rank, why,
                     config.memory.base)
 
+    _say_unused_ranks(store.root.parent, coll)
     allocator = SlotAllocator(store.open_life, slots=_slots(config, nodes), free_bytes=store.free_bytes,
                               pin=torch.cuda.is_available(), on_full=full, make_room=store.remove_other_lives)
     return Snapshots(config.memory, store, allocator, chunk_bytes=config.chunk_bytes, rank=coll.rank)
+
+
+def _say_unused_ranks(run_dir: Path, coll: Collectives) -> None:
+    """Rank 0, once: the snapshots of ranks this run does not have (a resume with fewer processes) are not used."""
+    if coll.rank != 0:
+        return
+    try:
+        ranks = sorted(r for r in (parse_memory_rank_dirname(p.name) for p in run_dir.iterdir())
+                       if r is not None and r >= coll.world_size)
+    except OSError:
+        return
+    if ranks:
+        log.warning("the memory snapshots of ranks %s in %s are not used: this run has %d rank(s), so it reads only "
+                    "ranks below %d (a resume with as many ranks as saved reads them; `persist gc --memory` removes "
+                    "the run's snapshots no live process holds)", ranks, run_dir, coll.world_size, coll.world_size)
 
 
 def close_at_exit(engine: CheckpointEngine) -> None:

@@ -247,6 +247,15 @@ def memory_rank_dirname(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
+_RANK_RE = re.compile(r"rank-" + _INDEX)
+
+
+def parse_memory_rank_dirname(name: str) -> int | None:
+    """The rank whose snapshots the directory ``name`` under ``memory_dir/<run-id>`` holds, or ``None``."""
+    m = _fullmatch(_RANK_RE, name)
+    return None if m is None else int(m.group(1))
+
+
 _PARTNER_RE = re.compile(r"partner-of-rank-" + _INDEX)
 
 

@@ -32,6 +32,12 @@ def linked(path: Path | str) -> ConfigError:
                        "through or follows links there (the link's target would be overwritten): remove the link")
 
 
+def not_a_file(path: Path | str) -> ConfigError:
+    """The error for something other than a regular file (a directory, a FIFO) where a side file of ours goes."""
+    return ConfigError(f"{path} is not a regular file; torch-persist keeps a file of its own there: remove it "
+                       "(or move it away)")
+
+
 def open_side_file(path: Path, flags: int, mode: int = 0o644) -> int:
     """``os.open(path, flags)`` that never follows a link at ``path`` (``O_NOFOLLOW``, close-on-exec).
 
@@ -52,12 +58,13 @@ def read_side_file(path: Path) -> bytes:
 
     Raises:
         FileNotFoundError: there is none.
-        ConfigError: ``path`` is a link, or not a regular file (named).
+        ConfigError: ``path`` is a link, or not a regular file (a directory, a FIFO: named).
     """
     fd = open_side_file(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory (IsADirectoryError)
+        os.close(fd)
+        raise not_a_file(path)
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"{path} is not a regular file; torch-persist keeps a file of its own there: remove it")
         return f.read()
 
 
@@ -67,7 +74,7 @@ def write_side_file(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     itself, never its target.
 
     Raises:
-        ConfigError: ``<name>.tmp`` is a link (named).
+        ConfigError: ``<name>.tmp`` is a link, or ``path`` a directory (named).
     """
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -80,7 +87,10 @@ def write_side_file(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except IsADirectoryError:
+            raise not_a_file(path) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

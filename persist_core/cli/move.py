@@ -223,18 +223,27 @@ def _upload_step(ctx: click.Context, src: Location, dst: RemoteTier, step: int, 
               help="torch: one torch.save file; safetensors: one .safetensors file of every tensor by key path "
                    "(sharded ones whole), written tensor by tensor; others come from installed adapters "
                    "(accelerate: a plain Accelerate directory, with torch-persist[accelerate])")
+@click.option("--prefix", default=None,
+              help="safetensors only: just the tensors under this key, keyed as load_state_dict takes them "
+                   "(state_dict: a Lightning checkpoint's model; models/0: PersistHook's first); default: every "
+                   "tensor, keyed by its key path (state_dict/net.0.weight)")
 @click.option("--unsafe-pickle", is_flag=True,
               help="unpickle non-tensor leaves in full (runs code a crafted checkpoint chose: only for checkpoints "
                    "you trust); default: only the types training states hold")
 @click.pass_context
-def export(ctx: click.Context, location: str, step: int | None, target: str, fmt: str, unsafe_pickle: bool) -> None:
+def export(ctx: click.Context, location: str, step: int | None, target: str, fmt: str, prefix: str | None,
+           unsafe_pickle: bool) -> None:
     """Write a checkpoint as one torch.save file (Lightning loads it), one safetensors file, or a plain
     Accelerate directory. Sharded checkpoints come out whole (consolidated).
 
     \b
     Example:
       persist export s3://bucket/run-7 --format safetensors --to model.safetensors
+      persist export /nvme/ckpt --format safetensors --prefix state_dict --to model.safetensors
     """
+    if prefix is not None and fmt != "safetensors":
+        raise click.UsageError(f"--prefix {prefix} is for --format safetensors (not {fmt}); drop it or add "
+                               "--format safetensors")
     parent = Path(target).expanduser().absolute().parent
     if fmt in ("torch", "safetensors") and not parent.is_dir():
         raise click.UsageError(f"--to {target}: its directory {parent} does not exist; create it or choose another")
@@ -246,9 +255,9 @@ def export(ctx: click.Context, location: str, step: int | None, target: str, fmt
         t0 = time.perf_counter()
         from persist_core.load.consolidate import export_safetensors
 
-        n, nbytes, skipped = export_safetensors(loc.tier, s, Path(target))
+        n, nbytes, skipped = export_safetensors(loc.tier, s, Path(target), prefix=prefix)
         click.echo(f"step {s} -> {target}: {n} tensors, {took(nbytes, time.perf_counter() - t0)}"
-                   + (f"; not tensors, so not in it: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}"
+                   + (f"; {'not under --prefix, or' if prefix else ''} not tensors, so not in it: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}"
                       if skipped else ""))
         return
     if fmt != "torch":

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
@@ -87,9 +87,11 @@ def _direct(dst: torch.Tensor, dtype: torch.dtype, span_is_box: bool) -> bool:
 
 
 def iter_tensors(manifest: Manifest, *, read_blocks: ReadBlocks, pool: Executor, where: str,
-                 stats: LoadStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 stats: LoadStats | None = None, only: Container[str] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor of the checkpoint whole (sharded ones assembled), one at a time, with its key path:
-    memory about the largest tensor, not the state (consolidation, ``persist export``)."""
+    memory about the largest tensor, not the state (consolidation, ``persist export``). ``only``: the key paths
+    to read (the others are not read)."""
     stats = stats if stats is not None else LoadStats()
     headers: dict[str, tuple[dict[str, tuple[int, int]], dict[str, str]]] = {}
     paths = tensor_paths(manifest.tree)
@@ -97,6 +99,8 @@ def iter_tensors(manifest: Manifest, *, read_blocks: ReadBlocks, pool: Executor,
         raise CorruptCheckpointError(f"{where}: the manifest's tree has {len(paths)} tensors, its records "
                                      f"{len(manifest.tensors)}")
     for path, rec in zip(paths, manifest.tensors):
+        if only is not None and path not in only:
+            continue
         plan = ReadPlan(manifest, read_blocks, pool, stats, headers)
         tensor = _plan_tensor(plan, path, rec, None, torch.device("cpu"), where)
         plan.run()

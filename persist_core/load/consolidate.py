@@ -23,13 +23,20 @@ from persist_core.load.references import resolve, split_name
 from persist_core.tiers import Tier
 
 
-def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, list[str]]:
+def export_safetensors(tier: Tier, step: int, target: Path, *, prefix: str | None = None
+                       ) -> tuple[int, int, list[str]]:
     """Write checkpoint ``step`` of ``tier`` as one safetensors file, streaming tensor by tensor (each read
     verified; memory about the largest tensor). JSON scalars go in its metadata; pickled leaves are left
     out. Returns ``(tensors, bytes, names left out)``.
 
+    Args:
+        prefix: only the tensors under this key path (``state_dict`` for a Lightning checkpoint, ``models/0`` for
+            PersistHook's first model), keyed by what follows it: the model's keys as ``load_state_dict`` takes them.
+            ``None``: every tensor, keyed by its key path (``state_dict/net.0.weight``).
+
     Raises:
-        ConfigError: a tensor of a dtype safetensors cannot name (export it with ``--format torch``).
+        ConfigError: a tensor of a dtype safetensors cannot name (export it with ``--format torch``); no tensor
+            under ``prefix`` (the message names the top-level keys holding tensors).
         CorruptCheckpointError: a block does not verify (nothing is left at ``target``).
     """
     m = tier.read_manifest(step)
@@ -37,9 +44,12 @@ def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, l
     if m.depends_on():  # an incremental checkpoint: what it references is read from the checkpoints holding it
         m, names = resolve(m, tier.read_manifest, where=f"{tier}")
     paths = tensor_paths(m.tree)
+    keys = _keys(paths, prefix)
     entries: dict[str, Any] = {}
     pos = 0
     for path, rec in zip(paths, m.tensors):
+        if path not in keys:
+            continue
         dtype = dtype_from_name(rec.dtype)
         name = safetensors_dtype(dtype)
         if name is None:
@@ -49,7 +59,7 @@ def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, l
         for d in rec.shape:
             n *= d
         size = n * itemsize(dtype)
-        entries[path] = {"dtype": name, "shape": list(rec.shape), "data_offsets": [pos, pos + size]}
+        entries[keys[path]] = {"dtype": name, "shape": list(rec.shape), "data_offsets": [pos, pos + size]}
         pos += size
     values, skipped = {}, []
 
@@ -64,6 +74,9 @@ def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, l
             scalars(v, f"{path}/{i}" if path else str(i))
 
     scalars(m.tree, "")
+    if prefix is not None:  # the model's file: the rest of the state is left out (named, as pickled leaves are)
+        values = {k[len(prefix) + 1:]: v for k, v in values.items() if k.startswith(prefix + "/")}
+        skipped = [p for p in skipped if p.startswith(prefix + "/")] + [p for p in paths if p not in keys]
     header = encode_header({"__metadata__": {"format": "pt", "torch-persist-step": str(step), **values}, **entries})
 
     def read(f: Any, first: int, views: list[memoryview]) -> None:
@@ -76,7 +89,7 @@ def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, l
     try:
         with ThreadPoolExecutor(_knobs.write_threads()) as pool, open(partial, "wb") as out:
             out.write(header)
-            for _, t in iter_tensors(m, read_blocks=read, pool=pool, where=f"{tier}"):
+            for _, t in iter_tensors(m, read_blocks=read, pool=pool, where=f"{tier}", only=keys):
                 if t.numel():
                     out.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             out.flush()
@@ -86,3 +99,18 @@ def export_safetensors(tier: Tier, step: int, target: Path) -> tuple[int, int, l
         partial.unlink(missing_ok=True)
         raise
     return len(entries), pos, skipped
+
+
+def _keys(paths: list[str], prefix: str | None) -> dict[str, str]:
+    """The exported tensors' key paths -> their keys in the file (``prefix``'s stripped; see
+    :func:`export_safetensors`)."""
+    if prefix is None:
+        return {p: p for p in paths}
+    prefix = prefix.strip("/")
+    keys = {p: p[len(prefix) + 1:] for p in paths if p.startswith(prefix + "/")}
+    if not keys:
+        tops = sorted({p.split("/", 1)[0] for p in paths if "/" in p})
+        raise ConfigError(f"--prefix {prefix}: no tensor of this checkpoint is under {prefix!r}; the keys holding "
+                          f"tensors are {tops} (a Lightning checkpoint's model is under 'state_dict', PersistHook's first "
+                          "under 'models/0')")
+    return keys

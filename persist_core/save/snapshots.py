@@ -16,6 +16,7 @@ and they follow the copy thread block by block (:class:`Filling`) instead of sta
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import threading
 from collections.abc import Callable
@@ -55,6 +56,7 @@ class Snapshots:
         self._newest: StagingBuffer | None = None  # the newest committed snapshot's slot (kept)
         self._newest_step = -1
         self._committed = 0
+        self._no_room_said = False  # a snapshot found its file system full: said once for the run, DEBUG after
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="persist-memory")
         self._last: Future[None] | None = None  # the last commit submitted
         self._taken_max = -1  # the newest step saved or snapshot by this engine
@@ -176,7 +178,16 @@ class Snapshots:
             self.store.commit(path, manifest)
             self.store.drop_newer(base.step)  # the run went back to an older step: the newer ones are a branch
         except BaseException as e:  # the previous snapshot stays the newest
-            log.warning("[rank=%d][step=%d] the memory snapshot was not committed: %s", self._rank, base.step, e)
+            no_room = isinstance(e, OSError) and e.errno == errno.ENOSPC
+            if no_room and self._no_room_said:
+                log.debug("[rank=%d][step=%d] the memory snapshot was not committed: %s", self._rank, base.step, e)
+            elif no_room:
+                self._no_room_said = True
+                log.warning("[rank=%d][step=%d] the memory snapshot was not committed: %s; its file system is full "
+                            "(said once: the next snapshots try again, and the disk saves go on); give %s more room",
+                            self._rank, base.step, e, self.store.root)
+            else:
+                log.warning("[rank=%d][step=%d] the memory snapshot was not committed: %s", self._rank, base.step, e)
             self.pool.unkeep(buf)
             self.hand_over_missed(base.step + 1)
             return

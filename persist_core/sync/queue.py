@@ -165,6 +165,12 @@ class RemoteSync:
         """Steps queued, uploading or failed: local retention must keep them."""
         return set(self._unsynced())
 
+    @property
+    def failing(self) -> bool:
+        """The remote is failing now: the last listing or upload failed, or a failed upload waits to be retried."""
+        with self._cond:
+            return self._down or bool(self._failed)
+
     def unsynced_bytes(self) -> int:
         return sum(j.manifest.nbytes for j in self._unsynced().values())
 

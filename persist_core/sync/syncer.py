@@ -205,23 +205,29 @@ class Syncer:
     def check_backlog(self, step: int, nbytes: int) -> None:
         """Refuse a save that would pile more un-synced bytes than the cap (an outage); nothing is deleted.
 
+        Without ``max_unsynced_bytes`` the cap holds only while the remote fails: with the remote answering, a nearly
+        full disk is the disk's to report (the save's own write fails on it, as it would without a remote).
+
         Raises:
             WriteError: the cap (``max_unsynced_bytes``, else 10% of the disk left free) would be passed.
         """
         backlog = 0 if self.queue is None else self.queue.unsynced_bytes()
         if not backlog:
             return
+        failing = self.queue.failing
         if self._max_unsynced is not None:
             full, limit = backlog + nbytes > self._max_unsynced, f"max_unsynced_bytes={self._max_unsynced}"
+        elif not failing:
+            return
         else:
             disk = shutil.disk_usage(self._root)
             full, limit = disk.free - nbytes < 0.1 * disk.total, f"10% of {self._root}'s file system free"
         if full:
+            why = f"uploads failing: {self.queue.failures} attempts" if failing else "uploads under way"
             raise WriteError(errno.ENOSPC, (
                 f"checkpoint step={step} not saved: {backlog} bytes of checkpoints ({sorted(self.queue.unsynced_steps())}) "
-                f"still wait for {self._url} (uploads failing: {self.queue.failures} attempts), and {nbytes} more would "
-                f"pass {limit}. Nothing was deleted; restore the remote (or pass a larger max_unsynced_bytes) and "
-                "save again"))
+                f"still wait for {self._url} ({why}), and {nbytes} more would pass {limit}. Nothing was deleted; "
+                "restore the remote (or pass a larger max_unsynced_bytes) and save again"))
 
     def drain(self, deadline: float | None, timeout: float | None, *, closing: bool) -> None:
         """Block until nothing is un-synced (once the writer drained; ``deadline``: ``time.monotonic()``).

@@ -19,6 +19,7 @@ from persist_core import (
     CheckpointReader,
     ConfigError,
     KeepLastN,
+    MemoryTier,
     layout,
 )
 from persist_core.cli import main
@@ -348,3 +349,15 @@ def test_a_link_at_the_weights_only_directory_is_never_written_through(tmp_path)
         session.save({"w": torch.ones(2)}, 1, kind="weights-only")
     session.close()
     assert list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize("given", [None, "run-given"], ids=["read", "written"])
+def test_a_run_id_that_is_a_directory_is_a_config_error_naming_it(tmp_path, no_launcher_run_id, given):
+    root = tmp_path / "ckpt"
+    (root / RUN_ID_NAME).mkdir(parents=True)
+    with pytest.raises(ConfigError, match=rf"{RUN_ID_NAME} is not a regular file.*remove it"):
+        if given is None:  # the lease reads the run id kept there
+            CheckpointEngine(root, remote_url=memory_url())
+        else:  # the memory tier keeps the given one there
+            CheckpointEngine(root, run_id=given, memory=MemoryTier(memory_dir=tmp_path / "shm"))
+    assert (root / RUN_ID_NAME).is_dir() and not (root / f"{RUN_ID_NAME}.tmp").exists()  # left as it was

@@ -182,3 +182,43 @@ def test_a_finished_run_removes_its_slots_even_with_a_forked_child_alive(tmp_pat
         child.join()
 
 
+
+
+# a tmpfs that fills up after the slots were made (a DataLoader's shared memory): each snapshot's record finds no room
+def test_a_full_tmpfs_warns_once_for_the_run_not_once_per_snapshot(tmp_path, monkeypatch, caplog):
+    import errno
+    import os
+
+    from persist_core.tiers import memory as memory_mod
+
+    real = memory_mod.write_side_file
+
+    def no_room(path, data):
+        if str(path).startswith(str(tmp_path / "shm")) and str(path).endswith(".json"):  # the records
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(path, data)
+
+    monkeypatch.setattr(memory_mod, "write_side_file", no_room)
+    with caplog.at_level(logging.WARNING), CheckpointEngine(tmp_path / "ckpt", memory=_mem(tmp_path)) as engine:
+        for step in range(1, 6):
+            engine.maybe_save(lambda: state_for(step, (64,)), step)
+        engine.wait()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "No space" in r.getMessage()]
+    assert len(said) == 1, said
+    assert str(tmp_path / "shm") in said[0]
+
+
+# a 2-rank run's snapshots, then a resume with 1 process: rank 1's are not read, and that is said once
+def test_a_resume_with_fewer_ranks_names_the_ranks_whose_snapshots_are_not_used(tmp_path, caplog):
+    import shutil
+
+    memory = _mem(tmp_path)
+    first = CheckpointEngine(tmp_path / "ckpt", memory=memory)
+    first.snapshot(state_for(3, (64,)), 3)
+    first.close(keep_memory=True)  # killed
+    (rank0,) = (tmp_path / "shm").glob("*/rank-00000")
+    shutil.copytree(rank0, rank0.with_name("rank-00001"))  # as the run's rank 1 left its own
+    with caplog.at_level(logging.WARNING), CheckpointEngine(tmp_path / "ckpt", memory=memory) as resumed:
+        assert resumed.load()["step"] == 3
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "not used" in r.getMessage()]
+    assert len(said) == 1 and "ranks [1]" in said[0] and str(rank0.parent) in said[0], said

@@ -277,3 +277,32 @@ def test_close_after_the_remote_timed_out_does_not_upload_the_queue_first(tmp_pa
     with CheckpointEngine(tmp_path / "a", remote_url=url) as again:  # the next engine uploads them
         again.wait()
         assert [c.step for c in again.list("remote")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["no-remote", "healthy-remote"])
+def test_a_nearly_full_disk_with_a_healthy_remote_fails_as_it_would_without_one(tmp_path, url, monkeypatch, remote):
+    """A disk with under 10% free and an upload under way (the remote answering): the save is not refused for the
+    remote's backlog ("uploads failing: 0 attempts"); the shard's write fails on the full disk, and says so."""
+    from persist_core.errors import WriteError
+    from persist_core.sync import syncer
+    from tests.support.fakes import FailingOps
+
+    gate = GatedUploads(monkeypatch)
+    ops = FailingOps(fail_at=1 << 60, always=True)
+    root = tmp_path / "a"
+    engine = CheckpointEngine(root, remote_url=url if remote else None, file_ops=ops)
+    engine.save(state_for(1), step=1).wait_local()
+    if remote:
+        assert gate.first_started.wait(60)  # step 1 is uploading: un-synced, nothing failed
+    total = shutil.disk_usage(root).total
+    monkeypatch.setattr(syncer.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(total, total, total // 20))
+    ops.fail_at = ops.calls + 1  # the disk is full from here
+    with pytest.raises(WriteError) as caught:
+        engine.save(state_for(2), step=2).wait_local()
+    said = str(caught.value)
+    assert "No space left on device" in said and str(root) in said, said
+    assert "upload" not in said and "remote" not in said, said
+    ops.fail_at = 1 << 60
+    gate.gate.set()
+    engine.close()
+    assert [i.step for i in CheckpointReader(root).list()] == [1]
