@@ -1,8 +1,9 @@
 """Runs the documentation's code blocks (``tests/integration/test_docs_blocks.py`` starts it once).
 
 Reads a JSON list of pages on stdin, ``{"page", "blocks": [{"id", "code", "runs"}]}``; writes one JSON object to
-the file named by its argument: each block's id -> a list, one entry per run: ``{"error": traceback or None, "calls", "weight"}`` (how many
-times ``train_step()`` ran, and ``model.weight[0, 0]`` at the end: what a resumed run restored).
+the file named by its argument: each block's id -> a list, one entry per run: ``{"error": traceback or None, "calls",
+"weight", "seconds"}`` (how many times ``train_step()`` ran, ``model.weight[0, 0]`` at the end: what a resumed run
+restored, and how long the run took).
 
 The blocks of one page run in order in one namespace (a later block uses an earlier one's imports), each run of a
 block starting from :data:`GIVEN`: the names of the user's own program that the docs leave out. What a block opened
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -89,7 +91,7 @@ def main() -> None:
             runs = results.setdefault(block["id"], [])
             for _ in range(block["runs"]):
                 exec(compile(GIVEN, "<given>", "exec"), namespace)
-                error = None
+                error, t0 = None, time.perf_counter()
                 try:
                     exec(compile(block["code"], block["id"], "exec"), namespace)
                 except BaseException:  # noqa: BLE001 - reported, the next block runs
@@ -100,7 +102,7 @@ def main() -> None:
                     error = error or traceback.format_exc()
                 model = namespace["model"]
                 weight = getattr(model, "weight", None)
-                runs.append({"error": error, "calls": namespace["_calls"],
+                runs.append({"error": error, "calls": namespace["_calls"], "seconds": time.perf_counter() - t0,
                              "weight": None if weight is None else float(weight[0, 0])})
     with open(sys.argv[1], "w") as out:
         json.dump(results, out)
