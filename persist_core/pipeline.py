@@ -4,7 +4,9 @@ the history of what each save cost; everything about the remote goes through one
 
 After each commit (writer thread, :class:`~persist_core.save.writer.Writer`) the checkpoint goes to the sync
 side first (:meth:`Syncer.committed <persist_core.sync.syncer.Syncer.committed>`: the upload queue), then
-local retention (:class:`~persist_core.policies.retention.Retainer`) runs; after each upload (sync thread)
+local retention (:class:`~persist_core.policies.retention.Retainer`) runs, then the watch on the set-aside branches
+(:class:`~persist_core.policies.abandoned.AbandonedWatch`: one warning when they outgrow the live one); after each
+upload (sync thread)
 the records, then local retention. Local retention never touches a step the sync side protects.
 """
 
@@ -19,6 +21,7 @@ from persist_core.fileio import FileOps
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.history import HistoryLog
+from persist_core.policies.abandoned import AbandonedWatch
 from persist_core.policies.retention import Retainer
 from persist_core.save.dedup import Incremental
 from persist_core.save.staging import StagingPool
@@ -70,6 +73,8 @@ class Pipeline:
         self.local = Retainer(local, config.keep_local, protected=lambda: self.sync.protected(),
                               depended_on=lambda: planned() | local.abandoned_depend_on(),
                               dependencies=local.depends_on)
+        #: set-aside branches are kept, but one warning says when they hold more than the live branch
+        self.abandoned = AbandonedWatch(local, str(root))
         #: this rank's side of uploads (the queue on rank 0): the one object the remote goes through
         self.sync = Syncer(root, coll=coll, tier=tier, ledger=ledger, keep_remote=config.keep_remote,
                            latest_step=latest_step,
@@ -108,6 +113,8 @@ class Pipeline:
                                 **({} if slowdown is None else {"write_slowdown": slowdown}))
         self.sync.committed(handle, manifest)
         self._retain_local()
+        if self._node_leader():
+            self.abandoned.check()
 
     def _after_upload(self, job: SyncJob) -> None:
         """Sync thread, after each upload: the records first, then local retention (what waited may go)."""

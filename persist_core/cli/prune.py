@@ -72,6 +72,26 @@ def _spare_referenced(loc: Location, listed: list[Any], gone: set[int], keep: di
             gone.discard(dep)
 
 
+def _remove_abandoned(loc: Location, *, dry_run: bool, say: Callable[[str], Any]) -> list[dict[str, Any]]:
+    """Remove (``dry_run``: only name) every set-aside checkpoint of ``loc``; returns them as ``{step, path, bytes}``.
+
+    Only what :meth:`abandoned` lists goes, by its own set-aside name: never a live checkpoint. Nor one a live
+    checkpoint references: a live checkpoint's references name live, older checkpoints by step (resolved under their
+    live names), a branch sets aside only steps newer than the one it resumed from, and every save after it
+    references the live branch. What a set-aside checkpoint references is live (kept from retention while it is:
+    :meth:`LocalTier.abandoned_depend_on`), and no longer held once it goes.
+    """
+    found = loc.tier.abandoned()
+    for info in sorted(found, key=lambda c: -c.step):  # the newest first: references point back only
+        if not dry_run:
+            loc.tier.remove_abandoned(info.path)
+        say(f"{'would remove' if dry_run else 'removed'} abandoned step {info.step} ({human_size(info.nbytes)}): "
+            f"{info.path}")
+    if not found:
+        say(f"no abandoned checkpoints in {loc.name}")
+    return [{"step": c.step, "path": c.path, "bytes": c.nbytes} for c in found]
+
+
 @main.command()
 @click.argument("location")
 @click.option("--keep-last", type=int, default=None)
@@ -90,10 +110,13 @@ def _spare_referenced(loc: Location, listed: list[Any], gone: set[int], keep: di
 @click.option("--memory", "memory", is_flag=True,
               help="also remove the run's memory snapshots that no live process holds (a stopped run's, in /dev/shm)")
 @click.option("--memory-dir", default=None, help="where the memory snapshots are (default /dev/shm/torch-persist)")
+@click.option("--abandoned", is_flag=True,
+              help="also remove the branches set aside by a resume from an older step (`persist ls` lists them as "
+                   "abandoned); never a live checkpoint")
 @click.pass_context
 def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_steps: int | None,
        keep_every_n_seconds: float | None, incomplete_older_than: float, dry_run: bool, verify_all: bool,
-       no_verify: bool, as_json: bool, memory: bool, memory_dir: str | None) -> None:
+       no_verify: bool, as_json: bool, memory: bool, memory_dir: str | None, abandoned: bool) -> None:
     """Prune with the engine's retention policies (e.g. `persist gc /nvme/ckpt --keep-last 3`).
 
     The policy counts only checkpoints whose manifest reads and whose files have their sizes (with
@@ -103,6 +126,9 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
     Never removed: the newest committed checkpoint; the newest checkpoint that verifies (gc reads the
     newest ones, every byte against its checksums, until one verifies, so corrupt newer ones never
     cost the last good one); a live job's un-synced checkpoints and temporaries.
+
+    With --abandoned (alone, or with a policy) the set-aside branches go too: the checkpoints a resume from an
+    older step moved aside (`persist gc /nvme/ckpt --abandoned`, then the remote's URL).
     """
     if verify_all and no_verify:
         raise click.UsageError("--verify (read every checkpoint) and --no-verify (read none) contradict: pass one")
@@ -110,25 +136,27 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
         raise click.UsageError(f"--incomplete-older-than={incomplete_older_than:g} must be >= 0 (seconds; inf: "
                                "never): a running job may be writing a directory without a manifest right now")
     policy = policy_from_keywords(keep_last, keep_every_n_steps, keep_every_n_seconds)
+    say = (lambda text: None) if as_json else click.echo
     removed: list[str] = []
     if memory:
         removed = remove_stale_memory(location, memory_dir, dry_run=dry_run)
         for path in removed:
-            (lambda text: None if as_json else click.echo(text))(
-                f"{'would remove' if dry_run else 'removed'} memory snapshots of a stopped process: {path}")
-        if policy is None:
-            if as_json:
-                click.echo(json.dumps({"location": location, "dry_run": dry_run, "memory_removed": removed}))
-            elif not removed:
-                click.echo("no memory snapshots of a stopped process")
-            return
+            say(f"{'would remove' if dry_run else 'removed'} memory snapshots of a stopped process: {path}")
+        if not removed and policy is None:
+            say("no memory snapshots of a stopped process")
+    aside = _remove_abandoned(open_location(ctx, location), dry_run=dry_run, say=say) if abandoned else []
+    if policy is None and (memory or abandoned):
+        if as_json:
+            click.echo(json.dumps({"location": location, "dry_run": dry_run, "removed": [], "memory_removed": removed,
+                                   **({"abandoned_removed": aside} if abandoned else {})}))
+        return
     if policy is None:
         raise click.UsageError("say what to keep: --keep-last, --keep-every-n-steps and/or --keep-every-n-seconds "
-                               "(or --memory alone: a stopped run's memory snapshots)")
+                               "(or --memory alone: a stopped run's memory snapshots; --abandoned alone: the "
+                               "set-aside branches)")
     loc = open_location(ctx, location)
-    say = (lambda text: None) if as_json else click.echo
     report: dict[str, Any] = {"location": location, "dry_run": dry_run, "removed": [], "kept": [], "incomplete": [],
-                              "memory_removed": removed}
+                              "memory_removed": removed, **({"abandoned_removed": aside} if abandoned else {})}
     context = RetentionContext(tier=loc.tier.kind, now=time.time())
     listed = loc.list()  # reads every manifest: once; leaves out what does not check
     not_counted = _not_counted(loc, {c.step for c in listed})
@@ -191,7 +219,7 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
             loc.remove_incomplete(path)
         say(f"{verb} incomplete {path} (no manifest, {age / 3600:.1f} h old)")
         report["incomplete"].append(path)
-    if not doomed and not stale:
+    if not doomed and not stale and not aside:
         say("nothing to remove")
     if as_json:
         click.echo(json.dumps(report))

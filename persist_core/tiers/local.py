@@ -295,8 +295,17 @@ class LocalTier:
         """The live checkpoints that the set-aside ones reference (incremental saves): kept while they are."""
         return {dep for _, _, m, _ in self.abandoned_manifests() for dep in m.depends_on()}
 
+    def remove_abandoned(self, path: str) -> None:
+        """Remove the set-aside checkpoint at ``path`` (one that :meth:`abandoned` listed; ``persist gc --abandoned``):
+        one durable rename out of the directory first, as :meth:`remove` does."""
+        ckpt = Path(path)
+        if ckpt.parent != self.root or parse_abandoned_dirname(ckpt.name) is None:
+            raise ValueError(f"{path} is not a set-aside checkpoint of {self.root} (abandoned-step-N-at-M-...)")
+        discard(self.root, ckpt)
+
     def abandoned(self) -> list[CheckpointInfo]:
-        """Checkpoints set aside when a run resumed from an older one, oldest first (kept, never pruned)."""
+        """Checkpoints set aside when a run resumed from an older one, oldest first (kept until
+        ``persist gc --abandoned``; never pruned by retention)."""
         return [CheckpointInfo(step=step, time=m.time, nbytes=m.nbytes, path=path)
                 for step, _, m, path in self.abandoned_manifests()]
 

@@ -292,7 +292,17 @@ class RemoteTier:
 
     def remove(self, step: int) -> None:
         """Delete a remote checkpoint: the manifest first, then its shards."""
-        prefix = self._path(checkpoint_dirname(step))
+        self._remove_prefix(self._path(checkpoint_dirname(step)))
+
+    def remove_abandoned(self, path: str) -> None:
+        """Delete the set-aside checkpoint at ``path`` (one that :meth:`abandoned` listed; ``persist gc
+        --abandoned``): the manifest first, then its shards."""
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if path.rstrip("/") != f"{self.url}/{name}" or parse_abandoned_dirname(name) is None:
+            raise ValueError(f"{path} is not a set-aside checkpoint of {self.url} (abandoned-step-N-at-M-...)")
+        self._remove_prefix(self._path(name))
+
+    def _remove_prefix(self, prefix: str) -> None:
         self.retry(f"removing {prefix}/{MANIFEST_NAME}", lambda: self.fs.rm_file(f"{prefix}/{MANIFEST_NAME}"))
         self.fs.invalidate_cache(prefix)
         # file by file: fsspec's recursive rm treats glob characters in the URL as patterns
