@@ -193,10 +193,10 @@ def test_a_full_tmpfs_warns_once_for_the_run_not_once_per_snapshot(tmp_path, mon
 
     real = memory_mod.write_side_file
 
-    def no_room(path, data):
+    def no_room(path, data, **options):
         if str(path).startswith(str(tmp_path / "shm")) and str(path).endswith(".json"):  # the records
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        real(path, data)
+        real(path, data, **options)
 
     monkeypatch.setattr(memory_mod, "write_side_file", no_room)
     with caplog.at_level(logging.WARNING), CheckpointEngine(tmp_path / "ckpt", memory=_mem(tmp_path)) as engine:
