@@ -104,11 +104,11 @@ class PersistHook:
             on both tiers (kept, listed by ``persist ls``, never pruned) at the first save. Without it, the first
             ``save_state()`` of a run that resumed nothing there raises a ``ConfigError`` (resume with
             ``hook.resume()``).
-        memory_every_n_steps: keep a snapshot in host memory every this many optimizer steps (at :meth:`maybe_save`):
-            a restart on the same machine after a crash resumes from it with :meth:`resume`, losing at most that many
+        memory_every_n_steps: keep a snapshot in host memory every this many optimizer steps, on its own (taken
+            where the next step begins: see :mod:`accelerate_persist._snapshots`; no call in the loop): a restart on the same machine after a crash resumes from it with :meth:`resume`, losing at most that many
             steps, without reading the disk (several processes: each snapshots its own state, and they resume at the
             newest step all have). Without a ``save_policy``, only ``save_state()`` writes to disk.
-        memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist``).
+        memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist-<uid>``, one per user).
         incremental: a checkpoint references the tensors whose bytes equal the previous checkpoint's (a frozen
             base, a PEFT model's base) instead of writing them again; a full one every ``full_every`` saves.
         full_every: with ``incremental``, a full checkpoint at least every this many saves (default 10).

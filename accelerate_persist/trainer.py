@@ -74,7 +74,7 @@ class PersistTrainerCallback(TrainerCallback):
         memory_every_n_steps: keep a snapshot in host memory at the end of every this many steps (those the
             Trainer does not save): a restart on the same machine after a crash resumes from it through
             :meth:`resume_path`, losing at most that many steps, without reading the disk.
-        memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist``).
+        memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist-<uid>``, one per user).
     """
 
     def __init__(self, local_dir: str | os.PathLike[str], *, remote_url: str | None = None,

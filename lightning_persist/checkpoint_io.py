@@ -112,12 +112,13 @@ class PersistCheckpointIO(CheckpointIO):
             on both tiers (kept, listed by ``persist ls``, never pruned) at the first save. Without it, a ``fit``
             that resumes nothing there is refused before its first batch (resume with
             ``ckpt_path=io.latest_path()``: on a fresh machine Lightning's ``"last"`` finds no local file).
-        memory_every_n_steps: with ``io.autosave(...)``, keep a snapshot in host memory every this many steps: a
-            restart on the same machine after a crash resumes from it (``ckpt_path=io.latest_path()`` names it),
-            losing at most that many steps, without reading the disk. ``last.ckpt`` and ``ModelCheckpoint``'s
+        memory_every_n_steps: keep a snapshot in host memory every this many optimizer steps, on its own (a
+            callback Lightning adds to every Trainer through the package's entry point takes them): a restart on
+            the same machine after a crash resumes from it (``ckpt_path=io.latest_path()`` names it), losing at
+            most that many steps, without reading the disk. ``last.ckpt`` and ``ModelCheckpoint``'s
             files keep naming disk checkpoints. Several processes: with ``PersistDDPStrategy`` (each rank snapshots
             its own state; a restart resumes every rank from the newest step all have).
-        memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist``).
+        memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist-<uid>``, one per user).
         incremental: a checkpoint references the tensors whose bytes equal the previous checkpoint's (a frozen
             base, a PEFT model's base) instead of writing them again; a full one every ``full_every`` saves. Full
             checkpoints stay files ``torch.load`` reads; a referencing one is not: load it with

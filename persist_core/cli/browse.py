@@ -29,7 +29,7 @@ def _local_sub_tier(location: str, sub: str) -> bool:
 @click.argument("location")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per checkpoint, for scripts")
 @click.option("--milestones", type=click.IntRange(min=1), default=None, help="mark steps that are multiples of N")
-@click.option("--memory-dir", default=None, help="where the run's memory snapshots are (default /dev/shm/torch-persist)")
+@click.option("--memory-dir", default=None, help="where the run's memory snapshots are (default /dev/shm/torch-persist-<uid>)")
 @click.pass_context
 def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None, memory_dir: str | None) -> None:
     """Committed checkpoints: step, time, size, files (sizes checked; `verify` reads every byte).

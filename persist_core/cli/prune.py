@@ -109,7 +109,7 @@ def _remove_abandoned(loc: Location, *, dry_run: bool, say: Callable[[str], Any]
 @click.option("--json", "as_json", is_flag=True, help="one JSON report: removed, kept (and why), incomplete")
 @click.option("--memory", "memory", is_flag=True,
               help="also remove the run's memory snapshots that no live process holds (a stopped run's, in /dev/shm)")
-@click.option("--memory-dir", default=None, help="where the memory snapshots are (default /dev/shm/torch-persist)")
+@click.option("--memory-dir", default=None, help="where the memory snapshots are (default /dev/shm/torch-persist-<uid>)")
 @click.option("--abandoned", is_flag=True,
               help="also remove the branches set aside by a resume from an older step (`persist ls` lists them as "
                    "abandoned); never a live checkpoint")
