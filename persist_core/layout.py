@@ -39,6 +39,9 @@ import re
 from persist_core.errors import ConfigError
 
 MANIFEST_NAME = "manifest.json"
+#: on the remote, in a set-aside checkpoint's prefix while its move is under way (tiers.remote_aside): the manifest
+#: taken off the live branch, not yet this prefix's own (no reader takes it for a checkpoint)
+ASIDE_MANIFEST_NAME = "manifest.aside.json"
 
 MAX_STEP = 2**63 - 1
 """The largest step the layout supports: the largest a signed 64-bit step counter holds (19 digits), so

@@ -1,4 +1,6 @@
-"""The remote's side of a branch (:class:`RemoteAside`), on the sync thread before each upload.
+"""The remote's side of a branch (:class:`RemoteAside`): at once, the remote's newer checkpoints leave the live
+branch (:meth:`RemoteAside.hide`, on the caller's thread); on the sync thread before each upload, they are moved
+under their abandoned names (:meth:`RemoteAside.apply`). The two halves are :mod:`persist_core.tiers.remote_aside`'s.
 
 The local side is :class:`~persist_core.timeline.Timeline`: it sets the local checkpoints aside at once and
 tells the upload queue (:meth:`~persist_core.sync.queue.RemoteSync.start_branch`), which tells this.
@@ -33,6 +35,26 @@ class RemoteAside:
         self._unmoved: list[tuple[int, int, Manifest, str]] = []
         self._lock = threading.Lock()
         self._at: int | None = None
+        self._hidden: list[tuple[int, int]] = []  # (step, at) taken off the live branch, their move to finish
+
+    def hide(self, at: int, *, timeout: float) -> None:
+        """A run resumed from ``at`` saves past it (the caller's thread, at the moment the local checkpoints are set
+        aside): the remote's newer checkpoints leave the live branch now, so a run killed before its next upload
+        leaves the remote as its local restart sees it. When the remote is not listed within ``timeout`` s or does
+        not answer, they move before the next upload, as the rest of the move does (said)."""
+        if self._known.wait_listed(timeout) is None:
+            log.warning("the remote %s is not listed yet: its checkpoints newer than step %d leave the live branch "
+                        "before the next upload (a fresh machine may resume them until then)", self._tier.url, at)
+            return
+        for step in sorted(s for s in self._known.steps() if s > at):
+            try:
+                self._tier.hide(step, at)
+            except Exception as e:  # an outage: the whole move waits for the next upload
+                log.warning("[step=%d] could not take it off the live branch on %s now (%s); it is set aside before "
+                            "the next upload", step, self._tier.url, e)
+                return
+            with self._lock:
+                self._hidden.append((step, at))
 
     def branch(self, at: int) -> None:
         """A run resumed from ``at`` saves past it (any thread)."""
@@ -41,8 +63,11 @@ class RemoteAside:
 
     def listed(self) -> None:
         """The remote was listed: what an earlier run set aside locally is compared with it at the next
-        :meth:`apply`."""
+        :meth:`apply`, and what it took off the live branch without moving it is moved then."""
         self._unmoved = self._abandoned() if self._abandoned is not None else []
+        hidden = self._tier.hidden()
+        with self._lock:
+            self._hidden += [h for h in hidden if h not in self._hidden]
 
     def apply(self) -> None:
         """Set aside what the branch and the earlier runs ask for (raises to retry at the next upload)."""
@@ -55,6 +80,16 @@ class RemoteAside:
             with self._lock:
                 if self._at == at:
                     self._at = None
+        with self._lock:
+            pending = list(self._hidden)
+        if pending:  # taken off the live branch (by this run or a killed one), their move not finished
+            still = set(self._tier.hidden())
+            for step, at in pending:
+                if (step, at) in still:
+                    self._tier.set_aside(step, at)
+                    self._known.forget(step)
+                with self._lock:
+                    self._hidden.remove((step, at))
         while self._unmoved:
             step, at, manifest, _ = self._unmoved[0]
             try:

@@ -56,6 +56,10 @@ __all__ = ["Backlog", "RemoteSync", "SyncJob"]
 log = logging.getLogger(__name__)
 
 
+#: how long a branch waits on the training thread for the remote's start-up listing before it takes the remote's newer
+#: checkpoints off the live branch (longer: they move before the next upload instead)
+_BRANCH_LISTING_TIMEOUT_S = 10.0
+
 #: ``backlog(remote_steps)``: the jobs to queue at start-up for what the remote lacks (sync thread)
 Backlog = Callable[[set[int]], list[SyncJob]]
 
@@ -219,6 +223,7 @@ class RemoteSync:
             self._queue = [j for j in self._queue if j.step <= at]
             self._failed = {s: j for s, j in self._failed.items() if s <= at}
         end_superseded(dropped, f"not uploaded: set aside locally by the branch from step {at}")
+        self._aside.hide(at, timeout=_BRANCH_LISTING_TIMEOUT_S)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Retry failed uploads now and wait until nothing is queued, uploading or failed.

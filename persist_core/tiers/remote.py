@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -20,14 +19,13 @@ from typing import Any, TypeVar
 import fsspec
 
 from persist_core import _knobs
+from persist_core.tiers import remote_aside
 from persist_core.tiers._retry import causes, retry
 from persist_core.tiers._s3 import S3Transfer
 from persist_core.errors import ConfigError, CorruptCheckpointError, RemoteError
 from persist_core.layout import (
     MANIFEST_NAME,
-    abandoned_dirname,
     checkpoint_dirname,
-    parse_abandoned_dirname,
     parse_checkpoint_dirname,
 )
 from persist_core.fileio import fsync_dir
@@ -249,16 +247,17 @@ class RemoteTier:
         return self.fs.cat_file(path, start=start, end=end)
 
     def set_aside(self, step: int, at: int) -> None:
-        """Copy checkpoint ``step`` under its abandoned name (manifest last), then remove it from the live branch."""
-        src = self._path(checkpoint_dirname(step))
-        dst = self._path(abandoned_dirname(step, at, secrets.token_hex(3)))
-        self.fs.invalidate_cache(src)
-        files = sorted(self.retry(f"listing {src}", lambda: self.fs.find(src)), key=lambda p: p.endswith(MANIFEST_NAME))
-        for path in files:
-            target = dst + path[len(src.rstrip("/")):] if path.startswith(src) else f"{dst}/{path.rsplit('/', 1)[-1]}"
-            self.retry(f"copying {path}", lambda path=path, target=target: self._copy(path, target))
-        self.remove(step)
-        log.info("[step=%d] set aside on %s: the run resumed from step %d and saved past it", step, self.url, at)
+        """Set checkpoint ``step`` aside under its abandoned name (:func:`~persist_core.tiers.remote_aside.set_aside`:
+        the second half after :meth:`hide`, or the whole move)."""
+        remote_aside.set_aside(self, step, at)
+
+    def hide(self, step: int, at: int) -> None:
+        """Take ``step`` off the live branch at once, the rest of its move to follow (:mod:`.remote_aside`)."""
+        remote_aside.hide(self, step, at)
+
+    def hidden(self) -> list[tuple[int, int]]:
+        """``(step, at)`` of the checkpoints taken off the live branch whose move did not finish."""
+        return remote_aside.hidden(self)
 
     def _copy(self, path: str, target: str) -> None:
         """One object copied on the remote: server-side where the backend can (S3), else read and written back
@@ -273,37 +272,21 @@ class RemoteTier:
 
     def abandoned(self) -> list[CheckpointInfo]:
         """Checkpoints set aside when a run resumed from an older one, oldest first."""
-        self.fs.invalidate_cache(self.root)
-        found = []
-        for path in self.retry("listing", lambda: self.fs.find(self.root)):
-            parts = path.rstrip("/").split("/")
-            parsed = parse_abandoned_dirname(parts[-2]) if len(parts) >= 2 and parts[-1] == MANIFEST_NAME else None
-            if parsed is None:
-                continue
-            try:
-                raw = self.retry(f"reading {path}", lambda path=path: self.fs.cat_file(path))
-                m = Manifest.from_bytes(raw, where=path, step=parsed[0])
-            except CorruptCheckpointError as e:
-                log.warning("skipping %s: %s", path, e)
-                continue
-            found.append(CheckpointInfo(step=parsed[0], time=m.time, nbytes=m.nbytes,
-                                        path=f"{self.url}/{parts[-2]}", tier="remote"))
-        return sorted(found, key=lambda c: (c.step, c.path))
+        return remote_aside.abandoned(self)
 
     def remove(self, step: int) -> None:
         """Delete a remote checkpoint: the manifest first, then its shards."""
-        self._remove_prefix(self._path(checkpoint_dirname(step)))
+        self.remove_prefix(self._path(checkpoint_dirname(step)))
 
     def remove_abandoned(self, path: str) -> None:
-        """Delete the set-aside checkpoint at ``path`` (one that :meth:`abandoned` listed; ``persist gc
-        --abandoned``): the manifest first, then its shards."""
-        name = path.rstrip("/").rsplit("/", 1)[-1]
-        if path.rstrip("/") != f"{self.url}/{name}" or parse_abandoned_dirname(name) is None:
-            raise ValueError(f"{path} is not a set-aside checkpoint of {self.url} (abandoned-step-N-at-M-...)")
-        self._remove_prefix(self._path(name))
+        """Delete the set-aside checkpoint at ``path`` (``persist gc --abandoned``; raises ``ValueError`` for any
+        other path)."""
+        remote_aside.remove_abandoned(self, path)
 
-    def _remove_prefix(self, prefix: str) -> None:
-        self.retry(f"removing {prefix}/{MANIFEST_NAME}", lambda: self.fs.rm_file(f"{prefix}/{MANIFEST_NAME}"))
+    def remove_prefix(self, prefix: str, *, manifest: bool = True) -> None:
+        """Delete every object under ``prefix``: its manifest first (``manifest``: it has one), then the rest."""
+        if manifest:
+            self.retry(f"removing {prefix}/{MANIFEST_NAME}", lambda: self.fs.rm_file(f"{prefix}/{MANIFEST_NAME}"))
         self.fs.invalidate_cache(prefix)
         # file by file: fsspec's recursive rm treats glob characters in the URL as patterns
         for path in self.retry(f"listing {prefix}", lambda: self.fs.find(prefix)):

@@ -122,3 +122,28 @@ def test_a_second_resume_in_one_engine_starts_its_own_branch(tmp_path):
         engine.wait()
         assert sorted(a.step for a in engine.abandoned()) == [22, 30]
         assert [c.step for c in engine.list()] == [10, 20, 21, 22] and engine.load(22)["again"] is True
+
+
+def test_a_run_that_went_back_and_dies_before_its_first_commit_leaves_the_remote_as_the_local_restart_sees_it(
+        tmp_path, url):
+    """Issue 53, item 8: the remote's newer checkpoints leave the live branch at the moment the local ones do (their
+    manifests, at once; the rest before the next upload), so a fresh machine resumes what a local restart would."""
+    from persist_core import MemoryTier
+    local, memory = tmp_path / "ckpt", MemoryTier(memory_dir=tmp_path / "shm")
+    with CheckpointEngine(local, remote_url=url) as engine:
+        for step in (10, 20, 30):
+            engine.save(state_for(step), step=step)
+    engine = CheckpointEngine(local, remote_url=url, memory=memory)
+    engine.load(10)  # back to 10 on purpose
+    engine.snapshot(state_for(11), step=11)  # the branch starts; nothing of it committed on disk yet
+    with CheckpointReader(tmp_path / "fresh", remote_url=url) as fresh:  # the run is killed here: a fresh machine
+        assert fresh.load()["step"] == 10 == CheckpointReader(local).load()["step"]  # and the local disk agree
+    engine.close(keep_memory=True)
+    with CheckpointEngine(local, remote_url=url, memory=memory) as restarted:
+        assert restarted.load()["step"] == 11  # memory
+        restarted.save(state_for(12), step=12)
+        restarted.wait()  # the first upload of the branch finishes the remote's set-aside first
+        assert [c.step for c in restarted.list("remote")] == [10, 12]
+        assert [a.step for a in restarted.abandoned("remote")] == [20, 30]
+    with CheckpointReader(tmp_path / "fresh2", remote_url=url) as fresh:
+        assert fresh.load()["step"] == 12

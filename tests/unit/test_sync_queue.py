@@ -57,6 +57,11 @@ class FakeRemote:
         self.held[manifest.step] = self._info(manifest.step)
         self.depends[manifest.step] = manifest.depends_on()
 
+    def hidden(self) -> list[tuple[int, int]]:  # no branch in these tests: nothing taken off the live branch
+        if self.down:
+            raise RemoteError("the remote is down")
+        return []
+
     def remove(self, step: int) -> None:
         self.removed.append(step)
         self.held.pop(step, None)
