@@ -140,7 +140,7 @@ class DDPStrategy:
 def test_plain_ddp_takes_no_snapshots_and_says_once_which_strategy_does(tmp_path, caplog):
     io = PersistCheckpointIO(tmp_path / "ckpt", memory_every_n_steps=1, memory_dir=tmp_path / "shm")
     autosave = io.autosave(None)
-    with caplog.at_level(logging.WARNING, logger="lightning_persist.autosave"):
+    with caplog.at_level(logging.WARNING, logger="lightning_persist.snapshots"):
         for step in (1, 2, 3):
             trainer = SimpleNamespace(global_step=step, world_size=2, is_global_zero=True, received_sigterm=False,
                                       strategy=DDPStrategy())

@@ -108,3 +108,21 @@ def test_accelerate_memory_every_n_steps_alone_snapshots_and_resumes_bit_exactly
         assert start == 6 and not list((tmp_path / "ckpt").glob("step-*"))  # from memory alone: nothing lost
         assert hook.step == 11
     assert_state_equal(weights(resumed), straight)
+
+
+def test_without_the_entry_point_the_plugin_says_once_how_to_snapshot(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from lightning_persist import snapshots
+
+    monkeypatch.setattr(snapshots, "entry_points", lambda group: [])  # a source tree on sys.path, not installed
+    with caplog.at_level(logging.WARNING, logger="lightning_persist.snapshots"):
+        PersistCheckpointIO(tmp_path / "ckpt", memory_every_n_steps=1, memory_dir=tmp_path / "shm")
+        PersistCheckpointIO(tmp_path / "other")  # no memory tier: nothing to say
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "pip install" in said[0] and "io.autosave(None)" in said[0], said
+    monkeypatch.undo()  # installed (make venv installs the package): nothing to say
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_persist.snapshots"):
+        PersistCheckpointIO(tmp_path / "third", memory_every_n_steps=1, memory_dir=tmp_path / "shm")
+    assert caplog.records == []
