@@ -132,6 +132,16 @@ def remote_url(request, tmp_path, monkeypatch, s3_endpoint):
         monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": s3_endpoint})  # every s3fs the engine opens
         yield f"s3://{bucket}/run"
         return
+    yield from _memory_url()
+
+
+@pytest.fixture
+def memory_url():
+    """A remote_url on fsspec's memory file system of its own, emptied after the test."""
+    yield from _memory_url()
+
+
+def _memory_url():
     root = f"/persist-tests/{uuid.uuid4().hex}/run"
     yield f"memory://{root}"
     store = fsspec.filesystem("memory").store

@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import Callback
 
 from accelerate_persist import PersistHook
 from lightning_persist import PersistCheckpointIO, load_from_checkpoint
 from persist_core import CheckpointReader
 from persist_core.layout import MANIFEST_NAME
 from tests.support.accelerate_app import fresh_accelerator, weights
-from tests.support.lightning_app import linked, make_trainer
+from tests.support.lightning_app import CrashAt, linked, make_trainer
 from tests.support.lightning_app import weights as lightning_weights
 from tests.support.states import assert_state_equal
 
@@ -78,15 +77,6 @@ class FrozenBaseNet(LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8)
 
 
-class _CrashAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["frozen-submodule", "peft-lora"])
 def test_lightning_incremental_writes_the_frozen_base_once_and_resumes_exactly(tmp_path, lora):
     straight = FrozenBaseNet(lora)
@@ -94,7 +84,7 @@ def test_lightning_incremental_writes_the_frozen_base_once_and_resumes_exactly(t
 
     d = tmp_path / "b"
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        make_trainer(PersistCheckpointIO(local_dir=d, incremental=True), d, 9, [_CrashAt(7)]).fit(FrozenBaseNet(lora))
+        make_trainer(PersistCheckpointIO(local_dir=d, incremental=True), d, 9, [CrashAt(7)]).fit(FrozenBaseNet(lora))
     manifests = _manifests(d)
     assert 1 in manifests and not _depends_on(manifests[1])  # the first save is full
     referencing = [s for s, m in manifests.items() if _depends_on(m)]

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-from lightning.pytorch.callbacks import Callback
 
 from accelerate_persist import PersistHook
 from lightning_persist import PersistCheckpointIO
@@ -15,7 +14,7 @@ from persist_core import ConfigError
 from tests.support.accelerate_app import build, fresh_accelerator, train, weights
 from lightning.pytorch import Trainer
 
-from tests.support.lightning_app import Net, checkpoint_callback, linked, make_trainer
+from tests.support.lightning_app import CrashAt, Net, checkpoint_callback, linked, make_trainer
 from tests.support.lightning_app import weights as lightning_weights
 from tests.support.states import assert_state_equal
 
@@ -52,15 +51,6 @@ def test_accelerate_memory_options_are_checked(tmp_path):
         PersistHook(local_dir=tmp_path, memory_dir=tmp_path / "shm")
 
 
-class _CrashAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 def test_lightning_restart_resumes_from_the_memory_snapshot_through_latest_path(tmp_path):
     straight = Net()
@@ -71,7 +61,7 @@ def test_lightning_restart_resumes_from_the_memory_snapshot_through_latest_path(
     io = PersistCheckpointIO(**options)
     autosave = io.autosave(None)  # memory only; ModelCheckpoint writes to disk every 4 steps
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        _trainer(io, d, [autosave, _CrashAt(6)]).fit(Net())
+        _trainer(io, d, [autosave, CrashAt(6)]).fit(Net())
     assert autosave.snapshot_steps == [1, 2, 3, 4, 5, 6]  # ModelCheckpoint (it runs last) wrote 4 to disk
     assert (d / "last.ckpt").exists() and linked(d / "last.ckpt") == "step-000000000004"  # disk names stay disk
 

@@ -9,23 +9,13 @@ import os
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback
 
 from accelerate_persist import PersistHook
 from lightning_persist import PersistCheckpointIO
 from persist_core import CheckpointReader
-from tests.support.lightning_app import Net, checkpoint_callback, linked
+from tests.support.lightning_app import CrashAt, Net, checkpoint_callback, linked
 from tests.support.lightning_app import weights as lightning_weights
 from tests.support.states import assert_state_equal
-
-
-class _CrashAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
 def _trainer(io, d, max_steps, callbacks=()):
@@ -42,7 +32,7 @@ def test_lightning_memory_every_n_steps_alone_snapshots_and_a_restart_continues_
     d, shm = tmp_path / "b", tmp_path / "shm"
     options = dict(local_dir=d, memory_every_n_steps=1, memory_dir=shm, keep_last=3)
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        _trainer(PersistCheckpointIO(**options), d, 22, [_CrashAt(7)]).fit(Net())  # the README's one keyword
+        _trainer(PersistCheckpointIO(**options), d, 22, [CrashAt(7)]).fit(Net())  # the README's one keyword
     io = PersistCheckpointIO(**options)  # a restarted process
     path = io.latest_path()
     assert path is not None and str(shm) in path  # memory's step 7, newer than the disk's 4

@@ -73,6 +73,17 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return type(model.state_dict())((k, v.detach().clone()) for k, v in model.state_dict().items())
 
 
+class CrashAt(Callback):
+    """Raises a CUDA-like error at the end of optimizer step ``step`` (a crash the memory tier is for)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
 class TermAtStep(Callback):
     """Sends this process SIGTERM once ``step`` is reached (a preemption notice mid-run)."""
 

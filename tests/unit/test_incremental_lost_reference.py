@@ -6,7 +6,6 @@ and ``persist verify`` name the missing step."""
 from __future__ import annotations
 
 import logging
-import uuid
 
 import fsspec
 import pytest
@@ -28,12 +27,8 @@ def _state(step: int) -> dict:
 
 
 @pytest.fixture
-def url():
-    root = f"/persist-tests/{uuid.uuid4().hex}/run"
-    yield f"memory://{root}"
-    store = fsspec.filesystem("memory").store
-    for key in [k for k in store if k.startswith(root)]:
-        del store[key]
+def url(memory_url):
+    return memory_url
 
 
 @pytest.mark.parametrize("lost", ["manifest", "prefix"])

@@ -7,7 +7,6 @@ next save full; a restart uploads exactly what the un-synced record says was not
 from __future__ import annotations
 
 import json
-import uuid
 
 import fsspec
 import pytest
@@ -33,12 +32,8 @@ def _frozen() -> torch.Tensor:
 
 
 @pytest.fixture
-def url():
-    root = f"/persist-tests/{uuid.uuid4().hex}/run"
-    yield f"memory://{root}"
-    store = fsspec.filesystem("memory").store
-    for key in [k for k in store if k.startswith(root)]:
-        del store[key]
+def url(memory_url):
+    return memory_url
 
 
 @pytest.fixture
