@@ -17,26 +17,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from accelerate_persist import _state
+from persist_core import MemoryTier
+from persist_core.session import PersistSession
+
 __all__ = ["StepSnapshots"]
 
 
 class StepSnapshots:
-    """Offers each optimizer step to the memory tier at the first forward after it.
+    """Offers each optimizer step to the memory tier where the next step begins (installed at construction, until
+    :meth:`remove`).
 
     Args:
+        session: the hook's session (its engine, the steps saved and offered).
+        accelerator: the Accelerator whose state a snapshot captures.
+        memory: the memory tier (its ``every_n_steps``).
         step: the hook's count of optimizer steps taken.
-        offer: offers a step to the memory tier (every process calls it at the same forward: it gathers).
     """
 
-    def __init__(self, step: Callable[[], int], offer: Callable[[int], Any]) -> None:
+    def __init__(self, session: PersistSession, accelerator: Any, memory: MemoryTier, step: Callable[[], int]) -> None:
+        self._session = session
+        self._accelerator = accelerator
+        self._memory = memory
         self._step = step
-        self._offer = offer
         self._last = step()  # the step the state was at when offered last (or at registration)
         self._handles: list[Any] = []
-        self._accelerator: Any = None
-
-    def install(self, accelerator: Any) -> None:
-        """Hook ``accelerator.accumulate`` (on this instance) and the first prepared model's forward."""
         if accelerator._models:
             self._handles.append(accelerator._models[0].register_forward_pre_hook(self._before_forward))
         accumulate = accelerator.accumulate
@@ -46,7 +51,18 @@ class StepSnapshots:
             return accumulate(*models)  # a context manager: it counts the micro-batch on entering
 
         accelerator.accumulate = offered_first
-        self._accelerator = accelerator
+
+    def offer(self, step: int) -> bool:
+        """Snapshot ``step`` when the tier is due there, once a step (every process alike: the capture gathers, also
+        where the tier gave up for want of room); whether it was taken. One process: a step just saved to disk is a
+        snapshot already."""
+        session = self._session
+        if not self._memory.due(step) or not session.first_offer(step):
+            return False
+        if session.saved(step) and session.collectives.world_size == 1:
+            return False
+        state = _state.capture(self._accelerator, optimizer_steps=step)
+        return session.open().maybe_snapshot(lambda: state, step)
 
     def restored(self) -> None:
         """A checkpoint was loaded: its step is the state's, nothing new to keep."""
@@ -56,13 +72,11 @@ class StepSnapshots:
         step = self._step()
         if step != self._last:
             self._last = step
-            self._offer(step)
+            self.offer(step)
 
     def remove(self) -> None:
-        """Give the model and the Accelerator back what :meth:`install` changed."""
+        """Give the model and the Accelerator back what the constructor changed."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._accelerator is not None:
-            vars(self._accelerator).pop("accumulate", None)  # the class's own again
-            self._accelerator = None
+        vars(self._accelerator).pop("accumulate", None)  # the class's own again

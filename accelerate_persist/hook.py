@@ -214,8 +214,7 @@ class PersistHook:
         for optimizer in accelerator._optimizers:
             self._count_steps(optimizer)
         if options.memory is not None:
-            self._snapshots = StepSnapshots(lambda: self._optimizer_steps, self._offer_snapshot)
-            self._snapshots.install(accelerator)
+            self._snapshots = StepSnapshots(session, accelerator, options.memory, lambda: self._optimizer_steps)
         session.install_flush()  # without a save policy: SIGTERM drains, then ends the process
         if self._overlap and accelerator._optimizers:  # the update after the next backward waits for the copy
             self._guard = session.open().guard(*[getattr(o, "optimizer", o) for o in accelerator._optimizers])
@@ -336,23 +335,11 @@ class PersistHook:
         decision, preempting = engine.decide(step)  # agreed across processes
         if decision:
             self._save_state()
-        if memory is not None:
-            self._offer_snapshot(step)
+        if self._snapshots is not None:
+            self._snapshots.offer(step)
         if preempting:
             engine.finish_preemption()
         return decision
-
-    def _offer_snapshot(self, step: int) -> bool:
-        """Snapshot ``step`` in memory when the tier is due there, once a step (every process alike: the capture
-        gathers, also where the tier gave up for want of room). One process: a step just saved to disk is a
-        snapshot already."""
-        session, memory = self._session_or_raise(), self._options.memory
-        if memory is None or not memory.due(step) or not session.first_offer(step):
-            return False
-        if session.saved(step) and session.collectives.world_size == 1:
-            return False
-        state = _state.capture(self._accelerator, optimizer_steps=step)
-        return session.open().maybe_snapshot(lambda: state, step)
 
     @property
     def preempted(self) -> bool:
