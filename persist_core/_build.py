@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from persist_core._knobs import check_callable, run_id_from_env
+from persist_core._knobs import check_callable
 from persist_core.config import Config
 from persist_core.distributed import Collectives, check_collectives, decision_channel, point_to_point
-from persist_core.errors import ConfigError, PersistError
+from persist_core.errors import PersistError
 from persist_core.fileio import FileOps, OsFileOps
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger
@@ -36,9 +36,8 @@ from persist_core.save.saver import Saver
 from persist_core.save.snapshots import Snapshots
 from persist_core.save.staging import StagingPool
 from persist_core.scheduler import SaveScheduler
-from persist_core.layout import RUN_ID_NAME, parse_memory_rank_dirname
-from persist_core.sidefiles import read_side_file
-from persist_core.sync.lease import keep_run_id, local_run_id
+from persist_core.layout import parse_memory_rank_dirname
+from persist_core.run_ids import keep_run_id, kept_run_id, run_id_of
 from persist_core.sync.partner import PartnerCopies, partners
 from persist_core.tiers.local import open_local_dir
 from persist_core.tiers.memory_files import local_dir_identity
@@ -191,22 +190,14 @@ def _snapshots(config: Config, root: Path, coll: Collectives, nodes: Nodes | Non
     keeps it in its ``local_dir``, where that keeps another (a replaced node's fresh disk)."""
     assert config.memory is not None
     if coll.world_size > 1:  # rank 0's (made in its local_dir at first use); each node's first rank keeps it too
-        given = config.run_id or run_id_from_env()
-        run_id = coll.broadcast((given or local_run_id(root)) if coll.rank == 0 else None)  # no save has started yet
-        if nodes is not None and nodes.groups[nodes.mine][0] == coll.rank and _kept_run_id(root) != run_id:
+        run_id = coll.broadcast(run_id_of(root, config.run_id) if coll.rank == 0 else None)  # no save has started yet
+        if nodes is not None and nodes.groups[nodes.mine][0] == coll.rank and kept_run_id(root, strict=False) != run_id:
             keep_run_id(root, run_id)  # a replaced node's fresh disk: a reader there finds the run (one writer)
         return _snapshots_of(config, root, coll, run_id, nodes)
-    run_id = config.run_id or run_id_from_env() or local_run_id(root)
+    run_id = run_id_of(root, config.run_id)
     if config.run_id is not None:
         keep_run_id(root, run_id)  # where a CheckpointReader(local_dir, memory=...) looks for this run's snapshots
     return _snapshots_of(config, root, coll, run_id, nodes)
-
-
-def _kept_run_id(root: Path) -> str | None:
-    try:
-        return read_side_file(root / RUN_ID_NAME).decode().strip() or None
-    except (OSError, UnicodeDecodeError, ConfigError):
-        return None
 
 
 def _slots(config: Config, nodes: Nodes | None) -> int:

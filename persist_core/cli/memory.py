@@ -9,22 +9,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from persist_core import _knobs
-from persist_core.errors import ConfigError
-from persist_core.layout import RUN_ID_NAME, is_url, parse_partner_dirname
-from persist_core.sidefiles import read_side_file
+from persist_core.layout import is_url, parse_partner_dirname
+from persist_core.run_ids import run_id_of
 from persist_core.tiers.memory import remove_stale, run_lives
 from persist_core.tiers.memory_files import default_base
 
 
 def _run_id(location: str) -> str | None:
-    if is_url(location):
-        return None
-    try:
-        value = read_side_file(Path(location.removeprefix("file://")) / RUN_ID_NAME).decode().strip()
-    except (OSError, UnicodeDecodeError, ConfigError):
-        return _knobs.run_id_from_env()
-    return value or _knobs.run_id_from_env()
+    """The id of the stopped run ``location`` (a local directory) holds: the one kept there first."""
+    return None if is_url(location) else run_id_of(Path(location.removeprefix("file://")), stopped=True)
 
 
 def memory_rows(location: str, memory_dir: str | None) -> list[dict[str, Any]]:

@@ -12,14 +12,12 @@ from typing import Any
 
 import torch
 
-from persist_core import _knobs
-from persist_core.errors import ConfigError, CorruptCheckpointError
+from persist_core.errors import CorruptCheckpointError
 from persist_core.format.manifest import FileEntry, Manifest
-from persist_core.layout import RUN_ID_NAME
 from persist_core.load.assemble import load_checkpoint, load_into
 from persist_core.load.blocks import LoadStats, read_shard
 from persist_core.load.plan import LoadOptions
-from persist_core.sidefiles import read_side_file
+from persist_core.run_ids import run_id_of
 from persist_core.tiers.local import ShardFile, read_blocks
 from persist_core.tiers.memory import MemoryStore, MemoryTier
 from persist_core.tiers.memory_files import local_dir_identity
@@ -32,12 +30,7 @@ def run_store(memory: MemoryTier | None, root: Path) -> MemoryStore | None:
     """The snapshots of the run ``root`` keeps the id of (the launcher's id first, as the engine takes it)."""
     if memory is None:
         return None
-    run_id = _knobs.run_id_from_env()
-    if run_id is None:
-        try:
-            run_id = read_side_file(root / RUN_ID_NAME).decode().strip() or None
-        except (OSError, UnicodeDecodeError, ConfigError):
-            run_id = None
+    run_id = run_id_of(root, create=False)
     if run_id is None:
         log.info("no run id in %s: no memory snapshots to read", root)
         return None

@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from persist_core.errors import CorruptCheckpointError
+from persist_core.errors import CorruptCheckpointError, RemoteError
 from persist_core.format.manifest import Manifest
 from persist_core.sync.order import KnownRemote
 from persist_core.tiers.remote import RemoteTier
@@ -37,22 +37,19 @@ class RemoteAside:
         self._at: int | None = None
         self._hidden: list[tuple[int, int]] = []  # (step, at) taken off the live branch, their move to finish
 
-    def hide(self, at: int, *, timeout: float) -> None:
-        """A run resumed from ``at`` saves past it (the caller's thread, at the moment the local checkpoints are set
-        aside): the remote's newer checkpoints leave the live branch now, so a run killed before its next upload
-        leaves the remote as its local restart sees it. When the remote is not listed within ``timeout`` s or does
-        not answer, they move before the next upload, as the rest of the move does (said)."""
-        if self._known.wait_listed(timeout) is None:
-            log.warning("the remote %s is not listed yet: its checkpoints newer than step %d leave the live branch "
-                        "before the next upload (a fresh machine may resume them until then)", self._tier.url, at)
-            return
+    def hide(self, at: int) -> None:
+        """A run resumed from ``at`` saves past it (the sync thread, as soon as it is free after the local checkpoints
+        were set aside): the remote's newer checkpoints leave the live branch now, so a run killed before its next
+        upload leaves the remote as its local restart sees it. Not listed yet (an outage), nothing: they move before
+        the next upload, as the rest of the move does.
+
+        Raises:
+            RemoteError / OSError: the remote did not answer (what is hidden stays hidden; the rest moves later).
+        """
+        if not self._known.listed:
+            raise RemoteError(f"{self._tier.url} is not listed yet")
         for step in sorted(s for s in self._known.steps() if s > at):
-            try:
-                self._tier.hide(step, at)
-            except Exception as e:  # an outage: the whole move waits for the next upload
-                log.warning("[step=%d] could not take it off the live branch on %s now (%s); it is set aside before "
-                            "the next upload", step, self._tier.url, e)
-                return
+            self._tier.hide(step, at)
             with self._lock:
                 self._hidden.append((step, at))
 

@@ -27,41 +27,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from persist_core.errors import ConfigError, DirectoryInUseError
-from persist_core.layout import LEASE_NAME, RUN_ID_NAME
-from persist_core.sidefiles import read_side_file, write_side_file
+from persist_core.errors import DirectoryInUseError
+from persist_core.layout import LEASE_NAME
+from persist_core.run_ids import keep_run_id
 from persist_core.tiers._retry import causes
 
 log = logging.getLogger(__name__)
 
 
 _LATEST_EXPIRY = 253402300799.0  # the last second of year 9999: a lease that ends later is not one we wrote
-
-
-def local_run_id(root: Path) -> str:
-    """The run id kept in ``root`` (created on first use), so a restart there is the same run.
-
-    Raises:
-        ConfigError: ``root/.run-id`` is not UTF-8 text, or a symbolic link is where it (or its temporary) goes.
-    """
-    path = root / RUN_ID_NAME
-    try:
-        value = read_side_file(path).decode().strip()
-        if value:
-            return value
-    except FileNotFoundError:
-        pass
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}), so it names no run: delete it "
-                          "(a new run id is made), or pass run_id= (or set PERSIST_RUN_ID) to continue a run") from None
-    value = f"run-{secrets.token_hex(6)}"
-    keep_run_id(root, value)
-    return value
-
-
-def keep_run_id(root: Path, value: str) -> None:
-    """Write ``value`` as the run id kept in ``root`` (never through a link: :mod:`persist_core.sidefiles`)."""
-    write_side_file(root / RUN_ID_NAME, value.encode())
 
 
 def _lease_record(raw: bytes) -> dict[str, Any] | None:

@@ -56,9 +56,9 @@ __all__ = ["Backlog", "RemoteSync", "SyncJob"]
 log = logging.getLogger(__name__)
 
 
-#: how long a branch waits on the training thread for the remote's start-up listing before it takes the remote's newer
-#: checkpoints off the live branch (longer: they move before the next upload instead)
-_BRANCH_LISTING_TIMEOUT_S = 10.0
+#: how long a branch waits on the training thread for the sync thread to take the remote's newer checkpoints off the
+#: live branch (their manifests; the rest of the move follows before the next upload)
+_BRANCH_WAIT_S = 10.0
 
 #: ``backlog(remote_steps)``: the jobs to queue at start-up for what the remote lacks (sync thread)
 Backlog = Callable[[set[int]], list[SyncJob]]
@@ -115,6 +115,9 @@ class RemoteSync:
         self._stopping = False
         self._down = False  # the last listing or upload failed (its recovery is logged once)
         self._gave_up = False  # close() after remote_timeout_s: nothing more is started
+        self._lease = lease
+        self._hide_at: int | None = None  # a branch's point whose newer remote checkpoints leave the live branch now
+        self._hidden = threading.Event()  # ... and they did (or could not, said)
         # a daemon: close() waits for it, except for a request the remote never answers after giving up
         self._thread = threading.Thread(target=self._run, name="persist-sync", daemon=True)
 
@@ -223,7 +226,14 @@ class RemoteSync:
             self._queue = [j for j in self._queue if j.step <= at]
             self._failed = {s: j for s, j in self._failed.items() if s <= at}
         end_superseded(dropped, f"not uploaded: set aside locally by the branch from step {at}")
-        self._aside.hide(at, timeout=_BRANCH_LISTING_TIMEOUT_S)
+        with self._cond:  # the sync thread takes them off the live branch as soon as it is free (one writer)
+            self._hide_at = at
+            self._hidden.clear()
+            self._cond.notify_all()
+        if not self._hidden.wait(_BRANCH_WAIT_S):
+            log.warning("the upload to %s under way holds the sync thread: the remote's checkpoints newer than step "
+                        "%d leave the live branch once it is done (a fresh machine may resume them until then)",
+                        self._tier.url, at)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Retry failed uploads now and wait until nothing is queued, uploading or failed.
@@ -314,8 +324,15 @@ class RemoteSync:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
-                self._cond.wait_for(lambda: self._queue or self._stopping or (self._failed and self._retry_now),
-                                    self._retry_s if self._failed else None)
+                self._cond.wait_for(lambda: self._queue or self._stopping or (self._failed and self._retry_now)
+                                    or self._hide_at is not None, self._retry_s if self._failed else None)
+                hide_at, self._hide_at = self._hide_at, None
+                if hide_at is not None:
+                    self._busy = True
+            if hide_at is not None:
+                self._hide(hide_at)
+                continue
+            with self._cond:
                 if not self._queue:
                     if self._stopping:
                         return  # what failed stays committed locally; the next engine uploads it
@@ -326,6 +343,19 @@ class RemoteSync:
                 job = self._active = self._queue.pop(0)
                 self._busy = True
             self._upload(job)
+
+    def _hide(self, at: int) -> None:
+        """Take the remote's checkpoints newer than ``at`` off the live branch, where this run may write there (its
+        lease); when it may not, or the remote does not answer, the whole move waits for the next upload (said)."""
+        try:
+            if self._lease is not None:
+                self._lease.ensure()
+            self._aside.hide(at)
+        except Exception as e:
+            log.warning("the remote %s's checkpoints newer than step %d leave the live branch before the next upload "
+                        "(now: %s)", self._tier.url, at, e)
+        finally:
+            self._hidden.set()
 
     def _requeue_failed(self) -> None:
         """Queue the failed uploads again with what is queued (lock held): the newest first, then what the

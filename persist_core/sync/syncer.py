@@ -22,14 +22,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from persist_core._knobs import remote_lease_s, run_id_from_env
+from persist_core._knobs import remote_lease_s
 from persist_core.distributed import Collectives
 from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError, RemoteError, WriteError
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.policies.retention import RetentionPolicy
 from persist_core.sync.job import SyncJob
-from persist_core.sync.lease import RemoteLease, local_run_id
+from persist_core.run_ids import run_id_of
+from persist_core.sync.lease import RemoteLease
 from persist_core.sync.nodes import Coordinator, Follower, uploads_channel
 from persist_core.sync.queue import RemoteSync
 from persist_core.sync.record import UnsyncedRecord, read_backlog
@@ -88,7 +89,7 @@ class Syncer:
         #: the upload queue (rank 0 with a remote), else ``None``
         self.queue = None if tier is None or coll.rank != 0 else RemoteSync(
             tier, keep_remote=keep_remote, ledger=ledger, backlog=self._backlog, after_upload=after_upload,
-            latest_step=latest_step, lease=RemoteLease(tier, run_id or run_id_from_env() or local_run_id(root),
+            latest_step=latest_step, lease=RemoteLease(tier, run_id_of(root, run_id),
                                                        ttl_s=remote_lease_s()),
             abandoned=abandoned, local_job=self._local_job)
 
