@@ -201,7 +201,7 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
         kept = _why_kept(decision, remote, unsynced is not None)
         if kept is not None:
             say(f"kept step {decision.step}: {kept[0]}{kept[1]}")
-            report["kept"].append({"step": decision.step, "reason": decision.reason.value, "why": kept[0]})
+            report["kept"].append({"step": decision.step, "why": kept[0]})  # the reason: in "plan"
     report["plan"] = plan.as_dicts()
     for step, why in sorted(not_counted.items()):
         say(f"not counted step {step}: {why} (left in place; `persist rm {location} --step {step}` removes it)")
