@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import click
@@ -13,7 +13,7 @@ from persist_core.errors import CheckpointNotFoundError, PersistError
 from persist_core.ownership import describe
 from persist_core.sync.record import read_unsynced
 from persist_core.policies.anyof import policy_from_keywords
-from persist_core.policies.retention import RetentionContext, to_delete
+from persist_core.policies.retention import Retainer, RetentionDecision, RetentionReason
 from persist_core.cli.memory import remove_stale_memory
 from persist_core.cli.app import CommandError, Location, human_size, main, open_location
 
@@ -47,29 +47,36 @@ def _not_counted(loc: Location, counted: set[int]) -> dict[int, str]:
     return why
 
 
+def _depends_on(loc: Location, step: int) -> set[int]:
+    """The checkpoints ``step`` references (incremental saves); none for one whose manifest does not read (it is not
+    a checkpoint that loads: it protects nothing)."""
+    try:
+        return set(loc.tier.read_manifest(step).depends_on())
+    except PersistError:
+        return set()
+
+
 def _referenced_by(loc: Location, staying: list[int]) -> dict[int, list[int]]:
     """Each checkpoint that one of ``staying`` references (incremental saves), with the ones that do."""
     out: dict[int, list[int]] = {}
     for step in staying:
-        try:
-            deps = loc.tier.read_manifest(step).depends_on()
-        except PersistError:  # not a checkpoint that loads: it protects nothing
-            continue
-        for dep in deps:
+        for dep in _depends_on(loc, step):
             out.setdefault(dep, []).append(step)
     return out
 
 
-def _spare_referenced(loc: Location, listed: list[Any], gone: set[int], keep: dict[int, str]) -> None:
-    """Take out of ``gone`` (into ``keep``, with why) every checkpoint that one staying references."""
-    while True:
-        refs = _referenced_by(loc, [c.step for c in listed if c.step not in gone])
-        needed = {dep: by for dep, by in refs.items() if dep in gone}
-        if not needed:
-            return
-        for dep, by in needed.items():
-            keep[dep] = f"referenced by step(s) {sorted(by)} (incremental checkpoints)"
-            gone.discard(dep)
+def _why_kept(decision: RetentionDecision, remote: str | None, record_read: bool) -> tuple[str, str] | None:
+    """What ``gc`` says of a checkpoint the plan keeps, and what it adds in text; ``None``: nothing to say (the
+    policy keeps it, or it is the newest)."""
+    reason = decision.reason
+    if reason is RetentionReason.UNSYNCED:
+        why = f"not yet uploaded to {remote}" if record_read else "the record of what is uploaded is unreadable"
+        return why, " (the job uploads it when the remote is back; `persist push` does too)"
+    if reason is RetentionReason.NEWEST_VERIFIED and not decision.policy_keeps:
+        return "the newest checkpoint that verifies", " (the policy would remove it)"
+    if reason is RetentionReason.REFERENCED:
+        return f"referenced by step(s) {list(decision.referenced_by)} (incremental checkpoints)", ""
+    return None
 
 
 def _remove_abandoned(loc: Location, *, dry_run: bool, say: Callable[[str], Any]) -> list[dict[str, Any]]:
@@ -157,7 +164,6 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
     loc = open_location(ctx, location)
     report: dict[str, Any] = {"location": location, "dry_run": dry_run, "removed": [], "kept": [], "incomplete": [],
                               "memory_removed": removed, **({"abandoned_removed": aside} if abandoned else {})}
-    context = RetentionContext(tier=loc.tier.kind, now=time.time())
     listed = loc.list()  # reads every manifest: once; leaves out what does not check
     not_counted = _not_counted(loc, {c.step for c in listed})
     if verify_all:
@@ -169,42 +175,34 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
             if problems:
                 not_counted[info.step] = problems[0]
         listed = [c for c in listed if c.step not in not_counted]
-    keep: dict[int, str] = {}
-    if loc.root is not None:  # a live job's un-synced checkpoints and temporaries are not gc's to take
-        remote, unsynced = read_unsynced(loc.root)
-        committed = [c.step for c in listed]
-        for step in committed if unsynced is None else sorted(unsynced & set(committed)):
-            keep[step] = f"not yet uploaded to {remote}" if unsynced is not None else \
-                "the record of what is uploaded is unreadable"
-    if verify_all and listed:
-        keep.setdefault(listed[-1].step, "the newest checkpoint that verifies")
-    elif not no_verify:
-        good = _newest_verified(loc, [c.step for c in listed], say)
-        if good is not None:
-            keep.setdefault(good, "the newest checkpoint that verifies")
-    by_policy = to_delete(listed, policy, context=context)
-    _spare_referenced(loc, listed, {c.step for c in by_policy} - set(keep), keep)
-    doomed = [c for c in by_policy if c.step not in keep]
+    counted = [c.step for c in listed]
+    held: dict[int, RetentionReason] = {}
+    remote, unsynced = read_unsynced(loc.root) if loc.root is not None else (None, set())
+    # a live job's un-synced checkpoints (all, where its record does not read) are not gc's to take
+    held.update(dict.fromkeys(counted if unsynced is None else sorted(unsynced & set(counted)),
+                              RetentionReason.UNSYNCED))
+    good = None if verify_all or no_verify else _newest_verified(loc, counted, say)  # --verify: every counted one does
+    if good is not None and good != counted[-1]:  # (the newest is kept as the newest)
+        held.setdefault(good, RetentionReason.NEWEST_VERIFIED)
+    retainer = Retainer(loc.tier, policy, held=lambda: held, dependencies=partial(_depends_on, loc))
+    plan = retainer.plan(listed)
     verb = "would remove" if dry_run else "removed"
-    for info in sorted(doomed, key=lambda c: -c.step):  # the newest first: references point back only
-        if not dry_run:
-            loc.tier.remove(info.step)
-        say(f"{verb} step {info.step} ({human_size(info.nbytes)})")
-        report["removed"].append(info.step)
-    report["removed"].sort()
-    doomed_steps = {c.step for c in by_policy}
-    for step, why in keep.items():
-        if why == "the newest checkpoint that verifies":
-            if step in doomed_steps:
-                say(f"kept step {step}: {why} (the policy would remove it)")
-                report["kept"].append({"step": step, "why": why})
-            continue
-        if why.startswith("referenced by"):
-            say(f"kept step {step}: {why}")
-            report["kept"].append({"step": step, "why": why})
-            continue
-        say(f"kept step {step}: {why} (the job uploads it when the remote is back; `persist push` does too)")
-        report["kept"].append({"step": step, "why": why})
+
+    def said(decision: RetentionDecision) -> None:
+        say(f"{verb} step {decision.step} ({human_size(decision.info.nbytes)})")
+
+    if dry_run:
+        for decision in plan.removals:
+            said(decision)
+    else:
+        retainer.carry_out(plan, said)
+    report["removed"] = sorted(d.step for d in plan.removals)
+    for decision in plan.decisions:
+        kept = _why_kept(decision, remote, unsynced is not None)
+        if kept is not None:
+            say(f"kept step {decision.step}: {kept[0]}{kept[1]}")
+            report["kept"].append({"step": decision.step, "why": kept[0]})  # the reason: in "plan"
+    report["plan"] = plan.as_dicts()
     for step, why in sorted(not_counted.items()):
         say(f"not counted step {step}: {why} (left in place; `persist rm {location} --step {step}` removes it)")
     report["not_counted"] = [{"step": step, "why": why} for step, why in sorted(not_counted.items())]
@@ -219,7 +217,7 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
             loc.remove_incomplete(path)
         say(f"{verb} incomplete {path} (no manifest, {age / 3600:.1f} h old)")
         report["incomplete"].append(path)
-    if not doomed and not stale and not aside:
+    if not plan.removals and not stale and not aside:
         say("nothing to remove")
     if as_json:
         click.echo(json.dumps(report))

@@ -6,9 +6,10 @@ answer per checkpoint, given oldest first. Compose them with :class:`AnyOf`::
 
     keep = AnyOf(KeepLastN(3), KeepEveryNSteps(1000))
 
-A :class:`Retainer` calls :func:`to_delete` after each commit on a tier, and removes what it returns.
-Whatever the policy says, the newest committed checkpoint, the ``protected`` steps (being written or
-uploaded) and the steps other checkpoints depend on are never deleted.
+A :class:`Retainer` makes a :class:`RetentionPlan` (:func:`plan_retention`: one decision per checkpoint, with a
+typed :class:`RetentionReason`) after each commit on a tier, and removes what it lets go; ``persist gc`` says and
+applies the same plan. Whatever the policy says, the newest committed checkpoint, the ``protected`` steps (being
+written or uploaded), the steps other checkpoints depend on and those a kept checkpoint references are never deleted.
 
 Who calls what: the engine's writer thread calls :meth:`Retainer.apply` for the local tier after
 each commit, the sync thread after each upload (for both tiers); ``engine.prune()`` calls it on
@@ -20,11 +21,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from persist_core.errors import ConfigError
+from persist_core.policies.plan import RetentionDecision, RetentionPlan, RetentionReason, decide
 from persist_core.tiers.tier import CheckpointInfo, Tier
 
 __all__ = [
@@ -33,8 +35,12 @@ __all__ = [
     "KeepLastN",
     "KeepSteps",
     "RetentionContext",
+    "RetentionDecision",
+    "RetentionPlan",
     "RetentionPolicy",
+    "RetentionReason",
     "Retainer",
+    "plan_retention",
     "to_delete",
 ]
 
@@ -175,10 +181,32 @@ def answers(policy: RetentionPolicy, checkpoints: Sequence[CheckpointInfo], cont
     return answer
 
 
+def plan_retention(checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy | None, *,
+                   context: RetentionContext, held: Mapping[int, RetentionReason] | None = None,
+                   dependencies: Callable[[int], set[int]] | None = None) -> RetentionPlan:
+    """The plan for ``checkpoints`` (any order) under ``policy`` (``None`` keeps everything): one decision per
+    checkpoint, oldest first, with its reason (:mod:`persist_core.policies.plan` gives their order).
+
+    Args:
+        checkpoints: the tier's committed checkpoints.
+        policy: the tier's policy.
+        context: tier and time.
+        held: steps kept whatever the policy says, each with its guard (:data:`~persist_core.policies.plan.GUARDS`).
+        dependencies: ``dependencies(step)``: the checkpoints ``step`` references (its manifest's ``depends_on()``).
+
+    Raises:
+        ConfigError: a custom policy returned the wrong number of answers.
+    """
+    ordered = sorted(checkpoints, key=lambda c: c.step)
+    keep = [True] * len(ordered) if policy is None or not ordered else answers(policy, ordered, context)
+    return decide(ordered, keep, held=held, dependencies=dependencies)
+
+
 def to_delete(
     checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy, *, context: RetentionContext, protected: Iterable[int] = ()
 ) -> list[CheckpointInfo]:
-    """The checkpoints ``policy`` lets go, never the newest one nor a ``protected`` step.
+    """The checkpoints ``policy`` lets go (oldest first), never the newest one nor a ``protected`` step: the
+    :attr:`~RetentionReason.PRUNE` decisions of :func:`plan_retention`, references not followed.
 
     Args:
         checkpoints: the tier's committed checkpoints (any order).
@@ -189,41 +217,43 @@ def to_delete(
     Raises:
         ConfigError: a custom policy returned the wrong number of answers.
     """
-    ordered = sorted(checkpoints, key=lambda c: c.step)
-    if not ordered:
-        return []
-    keep = answers(policy, ordered, context)
-    keep[-1] = True
-    guard = set(protected)
-    return [c for c, k in zip(ordered, keep) if not k and c.step not in guard]
+    held = dict.fromkeys(protected, RetentionReason.UNSYNCED)
+    return [d.info for d in plan_retention(checkpoints, policy, context=context, held=held).decisions if d.removed]
 
 
 class Retainer:
-    """Applies ``policy`` to ``tier``, never touching the steps ``protected()`` or ``depended_on()`` return.
+    """Plans ``policy`` over ``tier`` and applies the plan, never touching the steps held by a guard.
+
+    Call order: :meth:`apply` (the engine: after each commit, after each upload, ``engine.prune()``), or
+    :meth:`plan` then :meth:`carry_out` (``persist gc``: says the plan, then removes what it names).
 
     Args:
         tier: where the checkpoints are (``list`` and ``remove`` are called).
         policy: what to keep; ``None`` keeps everything.
         protected: steps that must stay whatever the policy says (being written, or not yet uploaded),
-            read at each pass.
+            read at each pass (:attr:`~RetentionReason.UNSYNCED`).
         depended_on: steps other checkpoints depend on (an incremental save being written names bytes in them),
-            read at each pass; kept whatever the policy says while they do.
+            read at each pass; kept whatever the policy says while they do (:attr:`~RetentionReason.DEPENDED_ON`).
         dependencies: ``dependencies(step)``: the checkpoints committed checkpoint ``step`` references (its
             manifest's ``depends_on()``); a checkpoint that one kept references is kept, counted by no policy.
+        held: more steps kept whatever the policy says, each with its guard, read at each pass (``persist gc``: the
+            newest checkpoint that verifies).
     """
 
     def __init__(self, tier: Tier, policy: RetentionPolicy | None, protected: Callable[[], set[int]] = set,
                  depended_on: Callable[[], set[int]] = set,
-                 dependencies: Callable[[int], set[int]] | None = None) -> None:
+                 dependencies: Callable[[int], set[int]] | None = None,
+                 held: Callable[[], Mapping[int, RetentionReason]] = dict) -> None:
         self.tier = tier
         self.policy = policy
         self._protected = protected
         self._depended_on = depended_on
         self._dependencies = dependencies
+        self._held = held
         self._lock = threading.Lock()
 
     def apply(self) -> list[CheckpointInfo]:
-        """One pass; returns what it removed.
+        """One pass: plan, then remove what the plan lets go; returns what it removed (oldest first).
 
         Raises:
             ConfigError: a custom policy answered the wrong number of times (nothing removed).
@@ -231,30 +261,37 @@ class Retainer:
         if self.policy is None:
             return []
         with self._lock:
-            keep = self._protected() | self._depended_on()
-            context = RetentionContext(tier=self.tier.kind, now=time.time())
-            listing = self.tier.list()
-            doomed = to_delete(listing, self.policy, context=context, protected=keep)
-            if doomed and self._dependencies is not None:
-                doomed = self._spare_dependencies(listing, doomed)
-            # the newest first: a checkpoint references older ones only, so a kill part-way never leaves one whose
-            # references are gone
-            for info in sorted(doomed, key=lambda c: -c.step):
-                log.info("[step=%d] %s retention (%r) removes %s", info.step, self.tier.kind, self.policy, info.path)
-                self.tier.remove(info.step)
-            return doomed
+            return self._carry_out(self._plan(None), lambda decision: None)
 
-    def _spare_dependencies(self, listing: list[CheckpointInfo], doomed: list[CheckpointInfo]) -> list[CheckpointInfo]:
-        """``doomed`` less every checkpoint that a checkpoint staying references (until none is left to spare)."""
-        assert self._dependencies is not None
-        gone = {c.step for c in doomed}
-        known: dict[int, set[int]] = {}
-        while True:
-            staying = [c.step for c in listing if c.step not in gone]
-            for s in staying:
-                if s not in known:
-                    known[s] = self._dependencies(s)
-            needed = set().union(*(known[s] for s in staying)) & gone
-            if not needed:
-                return [c for c in doomed if c.step in gone]
-            gone -= needed
+    def plan(self, listing: Sequence[CheckpointInfo] | None = None) -> RetentionPlan:
+        """What a pass would do now, over ``listing`` (default: the tier's listing); removes nothing.
+
+        Raises:
+            ConfigError: a custom policy answered the wrong number of times.
+        """
+        with self._lock:
+            return self._plan(listing)
+
+    def carry_out(self, plan: RetentionPlan,
+                  each: Callable[[RetentionDecision], object] = lambda decision: None) -> list[CheckpointInfo]:
+        """Remove what ``plan`` lets go, the newest first, calling ``each`` after each removal; returns what went
+        (oldest first)."""
+        with self._lock:
+            return self._carry_out(plan, each)
+
+    def _plan(self, listing: Sequence[CheckpointInfo] | None) -> RetentionPlan:
+        held = {**dict.fromkeys(self._depended_on(), RetentionReason.DEPENDED_ON),
+                **dict.fromkeys(self._protected(), RetentionReason.UNSYNCED)}
+        for step, reason in self._held().items():
+            held.setdefault(step, reason)
+        context = RetentionContext(tier=self.tier.kind, now=time.time())
+        return plan_retention(self.tier.list() if listing is None else listing, self.policy, context=context,
+                              held=held, dependencies=self._dependencies)
+
+    def _carry_out(self, plan: RetentionPlan, each: Callable[[RetentionDecision], object]) -> list[CheckpointInfo]:
+        for decision in plan.removals:
+            info = decision.info
+            log.info("[step=%d] %s retention (%r) removes %s", info.step, self.tier.kind, self.policy, info.path)
+            self.tier.remove(info.step)
+            each(decision)
+        return [d.info for d in plan.decisions if d.removed]
