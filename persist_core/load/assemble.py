@@ -218,8 +218,8 @@ def _plan_tensor(plan: ReadPlan, path: str, rec: TensorRecord, target: torch.Ten
     except Exception as e:  # a damaged record, however it fails
         raise CorruptCheckpointError(f"{where}: the record of {path!r} is damaged ({e})") from e
     for c in chunks:  # the record agrees with its shard's header before anything is compared or read
-        if c.get("stride") is None:
-            plan.check_whole(c["file"], c["entry"], dtype, math.prod(c["sizes"]), where)
+        if c.stride is None:
+            plan.check_whole(c.file, c.entry, dtype, math.prod(c.sizes), where)
     if target is None:
         result = torch.empty(shape, dtype=dtype, device=device)
         dest, box = result, ((0,) * len(shape), shape)
@@ -240,13 +240,13 @@ def _plan_tensor(plan: ReadPlan, path: str, rec: TensorRecord, target: torch.Ten
     for c, r in reads:
         if r is None:
             continue
-        begin, entry_end = plan.entry(c["file"], c["entry"])
+        begin, entry_end = plan.entry(c.file, c.entry)
         dst = dest[slices(r.meet, box[0])]
         start, stop = begin + r.start, begin + r.stop
         if stop > entry_end or start < begin + r.low:
-            raise CorruptCheckpointError(f"{where}: the record of {path!r} reaches past its entry {c['entry']!r}")
+            raise CorruptCheckpointError(f"{where}: the record of {path!r} reaches past its entry {c.entry!r}")
         if _direct(dst, dtype, r.in_order):  # the bytes are the target's, in order
-            plan.request(c["file"], start, stop, into=bytes_of(dst))
+            plan.request(c.file, start, stop, into=bytes_of(dst))
             continue
 
         def done(mv: memoryview, dst: torch.Tensor = dst, sizes: tuple[int, ...] = r.meet[1],
@@ -256,7 +256,7 @@ def _plan_tensor(plan: ReadPlan, path: str, rec: TensorRecord, target: torch.Ten
             with torch.no_grad():
                 hostmem.copy_here(dst, src)  # on a read thread: no second OpenMP team to slow training after
 
-        plan.request(c["file"], start, stop, done)
+        plan.request(c.file, start, stop, done)
     return result
 
 

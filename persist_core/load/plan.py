@@ -71,13 +71,26 @@ def target_box(t: torch.Tensor) -> tuple[torch.Tensor, Box | None, tuple[int, ..
     return t, ((0,) * t.dim(), tuple(t.shape)), tuple(t.shape)
 
 
-def saved_chunks(rec: TensorRecord) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class SavedChunk:
+    """One box of a saved tensor as the reads plan it: its elements from byte ``offset`` of entry ``entry`` of
+    ``file``, laid out by ``stride`` (``None``: C-contiguous), at ``offsets`` in the global tensor, ``sizes`` big."""
+
+    file: str
+    entry: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    offset: int = 0
+    stride: tuple[int, ...] | None = None
+
+
+def saved_chunks(rec: TensorRecord) -> list[SavedChunk]:
     """The chunks a tensor record was saved as, as the reads plan them (a record that is not sharded: one chunk,
     the whole tensor, with its offset into the entry and its stride)."""
     if rec.chunks is not None:
-        return [c.to_json() for c in rec.chunks]
-    return [{"file": rec.file, "entry": rec.entry, "offsets": [0] * len(rec.shape), "sizes": list(rec.shape),
-             "offset": rec.offset, "stride": None if rec.stride is None else list(rec.stride)}]
+        return [SavedChunk(c.file, c.entry, c.offsets, c.sizes) for c in rec.chunks]
+    return [SavedChunk(rec.file, rec.entry, (0,) * len(rec.shape), rec.shape, rec.offset,  # type: ignore[arg-type]
+                       rec.stride)]
 
 
 @dataclass(frozen=True)
@@ -96,22 +109,21 @@ class ChunkRead:
     low: int  # the first byte the chunk may hold (its offset): ``start`` below it means a damaged record
 
 
-def chunk_read(box: Box, c: dict[str, Any], ndim: int, itemsize: int, path: str, where: str) -> ChunkRead | None:
+def chunk_read(box: Box, c: SavedChunk, ndim: int, itemsize: int, path: str, where: str) -> ChunkRead | None:
     """The byte range of chunk ``c`` (of a tensor of ``ndim`` dimensions) that ``box`` overlaps, or ``None``.
 
     Raises:
         CorruptCheckpointError: the chunk has another number of dimensions than its tensor.
     """
-    c_box = (tuple(c["offsets"]), tuple(c["sizes"]))
+    c_box = (c.offsets, c.sizes)
     if len(c_box[0]) != ndim:
         raise CorruptCheckpointError(f"{where}: a chunk of {path!r} has {len(c_box[0])} dimensions, the tensor "
                                      f"{ndim}")
     meet = overlap(box, c_box)
     if meet is None:
         return None
-    stride = c.get("stride")
-    low = int(c.get("offset", 0))
-    c_strides = tuple(stride) if stride is not None else contiguous_strides(c_box[1])
+    low = c.offset
+    c_strides = c.stride if c.stride is not None else contiguous_strides(c_box[1])
     rel = tuple(lo - o for lo, o in zip(meet[0], c_box[0]))
     first = sum(r * s for r, s in zip(rel, c_strides))
     last = sum((r + n - 1) * s for r, n, s in zip(rel, meet[1], c_strides))

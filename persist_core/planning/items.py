@@ -16,17 +16,18 @@ pickled leaves             :func:`blob_item`                      ``__objects__`
 Each item says what the staging copy reads (``source``, viewed as ``view``/``view_shape``), where that
 source is in a flattened state (its :data:`Slot`, so a cached plan is filled from the next state of
 the same structure) and which state tensors it holds (:class:`Member`: their byte offsets and strides,
-from which the manifest records are made, :func:`records`). :func:`plan_items` walks a state and
+from which the manifest's typed records are made, :func:`records`). :func:`plan_items` walks a state and
 calls these in file order. Pure functions: no I/O, every rank computes the same answer.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from persist_core._knobs import ENTRY_ALIGN_BYTES
+from persist_core.format.records import TensorRecord
 from persist_core.format.shard_file import OBJECTS_ENTRY, PER_RANK_ENTRY, _RESERVED_PREFIXES, dtype_name, safetensors_dtype
 from persist_core.format.tree import FlatState
 from persist_core.planning.partition import _span
@@ -175,18 +176,18 @@ def plan_items(flat: FlatState, groups: list[list[int]], owners: list[int] | Non
     return items
 
 
-def records(flat: FlatState, items: list[Item]) -> list[dict[str, Any] | None]:
-    """One manifest record per state tensor (``None`` for those no item holds): the entry holding it,
-    its dtype, shape and stride (``None``: C-contiguous) and the byte offset of its first element."""
+def records(flat: FlatState, items: list[Item], file: str) -> list[TensorRecord | None]:
+    """One manifest record per state tensor (``None`` for those no item holds): in ``file``, the entry holding
+    it, its dtype, shape and stride (``None``: C-contiguous) and the byte offset of its first element."""
     tensors = flat.tensors
-    out: list[dict[str, Any] | None] = [None] * len(tensors)
+    out: list[TensorRecord | None] = [None] * len(tensors)
     dtype_names: dict[torch.dtype, str] = {}  # a state has a few dtypes and thousands of tensors
     for item in items:
         for index, offset, stride in item.members:
             t = tensors[index][1]
             dtype = dtype_names.get(t.dtype) or dtype_names.setdefault(t.dtype, dtype_name(t.dtype))
-            out[index] = {"entry": item.name, "dtype": dtype, "shape": list(t.shape),
-                          "stride": stride if stride is None else list(stride), "offset": offset}
+            out[index] = TensorRecord(dtype=dtype, shape=tuple(t.shape), file=file, entry=item.name, stride=stride,
+                                      offset=offset, replicated=True)
     return out
 
 

@@ -10,7 +10,7 @@ records. It runs in passes, each its own module:
 2. where each item's bytes go (:mod:`persist_core.planning.section`), or, for a torch-loadable shard,
    the same with the zip archive ``torch.load`` reads around them
    (:mod:`persist_core.planning.torch_loadable`);
-3. the manifest records of the tensors the items hold (:func:`~persist_core.planning.items.records`).
+3. the manifest's typed records of the tensors the items hold (:func:`~persist_core.planning.items.records`).
 
 The staging copy (:mod:`persist_core.save.stage`) executes the plan. Pure: no I/O.
 """
@@ -47,15 +47,16 @@ class ShardPlan:
         header: the file's first ``len(header)`` bytes (a multiple of 4 KiB).
         file_bytes: total file size (a multiple of 4 KiB).
         copies: what to copy where; offsets are relative to the data section.
-        records: one per state tensor, for the manifest (entry, dtype, shape, stride, offset);
-            ``None`` for a tensor another rank writes.
+        records: one per state tensor, for the manifest (in this shard file: its entry, dtype, shape, stride,
+            offset); ``None`` for a tensor another rank writes. A sharded tensor's is its local part's, which
+            :meth:`RankPlan.manifest` makes a chunk of its record.
         objects: ``(begin, length)`` of each pickled leaf inside the ``__objects__`` entry.
     """
 
     header: bytes
     file_bytes: int
     copies: list[EntryCopy]
-    records: list[dict[str, Any] | None]
+    records: list[TensorRecord | None]
     objects: list[tuple[int, int]]
     torch_zip: bool = False  # the file is also the zip archive torch.load reads (format/torch_zip.py)
     slots: tuple[Slot | None, ...] = ()  # per copy, where its source is in a flattened state (see rebind); None: bytes
@@ -101,9 +102,10 @@ def plan_shard(flat: FlatState, *, groups: list[list[int]] | None = None, owners
         header = section.close()
     else:
         header = lay_out(section, items, refs, torch_zip)
+    zipped = refs is not None
     return ShardPlan(header=header, file_bytes=len(header) + section.pos, copies=section.copies,
-                     records=records(flat, items), objects=spans(flat.objects) if flat.objects and rank == 0 else [],
-                     torch_zip=refs is not None, slots=tuple(section.slots))
+                     records=records(flat, items, shard_filename(rank, torch_zip=zipped)), objects=spans(flat.objects) if flat.objects and rank == 0 else [],
+                     torch_zip=zipped, slots=tuple(section.slots))
 
 
 @dataclass(frozen=True)
@@ -126,14 +128,10 @@ class RankPlan:
     def manifest(self, *, step: int, time: float, metadata: dict[str, Any] | None) -> Manifest:
         """This rank's manifest so far: records for the tensors it writes, no files yet (the commit adds them)."""
         shard = self.filename
-        records: list[TensorRecord | None] = [
-            None if r is None else TensorRecord(dtype=r["dtype"], shape=tuple(r["shape"]), file=shard, entry=r["entry"],
-                                                stride=None if r["stride"] is None else tuple(r["stride"]),
-                                                offset=r["offset"], replicated=True)
-            for r in self.shard.records]
+        records = list(self.shard.records)  # the plain tensors' records as planned (in this file)
         for i, sh in self.shardings.items():  # a sharded tensor: its global shape and the chunks ranks add
-            r = self.shard.records[i]
-            chunk = () if r is None else (Chunk(file=shard, entry=r["entry"], offsets=tuple(sh.offsets),
+            r = records[i]
+            chunk = () if r is None else (Chunk(file=shard, entry=r.entry, offsets=tuple(sh.offsets),  # type: ignore
                                                 sizes=tuple(sh.sizes)),)
             records[i] = TensorRecord(dtype=dtype_name(self.flat.tensors[i][1].dtype), shape=tuple(sh.shape),
                                       placements=sh.placements, mesh=tuple(sh.mesh), chunks=chunk)

@@ -65,7 +65,7 @@ def test_plan_entries_are_aligned_and_contiguous():
     plan = plan_shard(flat)
     assert plan.file_bytes % 4096 == 0 and len(plan.header) % 4096 == 0
     assert all(c.begin % 64 == 0 for c in plan.copies)
-    assert [r["entry"] for r in plan.records] == ["a", "b", "c"]
+    assert [r.entry for r in plan.records] == ["a", "b", "c"]
 
 
 def test_user_keys_cannot_collide_with_internal_entries(ckpt_dir):

@@ -11,6 +11,7 @@ import struct
 import pytest
 import torch
 
+from persist_core.format.records import TensorRecord
 from persist_core.format.shard_file import OBJECTS_ENTRY, PER_RANK_ENTRY
 from persist_core.format.torch_zip import SplitShard, local_header, record_name
 from persist_core.format.tree import PerRank, flatten
@@ -68,9 +69,11 @@ def test_tensors_sharing_a_storage_are_one_entry_of_the_bytes_they_span_from_an_
     assert (item.name, item.dtype, item.shape, item.nbytes) == ("__shared__.1", "U8", (172,), 172)
     assert item.members == (Member(group[0], 80 - 64, (1,)), Member(group[1], 160 - 64, (2,)))
     assert bytes(item.source.numpy()) == bytes(base.view(torch.uint8)[64:236].numpy())
-    rows, strided = (records(flat, [item])[i] for i in group)
-    assert rows == {"entry": "__shared__.1", "dtype": "float32", "shape": [10], "stride": [1], "offset": 16}
-    assert strided == {"entry": "__shared__.1", "dtype": "float32", "shape": [10], "stride": [2], "offset": 96}
+    rows, strided = (records(flat, [item], "f")[i] for i in group)
+    assert rows == TensorRecord(dtype="float32", shape=(10,), file="f", entry="__shared__.1", stride=(1,), offset=16,
+                                replicated=True)
+    assert strided == TensorRecord(dtype="float32", shape=(10,), file="f", entry="__shared__.1", stride=(2,),
+                                   offset=96, replicated=True)
 
 
 def test_a_span_slot_takes_the_same_bytes_from_the_next_state_of_the_same_structure():
@@ -89,8 +92,8 @@ def test_a_dtensor_part_is_a_plain_entry_on_the_replica_that_writes_it_and_nothi
     assert names.take("w") == "w"  # no name was taken for it
     part = dtensor_item(flat, 0, _sharding(writes=True), EntryNames())
     assert part == plain_item(flat, 0, EntryNames())
-    assert records(flat, [part]) == [{"entry": "w", "dtype": "float32", "shape": [2, 3], "stride": None, "offset": 0},
-                                     None]
+    assert records(flat, [part], "f") == [TensorRecord(dtype="float32", shape=(2, 3), file="f", entry="w",
+                                                       replicated=True), None]
 
 
 @pytest.mark.parametrize("per_rank", [False, True])
@@ -118,8 +121,8 @@ def test_the_items_of_a_shard_come_in_file_order_and_each_rank_has_its_own():
         ["__shared__.1", PER_RANK_ENTRY, OBJECTS_ENTRY]
     assert [it.name for it in plan_items(flat, groups, owners, 1, {d: _sharding(True)})] == \
         ["a", "b", "d", PER_RANK_ENTRY]  # the pickled leaves only on rank 0
-    recs = records(flat, plan_items(flat, groups, owners, 1, {}))
-    assert [r and r["entry"] for r in recs] == ["a", None, None, "b", None]  # what others write: None
+    recs = records(flat, plan_items(flat, groups, owners, 1, {}), "f")
+    assert [r and r.entry for r in recs] == ["a", None, None, "b", None]  # what others write: None
 
 
 # ------------------------------------------------------------------ where the items go
