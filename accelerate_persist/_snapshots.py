@@ -6,10 +6,11 @@ When is a step's state whole? Not at the optimizer's step: the user's ``schedule
 accumulation, only where gradients synced and the ``GradScaler`` did not skip it). So the snapshot of step N is
 taken where the next step begins, after the count reached N: on entering ``accelerator.accumulate(...)`` (before it
 counts the micro-batch that decides when gradients sync), or else at the first forward — a forward pre-hook on the
-first prepared model — before that forward draws from the RNG or changes a BatchNorm's statistics. A step is offered to the tier once
+first prepared model — before that forward draws from the RNG or changes a BatchNorm's statistics. Its record is written in the background; the next
+update (a step pre-hook on each inner optimizer) waits for it, so a kill anywhere loses at most one step. A step is
+offered to the tier once
 (:meth:`~persist_core.session.PersistSession.first_offer`), also when ``hook.maybe_save()`` offered it already.
 
-The last step of a run has no forward after it: a kill between it and ``close()`` loses that one step.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class StepSnapshots:
             return accumulate(*models)  # a context manager: it counts the micro-batch on entering
 
         accelerator.accumulate = offered_first
+        for optimizer in accelerator._optimizers:  # the inner one runs only for steps that happen (no skipped step)
+            inner = getattr(optimizer, "optimizer", optimizer)
+            self._handles.append(inner.register_step_pre_hook(self._before_update))
 
     def offer(self, step: int) -> bool:
         """Snapshot ``step`` when the tier is due there, once a step (every process alike: the capture gathers, also
@@ -73,6 +77,13 @@ class StepSnapshots:
         if step != self._last:
             self._last = step
             self.offer(step)
+
+    def _before_update(self, *args: Any) -> None:
+        """The last snapshot is committed before an update (its record is written in the background): a kill after
+        the update loses that one step only."""
+        engine = self._session.engine
+        if engine is not None:
+            engine.wait_snapshot()
 
     def remove(self) -> None:
         """Give the model and the Accelerator back what the constructor changed."""

@@ -118,6 +118,13 @@ class PersistTrainerCallback(TrainerCallback):
         self._snapshot(state, control, kwargs)
         return control
 
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Before an update, the last snapshot is committed (its record is written in the background): a kill after
+        the update loses that one step only."""
+        engine = self._session.engine if self._session.options.memory is not None else None
+        if engine is not None:
+            engine.wait_snapshot()
+
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         self._save_pending(state, control)
         return self._take_over(state, control, kwargs)

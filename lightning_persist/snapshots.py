@@ -5,7 +5,9 @@ A ``CheckpointIO`` gets no call per step, so the snapshots are taken by :class:`
 Lightning adds to every ``Trainer`` through the plugin's ``lightning.pytorch.callbacks_factory`` entry point (inert
 unless the Trainer's checkpoint IO is a :class:`~lightning_persist.PersistCheckpointIO` with a memory tier). It
 offers each optimizer step to the tier at ``on_train_batch_end`` — after the update, the step-interval schedulers
-and the step count, the state ``ModelCheckpoint`` saves at the same hook — through :func:`offer`, which
+and the step count, the state ``ModelCheckpoint`` saves at the same hook — and waits for that snapshot's commit (its
+record is written in the background) before the next update, so a kill anywhere loses at most one step. It offers
+through :func:`offer`, which
 ``io.autosave(...)`` calls too: the session marks the step offered, so a step is snapshot once whichever callback
 comes first (gradient accumulation offers one optimizer step several times: once taken or not).
 
@@ -39,6 +41,13 @@ class PersistMemorySnapshots(Callback):
         io = persist_io_of(trainer)
         if io is not None and io._session.options.memory is not None:
             offer(io, trainer)
+
+    def on_before_optimizer_step(self, trainer: Any, *args: Any) -> None:
+        """Before an update, the last snapshot is committed: a kill after the update loses that one step only."""
+        io = persist_io_of(trainer)
+        engine = None if io is None or io._session.options.memory is None else io._session.engine
+        if engine is not None:
+            engine.wait_snapshot()
 
 
 def offer(io: Any, trainer: Any) -> bool:

@@ -210,7 +210,10 @@ def _snapshots_of(config: Config, root: Path, coll: Collectives, run_id: str, no
     assert config.memory is not None
     store = config.memory.store(run_id, coll.rank, root, local_dir_identity(root, create=True))
 
-    def full(why: str) -> None:
+    def full(why: str, *, unusable: bool = False) -> None:
+        if unusable:  # what is wrong with the directory, and its fix, was said where it was found
+            log.warning("[rank=%d] the memory tier cannot use its directory (%s): saving to disk only", coll.rank, why)
+            return
         log.warning("[rank=%d] the memory tier has too little room (%s): saving to disk only; give %s more room "
                     "(docker run --shm-size=...) or pass MemoryTier(memory_dir=...) a larger tmpfs", coll.rank, why,
                     config.memory.base)

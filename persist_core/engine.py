@@ -132,6 +132,13 @@ class CheckpointEngine:
         self._parts.saver.snapshot(make_state(), step, metadata=metadata, resumed_at=self.resumed_step)
         return True
 
+    def wait_snapshot(self) -> None:
+        """Until the newest memory snapshot is committed (its record written in the background; nothing without a
+        memory tier). Call it before each optimizer update, as the adapters do: a kill after the update then loses
+        that one step, not the one before it too."""
+        if self._parts.snapshots is not None:
+            self._parts.snapshots.wait()
+
     def guard(self, *optimizers: Any, step_hook: bool = True) -> Guard:
         """Overlap the next saves with training: ``save()`` returns after copying what the forward pass may
         mutate; the optimizers' parameters and state are copied in the background during the next forward and

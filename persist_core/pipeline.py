@@ -141,6 +141,7 @@ class Pipeline:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.writer.drain(deadline)
         self.sync.drain(deadline, timeout, closing=self.closing)
+        self.sync.drained()
 
     def close(self) -> None:
         self.writer.close()

@@ -99,7 +99,8 @@ class FileAllocator:
 class SlotAllocator:
     """The memory tier's staging buffers: mapped from files under ``directory()`` (a :class:`FileAllocator`) while
     the memory tier has room, from this process's memory once it has not (``on_full`` is called once, with the
-    reason: the engine warns and goes on saving to disk only).
+    reason and whether the directory itself is unusable rather than short of room: the engine warns and goes on
+    saving to disk only).
 
     Args:
         directory: makes (once) and returns the directory of the slots (the memory store's ``open_life``).
@@ -111,10 +112,11 @@ class SlotAllocator:
     """
 
     def __init__(self, directory: Callable[[], Path], *, slots: int, free_bytes: Callable[[], int], pin: bool,
-                 on_full: Callable[[str], None], make_room: Callable[[], None] = lambda: None) -> None:
+                 on_full: Callable[..., None], make_room: Callable[[], None] = lambda: None) -> None:
         self._directory, self._slots, self._free_bytes, self._on_full = directory, slots, free_bytes, on_full
         self._make_room = make_room
         self._files: FileAllocator | None = None
+        self._budgeted = False  # the room for the slots was checked (at the first allocation)
         self._host = HostAllocator(pin=pin)
         self._pin = pin
         self.full = False
@@ -140,10 +142,17 @@ class SlotAllocator:
                 return True  # the first allocation says why, and warns
 
     def _allocate(self, capacity: int) -> torch.Tensor:
-        if not self.full:
+        if not self.full and self._files is None:
             try:
-                if self._files is None:
-                    self._files = FileAllocator(self._directory())
+                self._files = FileAllocator(self._directory())
+            except (ConfigError, OSError) as e:  # a link, another user's, cannot be made: said, with the fix
+                self.full = True
+                self._on_full(str(e), unusable=True)
+        if not self.full:
+            assert self._files is not None
+            try:
+                if not self._budgeted:
+                    self._budgeted = True
                     need = self._slots * capacity
                     if need > self._free_bytes():  # a restart: the stopped process's slots go first (read by now)
                         self._make_room()
@@ -156,7 +165,7 @@ class SlotAllocator:
                 return tensor
             except (ConfigError, OSError) as e:
                 self.full = True
-                self._on_full(str(e))
+                self._on_full(str(e), unusable=False)
         return self._host.allocate(capacity)
 
     def _register(self, tensor: torch.Tensor) -> None:

@@ -158,6 +158,12 @@ class Syncer:
                                       handle=handle, committed_at=time.monotonic()))
             self.record()
 
+    def drained(self) -> None:
+        """Nothing is pending here and every upload ended: rewrite the record once more where this rank keeps one
+        (the rewrites after the last commit and its upload may have seen the step still pending)."""
+        if self._record is not None and (self.queue is not None or (self.follower is not None and self._node_leader())):
+            self._record.write()
+
     def record(self) -> None:
         """Rewrite ``local_dir``'s record of what is not uploaded yet, for ``persist gc`` (best effort)."""
         assert self._record is not None

@@ -116,3 +116,22 @@ def test_without_the_entry_point_the_plugin_says_once_how_to_snapshot(tmp_path, 
     with caplog.at_level(logging.WARNING, logger="lightning_persist.snapshots"):
         PersistCheckpointIO(tmp_path / "third", memory_every_n_steps=1, memory_dir=tmp_path / "shm")
     assert caplog.records == []
+
+
+@pytest.mark.parametrize("adapter", ["lightning", "accelerate"])
+def test_a_one_liner_killed_right_after_an_update_loses_that_step_only(tmp_path, adapter):
+    """SIGKILL after step 5's update, before its snapshot: the newest committed snapshot is step 4 (the update waited
+    for its record), never 3, however slowly the snapshots commit."""
+    import signal
+    import subprocess
+    import sys
+
+    from persist_core import MemoryTier
+
+    local_dir, memory_dir = tmp_path / "ckpt", tmp_path / "shm"
+    child = subprocess.run([sys.executable, "-m", "tests.support.oneliner_kill_child", adapter, str(local_dir),
+                            str(memory_dir), "5"], capture_output=True, text=True, timeout=300)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    with CheckpointReader(local_dir, memory=MemoryTier(memory_dir=memory_dir)) as reader:
+        latest = reader.latest()
+    assert latest is not None and latest.tier == "memory" and latest.step == 4, latest

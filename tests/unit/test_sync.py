@@ -306,3 +306,15 @@ def test_a_nearly_full_disk_with_a_healthy_remote_fails_as_it_would_without_one(
     gate.gate.set()
     engine.close()
     assert [i.step for i in CheckpointReader(root).list()] == [1]
+
+
+@pytest.mark.parametrize("trial", range(8))
+def test_a_clean_close_leaves_a_record_that_names_nothing_as_not_uploaded(tmp_path, memory_url, trial):
+    """Every step uploaded, the record says so (``persist gc`` and ``rm`` read it): the writer thread's rewrite after
+    its last commit raced the sync thread's after the upload, and named the newest step while it was still pending."""
+    from persist_core.sync.record import read_unsynced
+
+    with CheckpointEngine(tmp_path, remote_url=memory_url) as engine:
+        for step in (1, 2):
+            engine.save(states.state_for(step, (16,)), step=step)
+    assert read_unsynced(tmp_path) == (memory_url, set())
