@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -43,10 +43,16 @@ from persist_core.tiers.local import open_local_dir
 from persist_core.tiers.memory_files import local_dir_identity
 from persist_core.tiers.remote import RemoteTier
 
-if TYPE_CHECKING:
-    from persist_core.engine import CheckpointEngine
-
 log = logging.getLogger(__name__)
+
+
+class Closable(Protocol):
+    """What :func:`close_at_exit` needs of an engine: its public close."""
+
+    rank: int
+    closed: bool
+
+    def close(self, *, keep_memory: bool = False) -> None: ...
 
 
 @dataclass
@@ -239,7 +245,7 @@ def _say_unused_ranks(run_dir: Path, coll: Collectives) -> None:
                     "the run's snapshots no live process holds)", ranks, run_dir, coll.world_size, coll.world_size)
 
 
-def close_at_exit(engine: CheckpointEngine) -> None:
+def close_at_exit(engine: Closable) -> None:
     """Drain ``engine`` when the interpreter exits with it still open: pending writes commit and
     queued uploads finish, instead of dying with the thread pools (a weak reference, so an
     engine that is dropped is not kept alive). Runs before concurrent.futures stops its workers.
@@ -253,7 +259,7 @@ def close_at_exit(engine: CheckpointEngine) -> None:
         live = ref()
         if live is not None and not live.closed:
             try:
-                live._close(finished=False)  # not closed by the program: its memory snapshots stay
+                live.close(keep_memory=True)  # not closed by the program: its memory snapshots stay
             except PersistError as e:
                 log.error("[rank=%d] at exit: %s", live.rank, e)
 

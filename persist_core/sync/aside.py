@@ -14,10 +14,15 @@ from collections.abc import Callable
 
 from persist_core.errors import CorruptCheckpointError, RemoteError
 from persist_core.format.manifest import Manifest
+from persist_core.sync.lease import RemoteLease
 from persist_core.sync.order import KnownRemote
 from persist_core.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
+
+#: how long a branch waits on the training thread for the sync thread to take the remote's newer checkpoints off the
+#: live branch (their manifests; the rest of the move follows before the next upload)
+BRANCH_WAIT_S = 10.0
 
 
 class RemoteAside:
@@ -36,6 +41,41 @@ class RemoteAside:
         self._lock = threading.Lock()
         self._at: int | None = None
         self._hidden: list[tuple[int, int]] = []  # (step, at) taken off the live branch, their move to finish
+        self._ask: int | None = None  # a branch point whose newer checkpoints leave the live branch now (ask_hide)
+        self._answered = threading.Event()  # ... and they did, or could not (said)
+
+    def ask_hide(self, at: int) -> None:
+        """The training thread, at a branch: ask the sync thread to :meth:`hide` now (the queue's condition held)."""
+        self._ask = at
+        self._answered.clear()
+
+    @property
+    def asked(self) -> bool:
+        return self._ask is not None
+
+    def wait_hidden(self, at: int) -> None:
+        """The training thread: wait, at most :data:`BRANCH_WAIT_S`, for the sync thread to answer :meth:`ask_hide`
+        (it may be in the middle of an upload: then the move follows it, said)."""
+        if not self._answered.wait(BRANCH_WAIT_S):
+            log.warning("the upload to %s under way holds the sync thread: the remote's checkpoints newer than step "
+                        "%d leave the live branch once it is done (a fresh machine may resume them until then)",
+                        self._tier.url, at)
+
+    def hide_asked(self, lease: RemoteLease | None) -> None:
+        """The sync thread: :meth:`hide` what was asked, where this run may write to the remote (its lease); when it
+        may not, or the remote does not answer, the whole move waits for the next upload (said)."""
+        at, self._ask = self._ask, None
+        try:
+            if at is None:
+                return
+            if lease is not None:
+                lease.ensure()
+            self.hide(at)
+        except Exception as e:
+            log.warning("the remote %s's checkpoints newer than step %s leave the live branch before the next upload "
+                        "(now: %s)", self._tier.url, at, e)
+        finally:
+            self._answered.set()
 
     def hide(self, at: int) -> None:
         """A run resumed from ``at`` saves past it (the sync thread, as soon as it is free after the local checkpoints

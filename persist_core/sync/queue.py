@@ -56,10 +56,6 @@ __all__ = ["Backlog", "RemoteSync", "SyncJob"]
 log = logging.getLogger(__name__)
 
 
-#: how long a branch waits on the training thread for the sync thread to take the remote's newer checkpoints off the
-#: live branch (their manifests; the rest of the move follows before the next upload)
-_BRANCH_WAIT_S = 10.0
-
 #: ``backlog(remote_steps)``: the jobs to queue at start-up for what the remote lacks (sync thread)
 Backlog = Callable[[set[int]], list[SyncJob]]
 
@@ -116,8 +112,6 @@ class RemoteSync:
         self._down = False  # the last listing or upload failed (its recovery is logged once)
         self._gave_up = False  # close() after remote_timeout_s: nothing more is started
         self._lease = lease
-        self._hide_at: int | None = None  # a branch's point whose newer remote checkpoints leave the live branch now
-        self._hidden = threading.Event()  # ... and they did (or could not, said)
         # a daemon: close() waits for it, except for a request the remote never answers after giving up
         self._thread = threading.Thread(target=self._run, name="persist-sync", daemon=True)
 
@@ -227,13 +221,9 @@ class RemoteSync:
             self._failed = {s: j for s, j in self._failed.items() if s <= at}
         end_superseded(dropped, f"not uploaded: set aside locally by the branch from step {at}")
         with self._cond:  # the sync thread takes them off the live branch as soon as it is free (one writer)
-            self._hide_at = at
-            self._hidden.clear()
+            self._aside.ask_hide(at)
             self._cond.notify_all()
-        if not self._hidden.wait(_BRANCH_WAIT_S):
-            log.warning("the upload to %s under way holds the sync thread: the remote's checkpoints newer than step "
-                        "%d leave the live branch once it is done (a fresh machine may resume them until then)",
-                        self._tier.url, at)
+        self._aside.wait_hidden(at)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Retry failed uploads now and wait until nothing is queued, uploading or failed.
@@ -325,12 +315,11 @@ class RemoteSync:
                 self._busy = False
                 self._cond.notify_all()
                 self._cond.wait_for(lambda: self._queue or self._stopping or (self._failed and self._retry_now)
-                                    or self._hide_at is not None, self._retry_s if self._failed else None)
-                hide_at, self._hide_at = self._hide_at, None
-                if hide_at is not None:
-                    self._busy = True
-            if hide_at is not None:
-                self._hide(hide_at)
+                                    or self._aside.asked, self._retry_s if self._failed else None)
+                hide = self._aside.asked
+                self._busy = hide
+            if hide:
+                self._aside.hide_asked(self._lease)
                 continue
             with self._cond:
                 if not self._queue:
@@ -343,19 +332,6 @@ class RemoteSync:
                 job = self._active = self._queue.pop(0)
                 self._busy = True
             self._upload(job)
-
-    def _hide(self, at: int) -> None:
-        """Take the remote's checkpoints newer than ``at`` off the live branch, where this run may write there (its
-        lease); when it may not, or the remote does not answer, the whole move waits for the next upload (said)."""
-        try:
-            if self._lease is not None:
-                self._lease.ensure()
-            self._aside.hide(at)
-        except Exception as e:
-            log.warning("the remote %s's checkpoints newer than step %d leave the live branch before the next upload "
-                        "(now: %s)", self._tier.url, at, e)
-        finally:
-            self._hidden.set()
 
     def _requeue_failed(self) -> None:
         """Queue the failed uploads again with what is queued (lock held): the newest first, then what the
