@@ -25,26 +25,13 @@ _SERVER_FIXTURES = {"s3_endpoint", "bucket", "s3_options", "proxy"}
 def pytest_collection_modifyitems(config, items):
     """Mark ``slow`` what ``make test-quick`` leaves out: the adapters' tests (a real Trainer, Accelerator or
     HF Trainer, often several processes), the integration tests (processes killed, servers, CLI runs), the
-    root tests (examples and benchmarks run as processes), every test that uses the moto server, and the
-    tests of a unit module that start a process (their names below, found by `--durations`)."""
+    root tests (examples and benchmarks run as processes) and every test that uses the moto server. A unit test
+    that starts a process, or takes a second or more, carries ``@pytest.mark.slow`` itself."""
     for item in items:
         parts = item.path.relative_to(item.config.rootpath).parts
         if (parts[1] in ("adapters", "integration") or len(parts) == 2 or _SERVER_FIXTURES & set(item.fixturenames)
-                or item.name.split("[")[0] in _SLOW_UNIT_TESTS or "[s3]" in item.name):
+                or "[s3]" in item.name):
             item.add_marker(pytest.mark.slow)
-
-
-#: unit tests that start a process or take a second or more on this 2-core machine
-_SLOW_UNIT_TESTS = {
-    "test_interpreter_exit_without_close_still_commits_and_uploads",
-    "test_engine_imports_neither_lightning_nor_accelerate",
-    "test_sigterm_with_the_default_action_flushes_then_ends_the_process_as_sigterm_does",
-    "test_a_preemption_notice_saves_the_step_it_arrived_at_and_syncs_it",
-    "test_with_a_save_policy_sigterm_saves_that_step_syncs_it_and_ends_the_process_as_sigterm_would",
-    "test_a_restarted_job_decides_from_what_saves_cost_the_process_before_it",
-    "test_a_failed_copy_behind_a_write_gives_the_buffer_back",
-    "test_sigterm_while_the_training_thread_holds_every_engine_lock_flushes_then_chains",
-}
 
 
 @pytest.fixture(autouse=True)

@@ -282,6 +282,7 @@ def test_exit_with_an_exception_still_drains_and_does_not_mask_it(ckpt_dir):
     assert [i.step for i in CheckpointReader(ckpt_dir).list()] == [1]
 
 
+@pytest.mark.slow  # a child interpreter, or a second or more on 2 cores
 def test_engine_imports_neither_lightning_nor_accelerate():
     """Every module of persist_core (the CLI included) imports neither adapter nor their frameworks."""
     code = ("import importlib, pkgutil, sys, persist_core\n"
@@ -352,6 +353,7 @@ def test_next_save_copies_behind_the_running_write_without_corrupting_it(tmp_pat
             assert_state_equal(engine.load(step), big_state(step))
 
 
+@pytest.mark.slow  # a child interpreter, or a second or more on 2 cores
 def test_a_failed_copy_behind_a_write_gives_the_buffer_back(tmp_path, monkeypatch):
     import persist_core.save.stage as engine_module
 

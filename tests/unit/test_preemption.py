@@ -36,6 +36,7 @@ def _locks_of(engine: CheckpointEngine) -> list:
     return list(found.values())
 
 
+@pytest.mark.slow  # a child interpreter, or a second or more on 2 cores
 def test_sigterm_while_the_training_thread_holds_every_engine_lock_flushes_then_chains(tmp_path):
     chained: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: chained.append(signum))
@@ -67,6 +68,7 @@ def test_sigterm_while_the_training_thread_holds_every_engine_lock_flushes_then_
         engine.close()
 
 
+@pytest.mark.slow  # a child interpreter, or a second or more on 2 cores
 def test_sigterm_with_the_default_action_flushes_then_ends_the_process_as_sigterm_does(tmp_path):
     child = textwrap.dedent(f"""
         import torch

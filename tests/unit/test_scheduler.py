@@ -158,6 +158,7 @@ engine.close()
 """
 
 
+@pytest.mark.slow  # a child interpreter, or a second or more on 2 cores
 def test_a_preemption_notice_saves_the_step_it_arrived_at_and_syncs_it(tmp_path):
     local, remote = tmp_path / "ckpt", (tmp_path / "remote").as_uri()
     child = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT), local=str(local), remote=remote)],
@@ -184,6 +185,7 @@ print("never here", flush=True)
 """
 
 
+@pytest.mark.slow  # a child interpreter, or a second or more on 2 cores
 def test_with_a_save_policy_sigterm_saves_that_step_syncs_it_and_ends_the_process_as_sigterm_would(tmp_path):
     local, remote = tmp_path / "ckpt", (tmp_path / "remote").as_uri()
     child = subprocess.run([sys.executable, "-c", DEFAULT_CHILD.format(root=str(ROOT), local=str(local), remote=remote)],
@@ -283,6 +285,7 @@ def test_a_save_costs_its_stall_plus_the_slowdown_of_the_steps_it_overlaps(tmp_p
     assert policy.interval_s(context) == pytest.approx(max((2 * context.cost_s * 3600) ** 0.5, context.commit_s))
 
 
+@pytest.mark.slow  # a child interpreter, or a second or more on 2 cores
 def test_a_restarted_job_decides_from_what_saves_cost_the_process_before_it(tmp_path):
     """Preemptible jobs restart often: OptimalInterval should not re-measure from nothing, nor save at once."""
     clock, ops = FakeClock(), GatedOps(open_gate=True)

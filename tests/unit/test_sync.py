@@ -206,6 +206,7 @@ def test_keep_remote_without_remote_is_a_config_error(tmp_path):
         CheckpointEngine(tmp_path / "a", keep_remote=KeepLastN(1))
 
 
+@pytest.mark.slow  # a child interpreter, or a second or more on 2 cores
 def test_interpreter_exit_without_close_still_commits_and_uploads(tmp_path):
     import subprocess
     import sys
