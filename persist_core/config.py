@@ -292,10 +292,14 @@ def adapter_config(entry: str, local_dir: str | os.PathLike[str], given: dict[st
     for name in given:
         if name not in takes:
             close = difflib.get_close_matches(name, takes, n=1)
-            fix = f"did you mean {close[0]}=...?" if close else f"it takes {', '.join(takes)}"
+            fix = f"did you mean {close[0]}=...?" if close else f"help({entry}) lists its keywords ({', '.join(takes)}...)"
             engine = " (an option of CheckpointEngine, not of this adapter)" if name in ENTRY_POINTS["CheckpointEngine"] else ""
             raise TypeError(f"{entry}() got an unexpected keyword argument {name!r}{engine}; {fix}")
     return Config.from_keywords(local_dir, **given, **fixed)
 
 
 Config.__doc__ = with_docs(Config.__doc__ or "", tuple(_fields().values()), section="Attributes:")
+Config.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # the types a caller may pass
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
+    + [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation)
+       for o in _fields().values()], return_annotation=None)

@@ -72,6 +72,8 @@ def test_config_is_public_and_the_engine_shows_every_option_by_name():
         assert parameters[option.name].kind is inspect.Parameter.KEYWORD_ONLY
         assert parameters[option.name].default == option.default and parameters[option.name].annotation is not None
         assert " ".join(f"{option.name}: {option.doc}".split()) in doc
+    config = inspect.signature(Config).parameters  # the types a caller may pass (None: from the environment)
+    assert config["write_threads"].annotation == int | None and config["max_pending"].default == 1
     config_doc = " ".join(Config.__doc__.split())
     assert all(" ".join(f"{f}: {m.metadata['doc']}".split()) in config_doc
                for f, m in Config.__dataclass_fields__.items())
