@@ -26,27 +26,25 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 from types import TracebackType
 from typing import Any
 
 from accelerate_persist import _state
 from accelerate_persist._snapshots import StepSnapshots
 from accelerate_persist._dirs import named_dir, newest_plain, optimizer_steps_of, plain_accelerate_dir
-from persist_core import CheckpointNotFoundError, CheckpointReader, ConfigError, KeepLastN, RetentionPolicy, SingleProcess
+from persist_core import CheckpointNotFoundError, CheckpointReader, ConfigError, KeepLastN, SingleProcess
 from persist_core import TorchCollectives
-from persist_core.config import Config
+from persist_core.config import adapter_config, keyword_options
 from persist_core.layout import checkpoint_dirname
 from persist_core.links import Links
-from persist_core.policies import SavePolicy
 from persist_core.session import PersistSession
-from persist_core.tiers.memory import memory_tier
 
 log = logging.getLogger(__name__)
 
 _SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU")
 
 
+@keyword_options("PersistHook")  # **keywords: the options of persist_core.config.ENTRY_POINTS, by name
 class PersistHook:
     """Makes an Accelerator's ``save_state`` asynchronous, verified, synced and retained.
 
@@ -80,71 +78,20 @@ class PersistHook:
     (node-local disks: each node commits its processes' files, the remote assembles the checkpoint) or
     one shared by all.
 
+    Memory snapshots (``memory_every_n_steps``) are taken where the next step begins (see
+    :mod:`accelerate_persist._snapshots`; no call in the loop) and :meth:`resume` restores the newest; without a
+    ``save_policy``, only ``save_state()`` writes to disk.
+
     Args:
-        local_dir: the local tier (created if missing), ideally on NVMe.
-        remote_url: an fsspec URL committed checkpoints are uploaded to, or ``None``.
-        storage_options: passed to fsspec as-is.
-        keep_last / keep_every_n_steps / keep_every_n_seconds / retention: retention, both tiers.
-        verify: check checksums on load.
-        max_pending: checkpoints staged or writing at once (each holds a host copy of the state).
-        preemption_grace_s: how long SIGTERM waits for pending work (default 120 s).
-        remote_timeout_s: how long ``close()`` waits for uploads that keep failing (an outage) before
-            it raises one ``RemoteError`` naming the un-synced steps, which stay on disk (default 300 s).
-        save_policy: when :meth:`maybe_save` saves (``Continuous(min_interval_s=30)``,
-            ``EveryNSteps(1000)``, ``OptimalInterval(mtbf_s=...)``). With one, SIGTERM only sets a
-            flag: the next ``maybe_save`` saves on every process, flushes within the grace
-            period, and :attr:`preempted` tells the loop to stop.
-        preemption_signals: the signals that mean "preempted" when a ``save_policy`` is given
-            (default SIGTERM; e.g. ``(signal.SIGTERM, signal.SIGUSR1)`` for a scheduler's warning).
+        local_dir: the local tier's directory (created if missing), ideally on NVMe.
         overlap: ``save_state()`` returns after copying what the forward may mutate (buffers, RNG and
             loader state); the prepared optimizers' parameters and state are copied in the background
             while the next forward and backward run, and each ``optimizer.step()`` waits for that copy
             (see ``CheckpointEngine.guard``). The checkpoint is the state at ``save_state()``.
-        start_over: train afresh on a ``remote_url`` that holds another run's checkpoints: they are set aside
-            on both tiers (kept, listed by ``persist ls``, never pruned) at the first save. Without it, the first
-            ``save_state()`` of a run that resumed nothing there raises a ``ConfigError`` (resume with
-            ``hook.resume()``).
-        memory_every_n_steps: keep a snapshot in host memory every this many optimizer steps, on its own (taken
-            where the next step begins: see :mod:`accelerate_persist._snapshots`; no call in the loop): a restart on the same machine after a crash resumes from it with :meth:`resume`, losing at most that many
-            steps, without reading the disk (several processes: each snapshots its own state, and they resume at the
-            newest step all have). Without a ``save_policy``, only ``save_state()`` writes to disk.
-        memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist-<uid>``, one per user).
-        incremental: a checkpoint references the tensors whose bytes equal the previous checkpoint's (a frozen
-            base, a PEFT model's base) instead of writing them again; a full one every ``full_every`` saves.
-        full_every: with ``incremental``, a full checkpoint at least every this many saves (default 10).
     """
 
-    def __init__(
-        self,
-        local_dir: str | os.PathLike[str],
-        *,
-        remote_url: str | None = None,
-        storage_options: dict[str, Any] | None = None,
-        keep_last: int | None = None,
-        keep_every_n_steps: int | None = None,
-        keep_every_n_seconds: float | None = None,
-        retention: RetentionPolicy | None = None,
-        verify: bool = True,
-        max_pending: int = 1,
-        preemption_grace_s: float = 120.0,
-        remote_timeout_s: float = 300.0,
-        save_policy: SavePolicy | None = None,
-        preemption_signals: tuple[int, ...] = (signal.SIGTERM,),
-        overlap: bool = False,
-        start_over: bool = False,
-        memory_every_n_steps: int | None = None,
-        memory_dir: str | os.PathLike[str] | None = None,
-        incremental: bool = False,
-        full_every: int = 10,
-    ) -> None:
-        memory = memory_tier(memory_every_n_steps, memory_dir)
-        self._options = Config.from_keywords(
-            local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
-            keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
-            storage_options=storage_options, verify=verify, max_pending=max_pending,
-            preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, save_policy=save_policy,
-            preemption_signals=preemption_signals, start_over=start_over, memory=memory, incremental=incremental,
-            full_every=full_every)
+    def __init__(self, local_dir: str | os.PathLike[str], *, overlap: bool = False, **keywords: Any) -> None:
+        self._options = adapter_config("PersistHook", local_dir, keywords)
         if not isinstance(overlap, bool):
             raise ConfigError(f"overlap={overlap!r} must be True or False")
         self._overlap = overlap

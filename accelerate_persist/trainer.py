@@ -37,11 +37,10 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from persist_core import ConfigError, RetentionPolicy
-from persist_core.config import Config
+from persist_core import ConfigError
+from persist_core.config import adapter_config, keyword_options
 from persist_core.layout import TRAINER_DIRNAME, trainer_checkpoint_dirname
 from persist_core.session import PersistSession
-from persist_core.tiers.memory import memory_tier
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +49,7 @@ _WEIGHTS, _CONFIG, _OPTIMIZER, _SCHEDULER = "model.safetensors", "config.json", 
 _RNG, _STATE = "rng_state.pth", "trainer_state.json"
 
 
+@keyword_options("PersistTrainerCallback")  # **keywords: the options of persist_core.config.ENTRY_POINTS
 class PersistTrainerCallback(TrainerCallback):
     """Asynchronous, verified, synced checkpoints for ``transformers.Trainer`` in one line.
 
@@ -66,30 +66,16 @@ class PersistTrainerCallback(TrainerCallback):
     ``keep_last`` —, ``save_strategy="best"``), as are several processes, DeepSpeed and FSDP (not
     supported by this callback yet).
 
+    Memory snapshots (``memory_every_n_steps``) are taken at the end of the steps the Trainer does not save;
+    :meth:`resume_path` names the newest. ``incremental=True`` writes a PEFT model's frozen base once every
+    ``full_every`` saves.
+
     Args:
-        local_dir / remote_url / storage_options / keep_last / keep_every_n_steps /
-        keep_every_n_seconds / retention / verify / max_pending / preemption_grace_s /
-        remote_timeout_s / start_over / incremental / full_every: as for :class:`~accelerate_persist.PersistHook`
-            (``incremental=True``: a PEFT model's frozen base is written once every ``full_every`` saves).
-        memory_every_n_steps: keep a snapshot in host memory at the end of every this many steps (those the
-            Trainer does not save): a restart on the same machine after a crash resumes from it through
-            :meth:`resume_path`, losing at most that many steps, without reading the disk.
-        memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist-<uid>``, one per user).
+        local_dir: the local tier's directory (created if missing), ideally on NVMe.
     """
 
-    def __init__(self, local_dir: str | os.PathLike[str], *, remote_url: str | None = None,
-                 storage_options: dict[str, Any] | None = None, keep_last: int | None = None,
-                 keep_every_n_steps: int | None = None, keep_every_n_seconds: float | None = None,
-                 retention: RetentionPolicy | None = None, verify: bool = True, max_pending: int = 1,
-                 preemption_grace_s: float = 120.0, remote_timeout_s: float = 300.0, start_over: bool = False,
-                 incremental: bool = False, full_every: int = 10, memory_every_n_steps: int | None = None,
-                 memory_dir: str | os.PathLike[str] | None = None) -> None:
-        options = Config.from_keywords(
-            local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
-            keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
-            storage_options=storage_options, verify=verify, max_pending=max_pending,
-            preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, start_over=start_over,
-            incremental=incremental, full_every=full_every, memory=memory_tier(memory_every_n_steps, memory_dir))
+    def __init__(self, local_dir: str | os.PathLike[str], **keywords: Any) -> None:
+        options = adapter_config("PersistTrainerCallback", local_dir, keywords)
         self._session = PersistSession(
             options, resume_hint="resume with trainer.train(resume_from_checkpoint=callback.resume_path())")
         self.saved_steps: list[int] = []

@@ -36,18 +36,17 @@ from lightning_persist._paths import device, kind_of, path_key, remote_path, res
 from lightning_persist._strategies import check_strategy
 from lightning_persist._trainer import exit_as_sigterm, find_trainer, loggers_sink, rank_zero_info
 from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointReader, Collectives, ConfigError
-from persist_core import RetentionPolicy
-from persist_core.config import Config
+from persist_core.config import adapter_config, keyword_options
 from persist_core.layout import FULL, shard_filename
 from persist_core.links import Links
 from persist_core.load.reader import checkpoint_of
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistSession
-from persist_core.tiers.memory import memory_tier
 
 log = logging.getLogger(__name__)
 
 
+@keyword_options("PersistCheckpointIO")  # **keywords: the options of persist_core.config.ENTRY_POINTS, by name
 class PersistCheckpointIO(CheckpointIO):
     """Asynchronous, verified, remotely synced checkpoints for the Lightning ``Trainer`` and ``Fabric``.
 
@@ -89,80 +88,33 @@ class PersistCheckpointIO(CheckpointIO):
     through it but could not resume from what it saved. ``ModelCheckpoint(dirpath=...)`` must be a
     local directory (the remote tier is ``remote_url``).
 
+    Start over, incremental saves, memory snapshots: a ``fit`` that resumes nothing on a ``remote_url`` holding
+    another run's checkpoints is refused before its first batch (resume with ``ckpt_path=io.latest_path()``: on a
+    fresh machine Lightning's ``"last"`` finds no local file; or pass ``start_over=True``). Full checkpoints stay
+    files ``torch.load`` reads; an ``incremental`` one that references another is not: load it with
+    ``fit(ckpt_path=...)``, :func:`~lightning_persist.load_from_checkpoint` or ``persist export``. The memory
+    snapshots of ``memory_every_n_steps`` are taken by a callback Lightning adds to every Trainer through the
+    package's entry point; ``ckpt_path=io.latest_path()`` names the newest, while ``last.ckpt`` and
+    ``ModelCheckpoint``'s files keep naming disk checkpoints; several processes snapshot with ``PersistDDPStrategy``.
+
     Args:
-        local_dir: directory of the local tier (created if missing), ideally on NVMe. Point
-            ``ModelCheckpoint(dirpath=...)`` at it (or anywhere local: the paths are links).
-        remote_url: an fsspec URL (``s3://bucket/run-7``, ``gs://``, ``file://``) committed
-            checkpoints are uploaded to; ``None`` keeps them local.
-        storage_options: passed to fsspec as-is (endpoint, credentials).
-        keep_last: keep the newest N checkpoints on each tier.
-        keep_every_n_steps: keep every checkpoint whose step is a multiple of N (milestones).
-        keep_every_n_seconds: keep one checkpoint per N seconds of wall time.
-        retention: a policy object instead of the three keywords.
-        verify: check checksums on load (default True).
-        max_pending: checkpoints staged or writing at once (each holds a host copy of the state).
-        write_threads: threads writing one shard (default 4).
-        preemption_grace_s: on SIGTERM, how long to wait for the pending checkpoint to commit and
-            upload before the process goes on exiting (default 120 s; SIGKILL usually follows).
-        remote_timeout_s: how long ``teardown`` waits for uploads that keep failing (an outage) before
-            it raises one ``RemoteError`` naming the un-synced steps, which stay on disk (default 300 s).
+        local_dir: the local tier's directory (created if missing), ideally on NVMe. Point ``ModelCheckpoint(dirpath=...)`` at it (or anywhere local: the
+            paths are links).
         exit_after_sigterm: after a SIGTERM stopped the Trainer and ``teardown`` flushed, exit with
             status 143 as SIGTERM would (default); ``False`` lets ``fit`` return (Lightning exits 0).
-        start_over: train afresh on a ``remote_url`` that holds another run's checkpoints: they are set aside
-            on both tiers (kept, listed by ``persist ls``, never pruned) at the first save. Without it, a ``fit``
-            that resumes nothing there is refused before its first batch (resume with
-            ``ckpt_path=io.latest_path()``: on a fresh machine Lightning's ``"last"`` finds no local file).
-        memory_every_n_steps: keep a snapshot in host memory every this many optimizer steps, on its own (a
-            callback Lightning adds to every Trainer through the package's entry point takes them): a restart on
-            the same machine after a crash resumes from it (``ckpt_path=io.latest_path()`` names it), losing at
-            most that many steps, without reading the disk. ``last.ckpt`` and ``ModelCheckpoint``'s
-            files keep naming disk checkpoints. Several processes: with ``PersistDDPStrategy`` (each rank snapshots
-            its own state; a restart resumes every rank from the newest step all have).
-        memory_dir: the tmpfs the snapshots live in (default ``/dev/shm/torch-persist-<uid>``, one per user).
-        incremental: a checkpoint references the tensors whose bytes equal the previous checkpoint's (a frozen
-            base, a PEFT model's base) instead of writing them again; a full one every ``full_every`` saves. Full
-            checkpoints stay files ``torch.load`` reads; a referencing one is not: load it with
-            ``fit(ckpt_path=...)``, :func:`~lightning_persist.load_from_checkpoint` or ``persist export``.
-        full_every: with ``incremental``, a full checkpoint at least every this many saves (default 10).
 
     Raises:
         ConfigError: a bad argument, an unwritable ``local_dir`` or an unusable ``remote_url``
             (checked when the first checkpoint is saved or loaded).
     """
 
-    def __init__(
-        self,
-        local_dir: str | os.PathLike[str],
-        *,
-        remote_url: str | None = None,
-        storage_options: dict[str, Any] | None = None,
-        keep_last: int | None = None,
-        keep_every_n_steps: int | None = None,
-        keep_every_n_seconds: float | None = None,
-        retention: RetentionPolicy | None = None,
-        verify: bool = True,
-        max_pending: int = 1,
-        write_threads: int | None = None,
-        preemption_grace_s: float = 120.0,
-        remote_timeout_s: float = 300.0,
-        exit_after_sigterm: bool = True,
-        start_over: bool = False,
-        memory_every_n_steps: int | None = None,
-        memory_dir: str | os.PathLike[str] | None = None,
-        incremental: bool = False,
-        full_every: int = 10,
-    ) -> None:
+    def __init__(self, local_dir: str | os.PathLike[str], *, exit_after_sigterm: bool = True,
+                 **keywords: Any) -> None:
         super().__init__()
         self._exit_after_sigterm = exit_after_sigterm
         self._strategy_seen = False  # the Trainer's strategy was checked (a CheckpointIO has no set-up hook)
         self._memory_refusal_said = False  # a strategy that cannot snapshot was said (lightning_persist.snapshots)
-        options = Config.from_keywords(
-            local_dir, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
-            keep_every_n_seconds=keep_every_n_seconds, retention=retention, remote_url=remote_url,
-            storage_options=storage_options, verify=verify, max_pending=max_pending, write_threads=write_threads,
-            preemption_grace_s=preemption_grace_s, remote_timeout_s=remote_timeout_s, torch_loadable=True,
-            start_over=start_over, memory=memory_tier(memory_every_n_steps, memory_dir), incremental=incremental,
-            full_every=full_every)
+        options = adapter_config("PersistCheckpointIO", local_dir, keywords, torch_loadable=True)
         # ModelCheckpoint decides which paths exist: with no retention policy, what they link to is what stays
         self._links = Links(options.local_dir, file_name=shard_filename(0, torch_zip=True), retain_only_linked=True)
         self._session = PersistSession(

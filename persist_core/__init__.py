@@ -19,6 +19,7 @@ from persist_core.policies import (
     SavePolicy,
 )
 from persist_core.preemption import PreemptionNotice
+from persist_core.config import Config
 from persist_core.distributed import Collectives, SingleProcess, TorchCollectives
 from persist_core.engine import CheckpointEngine
 from persist_core.errors import (
@@ -54,6 +55,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointReader",
     "Collectives",
+    "Config",
     "ConfigError",
     "CorruptCheckpointError",
     "DirectoryInUseError",

@@ -17,7 +17,7 @@ from typing import Any
 
 from persist_core import _knobs
 from persist_core._build import build, close_at_exit
-from persist_core.config import Config
+from persist_core.config import Config, keyword_options
 from persist_core.distributed import Collectives, decision_channel
 from persist_core.errors import ConfigError, PersistError, RemoteError
 from persist_core.fileio import FileOps
@@ -32,6 +32,7 @@ from persist_core.tiers.tier import CheckpointInfo
 log = logging.getLogger(__name__)
 
 
+@keyword_options("CheckpointEngine")  # **keywords: every option of Config, shown by name with its docs
 class CheckpointEngine:
     """Asynchronous, verified checkpoints of a PyTorch state on a local directory.
 
@@ -45,18 +46,14 @@ class CheckpointEngine:
         state = CheckpointReader("/nvme/ckpt").load()   # the newest committed checkpoint (no writer lock)
 
     Args:
-        local_dir: directory of the local tier (created if missing; ideally on NVMe), or a whole :class:`Config`.
-        keywords: the other options of :class:`Config`: ``remote_url``/``storage_options`` (an fsspec URL every
-            committed checkpoint is uploaded to in the background; ``load`` falls back to it), ``keep_local``/
-            ``keep_remote`` (retention), ``save_policy`` (when :meth:`maybe_save` saves), ``preemption``,
-            ``start_over``, ``torch_loadable``, ``incremental``/``full_every`` (reference what did not change),
-            ``replica_check``, ``write_threads``, ``chunk_bytes``,
-            ``direct_io``, ``max_pending``, ``verify``, ``remote_timeout_s``, ``max_unsynced_bytes``, ``run_id``...
+        local_dir: directory of the local tier (created if missing; ideally on NVMe), or a whole :class:`Config`
+            (then no options: ``CheckpointEngine(config.replace(...))``). The options, each below, build one.
         collectives: several processes' collectives (:class:`TorchCollectives`): every rank saves the same steps
             and writes about ``1/world_size`` of a state they hold alike (``DTensor`` leaves sharded; values that
             differ per rank on purpose in :class:`PerRank`); rank 0 commits, applies retention and uploads.
-        clock / wall_clock / file_ops: the monotonic clock decisions use, the time manifests record, the file
-            system calls the writer makes (fakes in tests).
+        clock: the monotonic clock decisions use (a fake in tests).
+        wall_clock: the time manifests record.
+        file_ops: the file system calls the writer makes (a fake in tests).
 
     Raises:
         ConfigError: a bad argument, or ``local_dir`` cannot be created or written.

@@ -56,3 +56,33 @@ def test_an_engine_takes_a_whole_config_and_says_what_it_was_built_with(tmp_path
         assert [c.step for c in again.list()] == [2]
     with pytest.raises(ConfigError, match="config.replace"):
         CheckpointEngine(config, verify=False)
+
+
+def test_config_is_public_and_the_engine_shows_every_option_by_name():
+    import inspect
+
+    import persist_core
+    from persist_core.config import options_of
+
+    assert persist_core.Config is Config and "Config" in persist_core.__all__
+    parameters = inspect.signature(CheckpointEngine).parameters
+    doc = " ".join(CheckpointEngine.__doc__.split())
+    assert {o.name for o in options_of("CheckpointEngine")} == set(Config.__dataclass_fields__) - {"local_dir"}
+    for option in options_of("CheckpointEngine"):
+        assert parameters[option.name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert parameters[option.name].default == option.default and parameters[option.name].annotation is not None
+        assert " ".join(f"{option.name}: {option.doc}".split()) in doc
+    config = inspect.signature(Config).parameters  # the types a caller may pass (None: from the environment)
+    assert config["write_threads"].annotation == int | None and config["max_pending"].default == 1
+    config_doc = " ".join(Config.__doc__.split())
+    assert all(" ".join(f"{f}: {m.metadata['doc']}".split()) in config_doc
+               for f, m in Config.__dataclass_fields__.items())
+
+
+def test_the_adapters_memory_keywords_become_the_memory_option(tmp_path):
+    from persist_core import MemoryTier
+
+    config = Config.from_keywords(tmp_path, memory_every_n_steps=2, memory_dir=tmp_path / "shm")
+    assert config.memory == MemoryTier(every_n_steps=2, memory_dir=tmp_path / "shm")
+    with pytest.raises(ConfigError, match="memory_dir=.*without memory_every_n_steps"):
+        Config.from_keywords(tmp_path, memory_dir=tmp_path / "shm")
