@@ -22,7 +22,7 @@ from persist_core.policies.anyof import policy_from_keywords
 from persist_core.policies.retention import RetentionPolicy, check_policy
 from persist_core.policies.save import SavePolicy, check_save_policy
 from persist_core.preemption import PreemptionNotice, check_grace
-from persist_core.tiers.memory import MemoryTier, check_memory
+from persist_core.memory.store import MemoryTier, check_memory
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +58,7 @@ class Config:
         replica_check: ``"sampled"``, ``"full"`` or ``"off"``: how ranks check the tensors they save as replicated.
         start_over: a run that resumes nothing sets every committed checkpoint of both tiers aside at its first
             save, instead of being refused beside another run's remote checkpoints.
-        memory: a :class:`~persist_core.tiers.memory.MemoryTier`: snapshots in host memory that outlives the
+        memory: a :class:`~persist_core.memory.store.MemoryTier`: snapshots in host memory that outlives the
             process (``maybe_save`` snapshots every ``every_n_steps``; loads read the freshest source first).
         incremental: a save references the tensors whose bytes equal those of the newest committed checkpoint
             (proven by a 128-bit hash) instead of writing them again, nor uploading them.

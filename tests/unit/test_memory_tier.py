@@ -111,7 +111,7 @@ def test_a_torn_snapshot_falls_back_to_the_older_slot_then_to_disk(tmp_path, cap
 
 
 def test_a_tmpfs_too_small_warns_once_and_saves_to_disk(tmp_path, monkeypatch, caplog):
-    from persist_core.tiers import memory as memory_mod
+    from persist_core.memory import store as memory_mod
 
     monkeypatch.setattr(memory_mod.MemoryStore, "free_bytes", lambda self: 4096)
     with caplog.at_level(logging.WARNING), CheckpointEngine(tmp_path / "ckpt", memory=_memory(tmp_path),

@@ -2,7 +2,7 @@
 
 :class:`MemoryTier` is what a user configures (``CheckpointEngine(local_dir, memory=MemoryTier(every_n_steps=1))``);
 :class:`MemoryStore` is one rank's snapshots on that memory, bytes only: the slot files the staging buffers are
-mapped from (:class:`~persist_core.save.allocators.FileAllocator`), each slot's commit record (the manifest of the
+mapped from (:class:`~persist_core.staging.allocators.FileAllocator`), each slot's commit record (the manifest of the
 snapshot it holds, written after its bytes and removed before they are overwritten), listing and reading them.
 
 Layout (:mod:`persist_core.layout`): ``memory_dir/<run-id>/rank-R/life-<token>/slot-N`` and ``slot-N.json``. Each
@@ -10,7 +10,7 @@ engine maps its slots in a directory of its own (``life-...``), ``flock``-ed whi
 killed process's slots while it maps new ones; the older lives are removed once the new one has a snapshot (or a
 disk checkpoint holds their step, at a clean close). Every directory and file is this user's own, never reached
 through a link, and each life belongs to one incarnation of ``local_dir``
-(:mod:`persist_core.tiers.memory_files`).
+(:mod:`persist_core.memory.files`).
 
 A process killed in the middle of a fill leaves that slot without a record (the record goes first), so the other
 slots are what a restart reads; every byte read is checked against the record's checksums.
@@ -24,16 +24,20 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from persist_core._knobs import memory_type_error
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format.manifest import Manifest
 from persist_core.layout import (DEFAULT_MEMORY_DIR, IDENTITY_NAME, LOCAL_DIR_NAME, is_life_dirname, layout_identity,
                                  life_dirname, memory_rank_dirname, parse_partner_dirname, parse_slot_record_name,
                                  partner_dirname)
 from persist_core.sidefiles import warn_once, write_side_file
-from persist_core.tiers.memory_files import (all_ours, default_base, local_dir_identity, make_dir, ours, read_own_file,
+from persist_core.memory.files import (all_ours, default_base, local_dir_identity, make_dir, ours, read_own_file,
                                              record_of, remove_life)
+
+if TYPE_CHECKING:
+    from persist_core.memory.read import SnapshotReads
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ class MemoryTier:
 
     Several ranks: each snapshots its whole state; ``engine.load()`` agrees on the newest step every rank has whole.
     Several nodes: each rank's newest snapshot is also copied to its partner (the same local rank on the next
-    node), so a lost node restores from the other node's memory (:mod:`persist_core.sync.partner`).
+    node), so a lost node restores from the other node's memory (:mod:`persist_core.memory.partner`).
     """
 
     every_n_steps: int = 1
@@ -87,6 +91,12 @@ class MemoryTier:
         return MemoryStore(self.base / run_id / memory_rank_dirname(rank), identity=identity, local_dir=local_dir,
                            check_base=self.memory_dir is None)
 
+    def reads(self, local_dir: Path) -> SnapshotReads | None:
+        """The snapshots of the run ``local_dir`` keeps the id of, as a load reads them (``None``: none, said why)."""
+        from persist_core.memory.read import reads_of  # the reads sit above the store
+
+        return reads_of(self, Path(local_dir))
+
     def partner_store(self, run_id: str, of_rank: int, *, layout: tuple[tuple[int, ...], ...]) -> MemoryStore:
         """The copies of rank ``of_rank``'s snapshots that this node holds as its partner: the run's (its id and
         node ``layout``), whatever this node's ``local_dir`` (a replaced node's is new)."""
@@ -98,8 +108,7 @@ def check_memory(value: Any) -> MemoryTier | None:
     """``value`` as the ``memory`` option, or a ConfigError naming it."""
     if value is None or isinstance(value, MemoryTier):
         return value
-    raise ConfigError(f"memory={value!r} must be a MemoryTier (from persist_core import MemoryTier; "
-                      "memory=MemoryTier(every_n_steps=1)) or None")
+    raise memory_type_error(value)
 
 
 def memory_tier(every_n_steps: int | None, memory_dir: str | os.PathLike[str] | None) -> MemoryTier | None:
@@ -128,7 +137,7 @@ class Snapshot:
 
 class MemoryStore:
     """One rank's snapshots under ``root`` (``memory_dir/<run-id>/rank-R``) of the engines of ``identity`` (each
-    life records the identity it was made for, :mod:`persist_core.tiers.memory_files`: the incarnation of
+    life records the identity it was made for, :mod:`persist_core.memory.files`: the incarnation of
     ``local_dir``, so two jobs that share a launcher's run id, or a ``local_dir`` erased and made again, never read
     each other's; ``None``: every life, for listing). ``local_dir``: the path the lives name (which a life of an
     earlier incarnation of it names too: ``persist gc --memory`` removes those). ``check_base``: the base is the
