@@ -41,7 +41,7 @@ from persist_core import ConfigError, RetentionPolicy
 from persist_core.config import Config
 from persist_core.layout import TRAINER_DIRNAME, trainer_checkpoint_dirname
 from persist_core.session import PersistSession
-from persist_core.memory.store import memory_tier
+from persist_core.memory import memory_tier
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,7 @@ def _child(rank: int, port: int, base: str, shm: str, mib: int, reps: int) -> No
 
     from persist_core import CheckpointEngine, MemoryTier
     from persist_core.distributed import TorchCollectives, TorchPointToPoint
-    from persist_core.memory.partner import PartnerCopies
-    from persist_core.memory.store import MemoryStore
+    from persist_core.memory import MemoryStore, PartnerCopies
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     p2p = TorchPointToPoint(dist.new_group(backend="gloo"))

@@ -43,7 +43,7 @@ from persist_core.links import Links
 from persist_core.load.reader import checkpoint_of
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistSession
-from persist_core.memory.store import memory_tier
+from persist_core.memory import memory_tier
 
 log = logging.getLogger(__name__)
 

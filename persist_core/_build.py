@@ -35,6 +35,7 @@ from persist_core.memory.read import PartnerLink, SnapshotReads
 from persist_core.memory.slots import SlotAllocator
 from persist_core.memory.snapshots import Snapshots
 from persist_core.memory.store import MemoryStore
+from persist_core.memory.tier import NO_MEMORY, MemorySide, NoMemory
 from persist_core.run_ids import keep_run_id, kept_run_id, run_id_of
 from persist_core.save.commit import Nodes, discover_nodes
 from persist_core.save.overlap import Overlap
@@ -74,9 +75,9 @@ class Parts:
     scheduler: SaveScheduler
     reader: CheckpointReader
     own_notice: PreemptionNotice | None  # the engine's own SIGTERM notice, put back at close
+    memory: MemorySide | NoMemory = NO_MEMORY  # the engine's memory calls
     snapshots: Snapshots | None = None  # the memory tier's save side
-    partner: PartnerCopies | None = None  # the memory tier's copies on another node (several nodes)
-    partner_link: PartnerLink | None = None  # ... and how a restore pulls them back
+    partner_link: PartnerLink | None = None  # how a restore pulls a partner's copy back (several nodes)
 
     def summary(self) -> dict[str, float | int | None]:
         """``CheckpointEngine.summary``: the history's, the overlapped saves, how far behind the remote is."""
@@ -93,11 +94,7 @@ class Parts:
             self.own_notice.restore()
         self.overlap.close()
         self.pool.close()
-        if self.partner is not None:  # before the slots it reads from go
-            self.partner.close(finished=finished)
-        if self.snapshots is not None:
-            self.snapshots.close(finished=finished, disk_step=lambda: max((c.step for c in self.reader.list()),
-                                                                          default=-1))
+        self.memory.close(finished=finished, disk_step=lambda: max((c.step for c in self.reader.list()), default=-1))
         self.pipeline.close()
         if self.tier is not None:
             self.tier.close()
@@ -152,9 +149,10 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     reader = CheckpointReader(root, verify=config.verify, tier=tier, on_loaded=on_loaded,
                               memory=None if snapshots is None else SnapshotReads(snapshots.store))
     own_notice = preemption if preemption is not None and preemption.exit_after else None
+    memory = NO_MEMORY if snapshots is None else MemorySide(snapshots, partner, saver, world_size=coll.world_size)
     return Parts(root=root, coll=coll, dir_lock=dir_lock, tier=tier, ledger=ledger, history=history, overlap=overlap,
                  pool=pool, pipeline=pipeline, saver=saver, scheduler=scheduler, reader=reader, own_notice=own_notice,
-                 snapshots=snapshots, partner=partner, partner_link=link)
+                 memory=memory, snapshots=snapshots, partner_link=link)
 
 
 def _partner(config: Config, coll: Collectives, store: MemoryStore,

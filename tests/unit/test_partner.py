@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from persist_core import CheckpointEngine, MemoryTier
-from persist_core.memory.partner import PartnerCopies, partners
-from persist_core.memory.store import MemoryStore, Snapshot
+from persist_core.memory import MemoryStore, PartnerCopies, Snapshot, partners
 from tests.support.states import state_for
 
 
