@@ -27,13 +27,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from persist_core._knobs import memory_type_error
-from persist_core.errors import ConfigError, CorruptCheckpointError
-from persist_core.format.manifest import Manifest
+from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.layout import (DEFAULT_MEMORY_DIR, IDENTITY_NAME, LOCAL_DIR_NAME, is_life_dirname, layout_identity,
-                                 life_dirname, memory_rank_dirname, parse_partner_dirname, parse_slot_record_name,
+                                 life_dirname, memory_rank_dirname, parse_slot_record_name,
                                  partner_dirname)
 from persist_core.sidefiles import warn_once, write_side_file
-from persist_core.memory.files import (all_ours, default_base, local_dir_identity, make_dir, ours, read_own_file,
+from persist_core.tiers.local import read_blocks
+from persist_core.tiers.tier import CheckpointInfo
+from persist_core.memory.files import (all_ours, default_base, make_dir, ours, read_own_file,
                                              record_of, remove_life)
 
 if TYPE_CHECKING:
@@ -285,6 +287,38 @@ class MemoryStore:
     def steps(self) -> set[int]:
         return {s.step for s in self.snapshots()}
 
+    # ---- the read side of the Tier protocol (TierReader): a load may read the store as one more source; nothing
+    # that prunes or lists checkpoints (the Retainer, persist ls, verify) takes it, as it has no remove
+
+    kind = "memory"
+
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a committed snapshot, ascending."""
+        return sorted(self.steps())
+
+    def read_manifest(self, step: int) -> Manifest:
+        """The record of the newest slot holding ``step``."""
+        return self._snapshot(step).manifest
+
+    def read_blocks(self, step: int, f: FileEntry, first: int, views: list[memoryview], *, verify: bool = True) -> None:
+        """Fill ``views`` with whole checksum blocks of ``step``'s image from block ``first`` on, each verified."""
+        read_blocks(self._snapshot(step).path, f, first, views, verify=verify)
+
+    def list(self) -> list[CheckpointInfo]:
+        """The committed snapshots, oldest first (``tier="memory"``, ``path`` the slot)."""
+        return [CheckpointInfo(step=s.step, time=s.manifest.time, nbytes=s.manifest.nbytes, path=str(s.path),
+                               tier="memory") for s in reversed(self.snapshots())]
+
+    def _snapshot(self, step: int) -> Snapshot:
+        found = next((s for s in self.snapshots() if s.step == step), None)
+        if found is None:
+            raise CheckpointNotFoundError(f"no memory snapshot of step={step} in {self.root}")
+        return found
+
     def _all_lives(self) -> list[Path]:
         """Every life under ``root`` that is this user's own (none when a directory above is not)."""
         if not all_ours(self._dirs()):
@@ -350,48 +384,3 @@ def _unlocked(life: Path) -> bool:
         return False
     finally:
         os.close(fd)
-
-
-def _stores(base: Path, run_id: str, local_dir: Path | None, check_base: bool) -> list[MemoryStore]:
-    """Run ``run_id``'s stores under ``base`` as ``local_dir`` answers for them: each rank's of its identity, and
-    the partner copies this node holds for other ranks (the run's, whatever the local_dir)."""
-    run = base / run_id
-    if not all_ours([base, run] if check_base else [run]):
-        return []
-    identity = None if local_dir is None else (local_dir_identity(local_dir, create=False) or "")
-    try:
-        names = sorted(os.listdir(run))
-    except OSError:
-        return []
-    stores = []
-    for n in names:
-        partner = parse_partner_dirname(n) is not None
-        if (n.startswith("rank-") or partner) and ours(run / n):
-            stores.append(MemoryStore(run / n, identity=None if partner else identity, local_dir=local_dir))
-    return stores
-
-
-def run_lives(base: Path, run_id: str, local_dir: Path | None = None, *, check_base: bool = False,
-              orphans: bool = False) -> list[tuple[Path, bool, list[Snapshot]]]:
-    """Every slot directory of run ``run_id`` under ``base`` that ``local_dir`` reads (each rank's, each engine's,
-    and the partner copies this node holds for other ranks, ``partner-of-rank-R``; ``orphans``: also those it
-    answers for that no local_dir reads): its path, whether a live process holds it, and its committed snapshots
-    (newest first)."""
-    found = []
-    for store in _stores(base, run_id, local_dir, check_base):
-        lives = store._lives() + (store.orphans() if orphans and store.identity is not None else [])
-        for life in sorted(set(lives)):
-            found.append((life, not _unlocked(life), store.snapshots([life])))
-    return found
-
-
-def remove_stale(base: Path, run_id: str, local_dir: Path | None = None, *, check_base: bool = False,
-                 dry_run: bool = False) -> list[Path]:
-    """Remove (``dry_run``: only name) the slot directories of run ``run_id`` (``local_dir``'s, and those of earlier
-    incarnations of it or that name none) that no live process holds, each oldest record first."""
-    stale = [(life, snaps) for life, live, snaps in run_lives(base, run_id, local_dir, check_base=check_base,
-                                                               orphans=True) if not live]
-    if not dry_run:
-        for life, snaps in stale:
-            remove_life(life, [s.path for s in reversed(snaps)])
-    return [life for life, _ in stale]
