@@ -1,7 +1,7 @@
 """Partner copies (issue 42 b): how fast a memory snapshot reaches its partner's memory over gloo, against a raw
 gloo send of the same bytes (the floor), two processes on this machine.
 
-The copy is the engine's own: :class:`persist_core.sync.partner.PartnerCopies` reads the committed slot in 64 MiB
+The copy is the engine's own: :class:`persist_core.memory.partner.PartnerCopies` reads the committed slot in 64 MiB
 chunks, sends them, and the partner writes them into its slot, verifies every block (crc32c) and writes the
 record, then acknowledges. The node-loss bound of docs/memory.md is "the steps since the last completed partner
 copy": a copy takes about (a rank's state) / (this bandwidth).
@@ -31,8 +31,7 @@ def _child(rank: int, port: int, base: str, shm: str, mib: int, reps: int) -> No
 
     from persist_core import CheckpointEngine, MemoryTier
     from persist_core.distributed import TorchCollectives, TorchPointToPoint
-    from persist_core.sync.partner import PartnerCopies
-    from persist_core.tiers.memory import MemoryStore
+    from persist_core.memory import MemoryStore, PartnerCopies
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     p2p = TorchPointToPoint(dist.new_group(backend="gloo"))

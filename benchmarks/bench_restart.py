@@ -45,7 +45,7 @@ def child(work: str, width: int, step_ms: float, steps: int, variant: str) -> di
 
     from benchmarks._common import accel_model
     from persist_core import CheckpointEngine, KeepLastN
-    from persist_core.save.staging import StagingPool
+    from persist_core.staging.pool import StagingPool
 
     model, opt = accel_model(width, stepped=False)
     if variant == "setup":

@@ -27,21 +27,24 @@ from persist_core.ownership import DirLock
 from persist_core.pipeline import Pipeline
 from persist_core.policies.save import Clock
 from persist_core.preemption import PreemptionNotice, default_notice
-from persist_core.load.agree import PartnerLink
-from persist_core.load.reader import CheckpointReader
-from persist_core.save.overlap import Overlap
-from persist_core.save.allocators import SlotAllocator
-from persist_core.save.commit import Nodes, discover_nodes
-from persist_core.save.saver import Saver
-from persist_core.save.snapshots import Snapshots
-from persist_core.save.staging import StagingPool
-from persist_core.scheduler import SaveScheduler
 from persist_core.layout import parse_memory_rank_dirname
+from persist_core.load.reader import CheckpointReader
+from persist_core.memory.files import local_dir_identity
+from persist_core.memory.partner import NO_COPY_STEPS, PartnerCopies, partners
+from persist_core.memory.read import PartnerLink, SnapshotReads
+from persist_core.memory.slots import SlotAllocator
+from persist_core.memory.snapshots import Snapshots
+from persist_core.memory.store import MemoryStore
+from persist_core.memory.tier import NO_MEMORY, MemorySide, NoMemory
 from persist_core.run_ids import keep_run_id, kept_run_id, run_id_of
-from persist_core.sync.partner import PartnerCopies, partners
+from persist_core.save.commit import Nodes, discover_nodes
+from persist_core.save.overlap import Overlap
+from persist_core.save.saver import Saver
+from persist_core.scheduler import SaveScheduler
+from persist_core.staging.pool import StagingPool
 from persist_core.tiers.local import open_local_dir
-from persist_core.tiers.memory_files import local_dir_identity
 from persist_core.tiers.remote import RemoteTier
+from persist_core.turn import Turn
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +75,9 @@ class Parts:
     scheduler: SaveScheduler
     reader: CheckpointReader
     own_notice: PreemptionNotice | None  # the engine's own SIGTERM notice, put back at close
+    memory: MemorySide | NoMemory = NO_MEMORY  # the engine's memory calls
     snapshots: Snapshots | None = None  # the memory tier's save side
-    partner: PartnerCopies | None = None  # the memory tier's copies on another node (several nodes)
-    partner_link: PartnerLink | None = None  # ... and how a restore pulls them back
+    partner_link: PartnerLink | None = None  # how a restore pulls a partner's copy back (several nodes)
 
     def summary(self) -> dict[str, float | int | None]:
         """``CheckpointEngine.summary``: the history's, the overlapped saves, how far behind the remote is."""
@@ -91,11 +94,7 @@ class Parts:
             self.own_notice.restore()
         self.overlap.close()
         self.pool.close()
-        if self.partner is not None:  # before the slots it reads from go
-            self.partner.close(finished=finished)
-        if self.snapshots is not None:
-            self.snapshots.close(finished=finished, disk_step=lambda: max((c.step for c in self.reader.list()),
-                                                                          default=-1))
+        self.memory.close(finished=finished, disk_step=lambda: max((c.step for c in self.reader.list()), default=-1))
         self.pipeline.close()
         if self.tier is not None:
             self.tier.close()
@@ -126,14 +125,12 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     history = SaveHistory(clock, prior=recent_costs(root))  # a restarted job: what saves cost
     # several ranks with a memory tier: which ranks share local_dir (a collective call; no save has started yet)
     nodes = None if config.memory is None or coll.world_size == 1 else discover_nodes(root, coll)
-    snapshots = None if config.memory is None else _snapshots(config, root, coll, nodes)
-    if snapshots is not None:
-        snapshots.turn = overlap.turn  # a guarded update holds the snapshots' checksums off
-    if snapshots is None:
+    snapshots, partner, link = None, None, None
+    if config.memory is None:
         pool = StagingPool(config.max_pending, pin=torch.cuda.is_available(), turn=overlap.turn)
     else:  # the staging buffers are the memory tier's slots: the newest snapshot's, one to fill, the writes'
-        pool = snapshots.pool = StagingPool(_slots(config, nodes), pin=False, turn=overlap.turn,
-                                            allocator=snapshots.allocator, reusing=snapshots.reusing)
+        snapshots, partner, link = _memory(config, root, coll, nodes, overlap.turn)
+        pool = snapshots.pool
     built: list[Saver] = []  # the sync thread starts in Pipeline and may upload a backlog before the saver exists
     pipeline = Pipeline(config, pool=pool, coll=coll, ops=file_ops or OsFileOps(), ledger=ledger, tier=tier,
                         latest_step=lambda: built[0].latest_step if built else 0, turn=overlap.turn,
@@ -148,21 +145,20 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     scheduler = SaveScheduler(policy=config.save_policy, preemption=preemption, grace_s=config.preemption_grace_s,
                               coll=coll, history=history, clock=clock, in_flight=writer.in_flight,
                               known=lambda step: step in writer.pending_steps() or history.last_step() == step,
-                              wait=wait)
-    scheduler.memory_only = config.memory is not None and config.save_policy is None  # several processes: disk only
+                              wait=wait, memory_only=config.memory is not None and config.save_policy is None)
     reader = CheckpointReader(root, verify=config.verify, tier=tier, on_loaded=on_loaded,
-                              memory=None if snapshots is None else snapshots.store)
+                              memory=None if snapshots is None else SnapshotReads(snapshots.store))
     own_notice = preemption if preemption is not None and preemption.exit_after else None
-    partner, link = (None, None) if snapshots is None else _partner(config, root, coll, snapshots, nodes)
+    memory = NO_MEMORY if snapshots is None else MemorySide(snapshots, partner, saver, world_size=coll.world_size)
     return Parts(root=root, coll=coll, dir_lock=dir_lock, tier=tier, ledger=ledger, history=history, overlap=overlap,
                  pool=pool, pipeline=pipeline, saver=saver, scheduler=scheduler, reader=reader, own_notice=own_notice,
-                 snapshots=snapshots, partner=partner, partner_link=link)
+                 memory=memory, snapshots=snapshots, partner_link=link)
 
 
-def _partner(config: Config, root: Path, coll: Collectives, snapshots: Snapshots,
+def _partner(config: Config, coll: Collectives, store: MemoryStore,
              nodes: Nodes | None) -> tuple[PartnerCopies | None, PartnerLink | None]:
     """Several nodes (found out here, as the commit finds them): each rank's snapshots also go to its partner on the
-    next node (:mod:`persist_core.sync.partner`), on two channels of their own, made by every rank alike. One node:
+    next node (:mod:`persist_core.memory.partner`), on two channels of their own, made by every rank alike. One node:
     said once, no partner."""
     if nodes is None:
         return None, None
@@ -179,42 +175,51 @@ def _partner(config: Config, root: Path, coll: Collectives, snapshots: Snapshots
         return None, None
     partner, source = partners(nodes.groups, coll.rank)
     assert config.memory is not None
-    run_id = snapshots.store.root.parent.name
+    run_id = store.root.parent.name
     held = None if source is None else config.memory.partner_store(run_id, source, layout=nodes.groups)
     log.info("[rank=%d] memory snapshots are copied to rank %s on the next node; this rank holds rank %s's",
              coll.rank, partner, source)
-    copies = PartnerCopies(background, channel, rank=coll.rank, partner=partner, source=source, held=held,
-                           settle=snapshots.settle)
-    snapshots.agree = copies.agree
-    snapshots.on_copy = lambda step, snap: copies.skip(step) if snap is None else copies.offer(snap)
-    return copies, PartnerLink(restore, source=source, held=held, scratch=snapshots.store.root)
+    copies = PartnerCopies(background, channel, rank=coll.rank, partner=partner, source=source, held=held)
+    return copies, PartnerLink(restore, source=source, held=held, scratch=store.root)
 
 
-def _snapshots(config: Config, root: Path, coll: Collectives, nodes: Nodes | None) -> Snapshots | None:
-    """The memory tier's save side for ``config.memory``: this rank's snapshots under ``<run-id>/rank-R``. Several
-    ranks (``nodes``: which share ``local_dir``) take rank 0's run id (a collective call); the first rank of each node
-    keeps it in its ``local_dir``, where that keeps another (a replaced node's fresh disk)."""
+def _memory(config: Config, root: Path, coll: Collectives, nodes: Nodes | None,
+            turn: Turn) -> tuple[Snapshots, PartnerCopies | None, PartnerLink | None]:
+    """The memory tier for ``config.memory``, each part given what it uses as it is made (the store, its slots, the
+    staging pool of them, the partner copies, the snapshots): this rank's snapshots under ``<run-id>/rank-R``.
+    Several ranks (``nodes``: which share ``local_dir``) take rank 0's run id (a collective call); the first rank of
+    each node keeps it in its ``local_dir``, where that keeps another (a replaced node's fresh disk)."""
     assert config.memory is not None
     if coll.world_size > 1:  # rank 0's (made in its local_dir at first use); each node's first rank keeps it too
         run_id = coll.broadcast(run_id_of(root, config.run_id) if coll.rank == 0 else None)  # no save has started yet
         if nodes is not None and nodes.groups[nodes.mine][0] == coll.rank and kept_run_id(root, strict=False) != run_id:
             keep_run_id(root, run_id)  # a replaced node's fresh disk: a reader there finds the run (one writer)
-        return _snapshots_of(config, root, coll, run_id, nodes)
-    run_id = run_id_of(root, config.run_id)
-    if config.run_id is not None:
-        keep_run_id(root, run_id)  # where a CheckpointReader(local_dir, memory=...) looks for this run's snapshots
-    return _snapshots_of(config, root, coll, run_id, nodes)
+    else:
+        run_id = run_id_of(root, config.run_id)
+        if config.run_id is not None:
+            keep_run_id(root, run_id)  # where a CheckpointReader(local_dir, memory=...) looks for this run's snapshots
+    assert config.memory is not None
+    store = config.memory.store(run_id, coll.rank, root, local_dir_identity(root, create=True))
+    _say_unused_ranks(store.root.parent, coll)
+    allocator = SlotAllocator(store, slots=_slots(config, nodes), pin=torch.cuda.is_available(),
+                              on_full=_on_full(config, coll))
+    pool = StagingPool(_slots(config, nodes), pin=False, turn=turn, allocator=allocator)
+    partner, link = _partner(config, coll, store, nodes)
+    snapshots = Snapshots(config.memory, store, allocator, pool, copy_steps=NO_COPY_STEPS if partner is None
+                          else partner, turn=turn, chunk_bytes=config.chunk_bytes, rank=coll.rank)
+    return snapshots, partner, link
 
 
 def _slots(config: Config, nodes: Nodes | None) -> int:
     """The memory tier's slots: the newest snapshot's, one to fill, one per disk write in flight; with several nodes
-    two more, the copy steps' (the settled one and the one in flight: :mod:`persist_core.sync.partner`)."""
+    two more, the copy steps' (the settled one and the one in flight: :mod:`persist_core.memory.partner`)."""
     return config.max_pending + 2 + (2 if nodes is not None and len(nodes.groups) > 1 else 0)
 
 
-def _snapshots_of(config: Config, root: Path, coll: Collectives, run_id: str, nodes: Nodes | None) -> Snapshots:
+def _on_full(config: Config, coll: Collectives) -> Callable[..., None]:
+    """What the slots say once they cannot be had: the memory tier saves to disk only."""
     assert config.memory is not None
-    store = config.memory.store(run_id, coll.rank, root, local_dir_identity(root, create=True))
+    base = config.memory.base
 
     def full(why: str, *, unusable: bool = False) -> None:
         if unusable:  # what is wrong with the directory, and its fix, was said where it was found
@@ -222,12 +227,8 @@ def _snapshots_of(config: Config, root: Path, coll: Collectives, run_id: str, no
             return
         log.warning("[rank=%d] the memory tier has too little room (%s): saving to disk only; give %s more room "
                     "(docker run --shm-size=...) or pass MemoryTier(memory_dir=...) a larger tmpfs", coll.rank, why,
-                    config.memory.base)
-
-    _say_unused_ranks(store.root.parent, coll)
-    allocator = SlotAllocator(store.open_life, slots=_slots(config, nodes), free_bytes=store.free_bytes,
-                              pin=torch.cuda.is_available(), on_full=full, make_room=store.remove_other_lives)
-    return Snapshots(config.memory, store, allocator, chunk_bytes=config.chunk_bytes, rank=coll.rank)
+                    base)
+    return full
 
 
 def _say_unused_ranks(run_dir: Path, coll: Collectives) -> None:

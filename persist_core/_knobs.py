@@ -14,8 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from persist_core.errors import ConfigError
-from persist_core.layout import MAX_STEP as _layout_max_step
-from persist_core.layout import is_url
+from persist_core.layout import MAX_STEP as _layout_max_step, is_url
 
 #: Alignment of the data section and of every O_DIRECT write (bytes).
 PAGE_BYTES = 4096
@@ -279,6 +278,11 @@ def check_resume_step(value: object, reader: Any) -> int:
                           f"steps: {shown}{' ...' if len(steps) > 10 else ''}); pass one of them, or call load(), "
                           "which resumes from what it loads")
     return step
+
+
+def memory_type_error(value: object) -> ConfigError:  # the engine's and the reader's check of ``memory``
+    return ConfigError(f"memory={value!r} must be a MemoryTier (from persist_core import MemoryTier; "
+                       "memory=MemoryTier(every_n_steps=1)) or None")
 
 
 def check_timeout(value: object) -> float | None:

@@ -56,7 +56,7 @@ def decision_channel(coll: Collectives) -> Collectives | None:
 @runtime_checkable
 class PointToPoint(Protocol):
     """Byte messages between two ranks, over a process group of their own (the memory tier's partner copies,
-    :mod:`persist_core.sync.partner`). A message is received into a buffer of its exact length; ``send`` returns
+    :mod:`persist_core.memory.partner`). A message is received into a buffer of its exact length; ``send`` returns
     once the peer has it. Messages between two ranks with one tag arrive in order; tags keep streams apart."""
 
     def send(self, data: bytes | bytearray | memoryview, peer: int, tag: int) -> None: ...

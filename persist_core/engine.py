@@ -102,39 +102,20 @@ class CheckpointEngine:
             ConfigError: the engine has no ``memory`` tier; a bad step or metadata.
         """
         self._check_open()
-        if self._parts.snapshots is None:
-            raise ConfigError("snapshot() needs CheckpointEngine(memory=MemoryTier(...))")
-        self._snapshot(lambda: state, step, metadata, copies=False)
+        self._parts.memory.snapshot(state, step, metadata=metadata, resumed_at=self.resumed_step)
 
     def maybe_snapshot(self, make_state: Callable[[], Any], step: int, *,
                        metadata: dict[str, Any] | None = None) -> bool:
         """:meth:`snapshot` if the memory tier is due at ``step`` (building the state only then); whether it did.
         Without a memory tier (or once it ran out of room), nothing."""
         self._check_open()
-        snapshots = self._parts.snapshots
-        if snapshots is None or not snapshots.tier.due(step):
-            return False
-        return self._snapshot(make_state, step, metadata)
-
-    def _snapshot(self, make_state: Callable[[], Any], step: int, metadata: dict[str, Any] | None, *,
-                  copies: bool = True) -> bool:
-        """Snapshot ``step``; with partner copies (several nodes, ``copies``) every rank first agrees whether it is a
-        copy step (a collective call: every rank snapshots the same steps). Whether a snapshot was taken."""
-        snapshots = self._parts.snapshots
-        assert snapshots is not None
-        if not snapshots.before(step, copies=copies):  # out of room: disk only
-            if self._coll.world_size > 1:  # the run's timeline checked as a snapshot would (with several ranks, a
-                self._parts.saver.allow(step, self.resumed_step)  # collective call the first time)
-            return False
-        self._parts.saver.snapshot(make_state(), step, metadata=metadata, resumed_at=self.resumed_step)
-        return True
+        return self._parts.memory.maybe_snapshot(make_state, step, metadata=metadata, resumed_at=self.resumed_step)
 
     def wait_snapshot(self) -> None:
         """Until the newest memory snapshot is committed (its record written in the background; nothing without a
         memory tier). Call it before each optimizer update, as the adapters do: a kill after the update then loses
         that one step, not the one before it too."""
-        if self._parts.snapshots is not None:
-            self._parts.snapshots.wait()
+        self._parts.memory.wait_snapshot()
 
     def guard(self, *optimizers: Any, step_hook: bool = True) -> Guard:
         """Overlap the next saves with training: ``save()`` returns after copying what the forward pass may
@@ -236,10 +217,7 @@ class CheckpointEngine:
         """
         _knobs.check_timeout(timeout)
         self._overlap.fence()
-        if self._parts.snapshots is not None:
-            self._parts.snapshots.wait()
-        if self._parts.partner is not None:  # the newest snapshot's partner copy too
-            self._parts.partner.flush(timeout)
+        self._parts.memory.wait(timeout)  # every snapshot committed, the newest one's partner copy sent
         try:
             self._pipeline.drain(timeout)
         except RemoteError:

@@ -1,7 +1,7 @@
 """Host memory: how much is available, faulting pages in ahead of use, a thread that runs only on idle cores,
 and copies on the engine's own threads that start no parallel team.
 
-Used by the staging pool's warm-up (:meth:`persist_core.save.staging.StagingPool.warm`). Linux only in effect;
+Used by the staging pool's warm-up (:meth:`persist_core.staging.pool.StagingPool.warm`). Linux only in effect;
 elsewhere each function does nothing (and says so in a debug line) and the first copy faults pages in.
 :func:`copy_here` is for the background copy of guarded saves and the reader's threads; :func:`raw_view` is the bytes at
 an address, as the staging buffers and the incremental hash read them.

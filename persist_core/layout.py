@@ -218,10 +218,10 @@ def node_probe_filename(token: str, rank: int) -> str:
 #                 .local-dir                 the local_dir of the engine that mapped them (its path)
 #                 .identity                  whose they are: local_dir's .local-dir-id (partner copies: the layout)
 #         <run-id>/partner-of-rank-00002/    the copy of rank 2's newest snapshot this node holds (its partner, the
-#             life-5e6f7a8b/                 same local rank on the previous node; sync/partner.py): slots and
+#             life-5e6f7a8b/                 same local rank on the previous node; memory/partner.py): slots and
 #                 slot-0  slot-0.json ...    records as above, a record written once every byte verified
 #         <run-id>/rank-00002/pulled-<token> a partner's copy pulled back on restore (removed once read)
-DEFAULT_MEMORY_DIR = "/dev/shm/torch-persist-<uid>"  # for messages; tiers.memory_files.default_base() makes it
+DEFAULT_MEMORY_DIR = "/dev/shm/torch-persist-<uid>"  # for messages; memory.files.default_base() makes it
 _LIFE_RE = re.compile(r"life-([0-9a-f]{8,32})")
 _SLOT_RE = re.compile(r"slot-([0-9]{1,6})")
 SLOT_RECORD_SUFFIX = ".json"

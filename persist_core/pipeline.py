@@ -24,7 +24,7 @@ from persist_core.history import HistoryLog
 from persist_core.policies.abandoned import AbandonedWatch
 from persist_core.policies.retention import Retainer
 from persist_core.save.dedup import Incremental
-from persist_core.save.staging import StagingPool
+from persist_core.staging.pool import StagingPool
 from persist_core.sync import SyncJob, Syncer
 from persist_core.tiers.local import LocalTier
 from persist_core.tiers.remote import RemoteTier

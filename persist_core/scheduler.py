@@ -36,11 +36,13 @@ class SaveScheduler:
         in_flight: whether a save is staged or being written now.
         known: whether ``step`` is saved already (pending, or the last save).
         wait: the engine's ``wait(timeout)``.
+        memory_only: a memory tier without a ``policy``: :meth:`should_save`'s disk decision is "no" (disk saves are
+            the explicit ``save()`` calls).
     """
 
     def __init__(self, *, policy: SavePolicy | None, preemption: PreemptionNotice | None, grace_s: float,
                  coll: Collectives, history: SaveHistory, clock: Clock, in_flight: Callable[[], bool],
-                 known: Callable[[int], bool], wait: Callable[[float], None]) -> None:
+                 known: Callable[[int], bool], wait: Callable[[float], None], memory_only: bool = False) -> None:
         self._policy = policy
         self._preemption = preemption
         self._grace_s = grace_s
@@ -51,7 +53,7 @@ class SaveScheduler:
         self._known = known
         self._wait = wait
         self._preempt_saved = False
-        self.memory_only = False  # no save_policy, a memory tier: maybe_save's disk decision is "no"
+        self._memory_only = memory_only
 
     def should_save(self, step: int, *, policy: SavePolicy | None = None) -> bool:
         """This process's decision alone; see :meth:`CheckpointEngine.should_save`."""
@@ -62,7 +64,7 @@ class SaveScheduler:
         if self.preemption_pending():
             return not known
         policy = policy or self._policy
-        if policy is None and self.memory_only:
+        if policy is None and self._memory_only:
             return False  # a memory tier snapshots; disk saves are the explicit save() calls
         if policy is None:
             raise ConfigError("maybe_save() needs CheckpointEngine(save_policy=...), e.g. Continuous(min_interval_s=30)")

@@ -11,8 +11,8 @@ from typing import Any
 
 from persist_core.layout import is_url, parse_partner_dirname
 from persist_core.run_ids import run_id_of
-from persist_core.tiers.memory import remove_stale, run_lives
-from persist_core.tiers.memory_files import default_base
+from persist_core.memory.runs import remove_stale, run_lives
+from persist_core.memory.files import default_base
 
 
 def _run_id(location: str) -> str | None:

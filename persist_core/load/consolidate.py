@@ -18,7 +18,7 @@ from persist_core import _knobs
 from persist_core.errors import ConfigError
 from persist_core.format.shard_file import dtype_from_name, encode_header, itemsize, safetensors_dtype
 from persist_core.format.tree import tensor_paths
-from persist_core.load.assemble import iter_tensors
+from persist_core.assembly.assemble import iter_tensors
 from persist_core.load.references import resolve, split_name
 from persist_core.tiers import Tier
 

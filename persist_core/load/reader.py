@@ -2,8 +2,8 @@
 
 A load goes list -> choose -> read -> verify -> assemble: the reader lists what each source holds and
 picks the step and the source in the restore-source order (:mod:`~persist_core.load.choose`), then reads
-it by verified runs of blocks (:mod:`~persist_core.load.blocks`, the ranges from
-:mod:`~persist_core.load.plan`) into the state (:mod:`~persist_core.load.assemble`); a checkpoint only the
+it by verified runs of blocks (:mod:`~persist_core.assembly.blocks`, the ranges from
+:mod:`~persist_core.assembly.plan`) into the state (:mod:`~persist_core.assembly.assemble`); a checkpoint only the
 remote holds is streamed (:mod:`~persist_core.load.remote`).
 
 It never writes a checkpoint, uploads or deletes one, so any number of processes (every rank of
@@ -28,14 +28,13 @@ from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptChe
 from persist_core.layout import parse_checkpoint_dirname, parse_shard_filename
 from persist_core.ownership import discard
 from persist_core.format.manifest import Manifest
-from persist_core.load.assemble import load_checkpoint, load_into
-from persist_core.load.blocks import LoadStats, node_copy_blocks
+from persist_core.assembly.assemble import load_checkpoint, load_into
+from persist_core.assembly.blocks import LoadStats, node_copy_blocks
 from persist_core.load.choose import LOCAL, MEMORY, PARTNER, REMOTE, Listing
-from persist_core.load.memory import newest_snapshot, read_image, read_snapshot, run_store, slot_step
-from persist_core.load.plan import LoadOptions, check_weights_only
+from persist_core.assembly.plan import LoadOptions, check_weights_only
 from persist_core.load.references import load_referencing
 from persist_core.load.remote import RemoteRestore, set_aside_here
-from persist_core.tiers.memory import MemoryStore, MemoryTier, Snapshot, check_memory
+from persist_core.load.sources import MemoryOption, MemorySource, Pulled
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_manifest
 from persist_core.tiers.tier import CheckpointInfo
@@ -63,8 +62,9 @@ class CheckpointReader:
         tier: an already open :class:`RemoteTier` to share (the engine passes its own).
         on_loaded: called with the manifest of each checkpoint a :meth:`load` returns (the engine warms
             its staging buffers for saves of that size).
-        memory: the run's :class:`~persist_core.tiers.memory.MemoryTier` (its snapshots are read first when
-            they are the freshest; the run is the one ``local_dir`` keeps the id of), or a store (the engine's).
+        memory: the run's :class:`~persist_core.MemoryTier` (its snapshots are read first when they are the
+            freshest; the run is the one ``local_dir`` keeps the id of), or the snapshots themselves (the engine's:
+            a :class:`~persist_core.load.sources.MemorySource`).
 
     Raises:
         ConfigError: ``local_dir`` cannot be created, or the remote URL cannot be used.
@@ -79,7 +79,7 @@ class CheckpointReader:
         verify: bool = True,
         tier: RemoteTier | None = None,
         on_loaded: Callable[[Manifest], None] | None = None,
-        memory: MemoryTier | MemoryStore | None = None,
+        memory: MemoryOption | MemorySource | None = None,
     ) -> None:
         self._root = Path(os.fspath(_knobs.check_local_dir(local_dir)).removeprefix("file://")).expanduser().absolute()
         if tier is None:
@@ -101,11 +101,13 @@ class CheckpointReader:
         self._manifest: Manifest | None = None  # the manifest the last read went by
         # how each source in the restore-source order (load/choose.py) reads a step: (step, into, options) -> state
         self._reads: dict[str, Callable[[int, Any, LoadOptions], Any]] = {
-            LOCAL: self._local, REMOTE: self._remote, MEMORY: self._memory, PARTNER: self._partner}
-        self.pulled: Snapshot | None = None  # a partner's copy pulled back for this load (load/agree.py)
-        if not isinstance(memory, MemoryStore):
-            memory = run_store(check_memory(memory), self._root)
-        self._memory_store = memory
+            LOCAL: self._local, REMOTE: self._remote, MEMORY: self._from_memory, PARTNER: self._partner}
+        self.pulled: Pulled | None = None  # a partner's copy pulled back for this load (load/agree.py)
+        if isinstance(memory, MemoryOption):
+            memory = memory.reads(self._root)
+        elif memory is not None and not isinstance(memory, MemorySource):
+            raise _knobs.memory_type_error(memory)
+        self._memory: MemorySource | None = memory
 
     @property
     def local_dir(self) -> Path:
@@ -170,7 +172,7 @@ class CheckpointReader:
         for info in self.list("all" if self._tier is not None else "local"):
             if info.step not in newest or info.tier == "local":
                 newest[info.step] = info
-        snap = newest_snapshot(self._memory_store, newer_than=max(newest, default=-1))
+        snap = None if self._memory is None else self._memory.latest(newer_than=max(newest, default=-1))
         if snap is not None:
             return snap
         return newest[max(newest)] if newest else None
@@ -178,15 +180,11 @@ class CheckpointReader:
     def memory_steps(self, *, whole: bool = False) -> set[int]:
         """The steps of the memory snapshots this reader can read (none without a memory tier); ``whole``: those a
         whole load can read (a rank's part of sharded tensors loads into targets only)."""
-        if self._memory_store is None:
-            return set()
-        if not whole:
-            return self._memory_store.steps()
-        return {s.step for s in self._memory_store.snapshots() if s.manifest.part is None}
+        return set() if self._memory is None else self._memory.steps(whole=whole)
 
     def memory_step(self, path: str | os.PathLike[str]) -> int | None:
         """The step of the memory snapshot whose slot ``path`` names (as :meth:`latest` gives it), or ``None``."""
-        return slot_step(self._memory_store, path)
+        return None if self._memory is None else self._memory.step_of(path)
 
     def step_of(self, path: str | os.PathLike[str]) -> int:
         """The step of a checkpoint named by its local directory, a link to it (or to its single
@@ -317,7 +315,7 @@ class CheckpointReader:
             self.last_load = LoadStats()
 
     def _blocks(self, ckpt: Path, manifest: Manifest, opts: LoadOptions) -> Callable[..., None]:
-        """``read_blocks`` for a local copy (:func:`~persist_core.load.blocks.node_copy_blocks`)."""
+        """``read_blocks`` for a local copy (:func:`~persist_core.assembly.blocks.node_copy_blocks`)."""
         return node_copy_blocks(ckpt, manifest, self._tier, verify=opts.verify, stats=self.last_load)
 
     def _local(self, step: int, into: Any, opts: LoadOptions) -> Any:
@@ -333,18 +331,17 @@ class CheckpointReader:
                              stats=self.last_load, read_blocks=self._blocks(ckpt, manifest, opts))
         return load_checkpoint(ckpt, manifest, pool=self._pool, options=opts)
 
-    def _memory(self, step: int, into: Any, opts: LoadOptions) -> Any:
-        """The state from a memory snapshot (:func:`~persist_core.load.memory.read_snapshot`)."""
-        assert self._memory_store is not None
-        state, self._manifest = read_snapshot(self._memory_store, step, into, options=opts, pool=self._pool,
-                                              stats=self.last_load)
+    def _from_memory(self, step: int, into: Any, opts: LoadOptions) -> Any:
+        """The state from a memory snapshot (:meth:`MemorySource.read <persist_core.load.sources.MemorySource.read>`)."""
+        assert self._memory is not None
+        state, self._manifest = self._memory.read(step, into, options=opts, pool=self._pool, stats=self.last_load)
         return state
 
     def _partner(self, step: int, into: Any, opts: LoadOptions) -> Any:
         """The state from the partner's copy pulled back (:mod:`~persist_core.load.agree`), every byte verified."""
         assert self.pulled is not None and self.pulled.step == step
         self._manifest = self.pulled.manifest
-        return read_image(self._manifest, self.pulled.path, into, options=opts, pool=self._pool, stats=self.last_load)
+        return self.pulled.read(into, options=opts, pool=self._pool, stats=self.last_load)
 
     def _local_referencing(self, ckpt: Path, manifest: Manifest, into: Any, opts: LoadOptions) -> Any:
         """The state of a local incremental checkpoint (:func:`~persist_core.load.references.load_referencing`)."""

@@ -4,12 +4,12 @@ by an older checkpoint's file are read from that file, every byte verified by th
 :func:`resolve` turns a manifest with references into one whose records all name files of its ``files`` list: each
 referenced file appears under the name ``step-N/rank-R.safetensors`` (relative to ``local_dir``) with the
 referenced manifest's :class:`~persist_core.format.manifest.FileEntry` (its size and block checksums), so the read
-plans (:mod:`~persist_core.load.blocks`) and the assembly (:mod:`~persist_core.load.assemble`) work unchanged.
+plans (:mod:`~persist_core.assembly.blocks`) and the assembly (:mod:`~persist_core.assembly.assemble`) work unchanged.
 :func:`read_referenced` reads the referenced entries for a whole load (the own files are read whole as always).
 
 Who calls what: :class:`~persist_core.load.reader.CheckpointReader` calls :func:`load_referencing` for a local
-checkpoint whose manifest depends on others (:func:`resolve`, then :func:`~persist_core.load.assemble.load_into` into
-targets, or :func:`read_referenced` and :func:`~persist_core.load.assemble.load_checkpoint` whole);
+checkpoint whose manifest depends on others (:func:`resolve`, then :func:`~persist_core.assembly.assemble.load_into` into
+targets, or :func:`read_referenced` and :func:`~persist_core.assembly.assemble.load_checkpoint` whole);
 :mod:`~persist_core.load.consolidate` calls :func:`resolve` and :func:`split_name` (any tier).
 """
 
@@ -27,9 +27,9 @@ from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError,
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.format.records import Chunk
 from persist_core.layout import checkpoint_dirname
-from persist_core.load.assemble import _read_shard, load_checkpoint, load_into
-from persist_core.load.blocks import LoadStats, ReadBlocks, ReadPlan, bytes_of
-from persist_core.load.plan import LoadOptions
+from persist_core.assembly.assemble import _read_shard, load_checkpoint, load_into
+from persist_core.assembly.blocks import LoadStats, ReadBlocks, ReadPlan, bytes_of
+from persist_core.assembly.plan import LoadOptions
 from persist_core.tiers._retry import is_missing
 from persist_core.tiers.local import checkpoint_dir, read_blocks, read_manifest
 
@@ -118,7 +118,7 @@ def read_referenced(resolved: Manifest, names: set[str], *, read_blocks: ReadBlo
                     stats: LoadStats | None = None) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
     """The referenced entries of a resolved manifest (:func:`resolve`), read by ranges of verified blocks: per
     referenced file, one CPU byte tensor per entry read and the safetensors dtype its header gives each entry (what
-    :func:`~persist_core.load.assemble.load_checkpoint` takes for a file)."""
+    :func:`~persist_core.assembly.assemble.load_checkpoint` takes for a file)."""
     plan = ReadPlan(resolved, read_blocks, pool, stats if stats is not None else LoadStats())
     out: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {name: ({}, {}) for name in names}
     places = [(c.file, c.entry) for rec in resolved.tensors for c in rec.chunks or ()]  # sharded: chunk by chunk

@@ -32,10 +32,10 @@ from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
 from persist_core.layout import checkpoint_dirname
 from persist_core.ownership import claim_tmp
-from persist_core.load.assemble import load_checkpoint, load_into
-from persist_core.load.blocks import LoadStats, read_shard
+from persist_core.assembly.assemble import load_checkpoint, load_into
+from persist_core.assembly.blocks import LoadStats, read_shard
 from persist_core.load.local_copy import LocalCopy
-from persist_core.load.plan import LoadOptions
+from persist_core.assembly.plan import LoadOptions
 from persist_core.load.references import read_referenced, referenced_file, resolve, split_name
 from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, read_manifest
 from persist_core.tiers.remote import RemoteTier

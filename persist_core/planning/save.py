@@ -12,7 +12,7 @@ records. It runs in passes, each its own module:
    (:mod:`persist_core.planning.torch_loadable`);
 3. the manifest's typed records of the tensors the items hold (:func:`~persist_core.planning.items.records`).
 
-The staging copy (:mod:`persist_core.save.stage`) executes the plan. Pure: no I/O.
+The staging copy (:mod:`persist_core.staging.stage`) executes the plan. Pure: no I/O.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from persist_core.layout import MANIFEST_NAME
 from persist_core.planning.incremental import (Held, compact, hashable, hashed_entries, reference_unchanged,
                                                unchanged_before_copy)
 from persist_core.planning.save import EntryCopy
-from persist_core.save.staging import StagingBuffer
+from persist_core.staging.pool import StagingBuffer
 from persist_core.tiers.local import checkpoint_dir, committed_steps, read_manifest
 
 log = logging.getLogger(__name__)

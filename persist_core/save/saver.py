@@ -1,5 +1,5 @@
 """The caller's thread of a save: check, plan (:mod:`persist_core.planning`), copy into a staging buffer
-(:mod:`persist_core.save.stage`), hand to the writer thread (:mod:`persist_core.save.writer`) — or, behind a
+(:mod:`persist_core.staging.stage`), hand to the writer thread (:mod:`persist_core.save.writer`) — or, behind a
 guard, to the overlap's copy thread (:mod:`persist_core.save.overlap`) — and return a handle."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,12 +20,31 @@ from persist_core.history import SaveHistory
 from persist_core.planning.save import PlanCache, plan_rank
 from persist_core.save.overlap import Overlap
 from persist_core.save.dedup import Unstaged
-from persist_core.save.snapshots import Filling, Snapshots, followed
-from persist_core.save.stage import Staged, stage_into
-from persist_core.save.staging import StagingPool
+from persist_core.staging.filling import Filling, followed
+from persist_core.staging.pool import StagingBuffer, StagingPool
+from persist_core.staging.stage import Staged, stage_into
 from persist_core.save.writer import WriteJob, Writer
 
 log = logging.getLogger(__name__)
+
+
+class SnapshotSide(Protocol):
+    """What a save asks of the memory tier's save side (:class:`~persist_core.memory.snapshots.Snapshots`; the save
+    flow knows it by this protocol only), on the training thread in this order: 1. :meth:`branch` once the step is
+    allowed; 2. :meth:`wait` before staging (the previous snapshot committed); 3. a memory-only snapshot:
+    :meth:`hand_over_missed`; 4. a guarded one: :meth:`follow` before its deferred copy; 5. :meth:`taken` once the
+    slot holds the step's bytes (a guarded one's copy thread)."""
+
+    def branch(self, step: int) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def hand_over_missed(self, before: int) -> None: ...
+
+    def follow(self, buf: StagingBuffer, nbytes: int) -> Filling | None: ...
+
+    def taken(self, buf: StagingBuffer, base: Manifest, nbytes: int, filename: str,
+              filling: Filling | None = None) -> None: ...
 
 
 class Saver:
@@ -48,7 +67,7 @@ class Saver:
     def __init__(self, *, coll: Collectives, pool: StagingPool, writer: Writer, overlap: Overlap,
                  history: SaveHistory, ledger: ErrorLedger, wall_clock: Callable[[], float], torch_loadable: bool,
                  replica_check: str, check_step: Callable[[int, int | None], None],
-                 check_backlog: Callable[[int, int], None], snapshots: Snapshots | None = None) -> None:
+                 check_backlog: Callable[[int, int], None], snapshots: SnapshotSide | None = None) -> None:
         self._coll, self._pool, self._writer, self._overlap = coll, pool, writer, overlap
         self._history, self._ledger, self._wall_clock = history, ledger, wall_clock
         self._torch_loadable, self._replica_check = torch_loadable, replica_check

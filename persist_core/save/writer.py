@@ -29,7 +29,7 @@ from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.handle import ErrorLedger, SaveHandle
 from persist_core.layout import shard_filename
 from persist_core.save.dedup import Incremental, Unstaged
-from persist_core.save.staging import StagingBuffer, StagingPool
+from persist_core.staging.pool import StagingBuffer, StagingPool
 from persist_core.tiers.local import checkpoint_dir
 from persist_core.turn import NO_TURN, Turn
 

@@ -1,4 +1,9 @@
-"""The ``Tier`` protocol: one place committed checkpoints live, and what it reports of them.
+"""The ``Tier`` protocols: one place committed checkpoints live, and what it reports of them.
+
+:class:`TierReader` is the read side (``committed_steps``, ``list``, ``read_manifest``, ``read_blocks``): the memory
+tier's :class:`~persist_core.memory.store.MemoryStore` offers it, and so do the disk and the remote. :class:`Tier`
+adds what only checkpoints have (``verify``, ``remove``): the local and the remote tiers. So what prunes or checks
+checkpoints, which takes a ``Tier``, never takes memory snapshots for checkpoints.
 
 Who calls what: the engine's :class:`~persist_core.policies.retention.Retainer` calls ``list`` and
 ``remove`` after each commit (one retention loop for every tier); the
@@ -28,10 +33,10 @@ class CheckpointInfo:
 
 
 @runtime_checkable
-class Tier(Protocol):
-    """Committed checkpoints under one location (a local directory, or a remote URL).
+class TierReader(Protocol):
+    """The read side: what one location holds, read (a local directory, a remote URL, the memory tier's slots).
 
-    ``kind`` is ``"local"`` or ``"remote"``; ``location`` names it in messages.
+    ``kind`` is ``"local"``, ``"remote"`` or ``"memory"``; ``location`` names it in messages.
     """
 
     kind: str
@@ -55,6 +60,15 @@ class Tier(Protocol):
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints whose manifest and file sizes check, oldest first."""
         ...
+
+
+@runtime_checkable
+class Tier(TierReader, Protocol):
+    """Committed checkpoints under one location (a local directory, or a remote URL): the read side, and what only
+    checkpoints have (each verified whole, removed by retention).
+
+    ``kind`` is ``"local"`` or ``"remote"``.
+    """
 
     def verify(self, step: int, progress: Callable[[int], None] | None = None) -> list[str]:
         """Read every byte of ``step`` and check its checksums; the problems found."""

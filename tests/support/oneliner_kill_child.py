@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from persist_core.save import snapshots
+from persist_core.memory import snapshots
 
 _real_commit = snapshots.Snapshots._commit
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from persist_core.errors import ConfigError
-from persist_core.save.allocators import FileAllocator, HostAllocator
-from persist_core.save.staging import StagingBuffer, StagingPool
+from persist_core.staging.allocators import FileAllocator, HostAllocator
+from persist_core.staging.pool import StagingBuffer, StagingPool
 
 
 def test_a_buffer_mapped_from_a_file_holds_what_is_written_into_it(tmp_path):

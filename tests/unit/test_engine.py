@@ -30,7 +30,7 @@ from persist_core import (
 )
 from persist_core.format import Manifest
 from persist_core.ownership import claim_tmp
-from persist_core.save.staging import StagingBuffer
+from persist_core.staging.pool import StagingBuffer
 from tests.support.states import assert_state_equal
 from tests.support.fakes import FailingOps, GatedOps, NoDirectOps
 from functools import partial
@@ -355,7 +355,7 @@ def test_next_save_copies_behind_the_running_write_without_corrupting_it(tmp_pat
 
 @pytest.mark.slow  # a child interpreter, or a second or more on 2 cores
 def test_a_failed_copy_behind_a_write_gives_the_buffer_back(tmp_path, monkeypatch):
-    import persist_core.save.stage as engine_module
+    import persist_core.staging.stage as engine_module
 
     ops = GatedOps()
     ops.gate.set()

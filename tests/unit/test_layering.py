@@ -1,6 +1,7 @@
-"""The shape of ``persist_core`` (issue 41): each module imports only its own layer or the layers below it, as
-DESIGN.md lists them; the three flows (save/, load/, sync/) never import one another; ``tiers/`` moves bytes
-only (no state tree, no flow); ``planning/`` and ``format/`` do no I/O; no import cycle; no framework."""
+"""The shape of ``persist_core`` (issues 41 and 54): each module imports only its own layer or the layers below it,
+as DESIGN.md lists them; the four flows (save/, load/, sync/, memory/) never reach one another, directly or through
+any other module; ``tiers/`` moves bytes only (no state tree, no flow); ``planning/`` and ``format/`` do no I/O; no
+import cycle; no framework."""
 
 from __future__ import annotations
 
@@ -17,16 +18,17 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors", "layout", "_knobs", "sidefiles", "run_ids", "report", "distributed", "handle", "preemption"),
     ("format", "fileio", "ownership", "turn", "hostmem", "tiers.tier", "tiers._retry", "tiers._s3", "tiers._fsspec",
      "policies.save"),
-    ("planning", "tiers", "policies", "history"),
-    ("save", "load", "sync", "timeline"),
+    ("planning", "tiers", "policies", "history", "staging", "assembly"),
+    ("save", "load", "sync", "memory", "timeline"),
     ("scheduler", "pipeline", "config", "links"),
     ("_build",),
     ("engine",),
     ("session", ""),  # "": the package's __init__
     ("cli",),
 ]
-FLOWS = ("save", "load", "sync")
-NO_IO = ("fileio", "tiers", "ownership", "sidefiles", "hostmem", "load", "save", "sync")
+FLOWS = ("save", "load", "sync", "memory")
+NO_IO = ("fileio", "tiers", "ownership", "sidefiles", "hostmem", "staging", "assembly", "load", "save", "sync",
+         "memory")
 
 
 def _name(path: Path) -> str:
@@ -92,8 +94,36 @@ def test_the_flows_do_not_import_one_another():
     assert not sideways
 
 
+def test_no_flow_reaches_another_through_a_third():
+    """Transitively: from any module of a flow, following imports (those inside functions too) never leads into
+    another flow, whatever modules lie between."""
+    graph = {m: {d for d in _imports(p, top_level_only=False) if d in MODULES} for m, p in MODULES.items()}
+    reached = []
+    for flow in FLOWS:
+        seen: dict[str, str] = {}  # module -> the module it was first reached from
+        todo = [m for m in graph if m.split(".")[0] == flow]
+        for m in todo:
+            seen.setdefault(m, m)
+        while todo:
+            m = todo.pop()
+            for d in graph[m]:
+                if d not in seen:
+                    seen[d] = m
+                    todo.append(d)
+        for m in seen:
+            top = m.split(".")[0]
+            if top in FLOWS and top != flow:
+                path = [m]
+                while seen[path[-1]] != path[-1]:
+                    path.append(seen[path[-1]])
+                reached.append(f"{flow} reaches {m}: {' <- '.join(path)}")
+    assert not reached
+
+
 @pytest.mark.parametrize(("package", "forbidden"), [
-    ("tiers", ("planning", "load", "save", "sync", "format.tree")),
+    ("tiers", ("planning", "load", "save", "sync", "memory", "staging", "assembly", "format.tree")),
+    ("staging", ("load", "save", "sync", "memory", "assembly")),
+    ("assembly", ("load", "save", "sync", "memory", "staging")),
     ("planning", NO_IO),
     ("format", NO_IO + ("planning",)),
 ])

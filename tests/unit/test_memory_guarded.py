@@ -70,7 +70,7 @@ def test_a_guarded_snapshot_whose_copy_fails_midway_leaves_the_older_one_newest_
     # checksummed (a parameter changed in place outside the guard) records nothing, and nothing waits forever
     import threading
 
-    import persist_core.save.stage as stage
+    import persist_core.staging.stage as stage
 
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

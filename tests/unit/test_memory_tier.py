@@ -111,7 +111,7 @@ def test_a_torn_snapshot_falls_back_to_the_older_slot_then_to_disk(tmp_path, cap
 
 
 def test_a_tmpfs_too_small_warns_once_and_saves_to_disk(tmp_path, monkeypatch, caplog):
-    from persist_core.tiers import memory as memory_mod
+    from persist_core.memory import store as memory_mod
 
     monkeypatch.setattr(memory_mod.MemoryStore, "free_bytes", lambda self: 4096)
     with caplog.at_level(logging.WARNING), CheckpointEngine(tmp_path / "ckpt", memory=_memory(tmp_path),
@@ -273,3 +273,27 @@ def test_a_load_from_memory_keeps_tied_weights_and_views_shared_as_a_disk_load_d
             assert all(m[k].untyped_storage().data_ptr() == ptr for k in ("head", "row", "col")), step
             m["embed"][2, 3] = -1.0  # one write is seen through every alias
             assert m["head"][2, 3] == m["row"][3] == m["col"][2] == -1.0, step
+
+
+def test_the_memory_store_offers_the_tier_read_side_and_is_no_checkpoint_tier(tmp_path):
+    """Issue 54: a load may read the store as one more source (list, read the manifest, read blocks); what prunes or
+    verifies checkpoints takes a ``Tier`` (with ``remove``), which the store is not."""
+    from persist_core import CheckpointEngine, MemoryTier
+    from persist_core.memory import MemoryStore
+    import torch
+
+    from persist_core.tiers import LocalTier, Tier, TierReader
+
+    with CheckpointEngine(tmp_path / "ckpt", memory=MemoryTier(memory_dir=tmp_path / "shm")) as engine:
+        engine.snapshot({"w": torch.arange(1000, dtype=torch.float32)}, 3)
+        engine.wait()
+        store = engine._parts.snapshots.store
+        assert isinstance(store, MemoryStore) and isinstance(store, TierReader) and not isinstance(store, Tier)
+        assert isinstance(LocalTier(tmp_path / "ckpt"), Tier)
+        assert store.kind == "memory" and store.committed_steps() == [3]
+        assert [(i.step, i.tier) for i in store.list()] == [(3, "memory")]
+        manifest = store.read_manifest(3)
+        f = manifest.files[0]
+        views = [memoryview(bytearray(min(f.chunk_bytes, f.size - o))) for o in range(0, f.size, f.chunk_bytes)]
+        store.read_blocks(3, f, 0, views)  # every block verified against the record
+        engine.close(keep_memory=True)

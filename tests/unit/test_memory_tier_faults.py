@@ -91,7 +91,7 @@ def test_the_newest_of_several_snapshots_of_one_step_is_read(tmp_path):
 
 # a restart makes room by removing the killed process's slots (read by then) when the budget does not fit beside them
 def test_a_restart_keeps_snapshotting_when_the_tmpfs_fits_one_budget_and_a_half(tmp_path, monkeypatch, caplog):
-    from persist_core.tiers import memory as memory_mod
+    from persist_core.memory import store as memory_mod
 
     memory = _mem(tmp_path)
     def big(step):
@@ -189,7 +189,7 @@ def test_a_full_tmpfs_warns_once_for_the_run_not_once_per_snapshot(tmp_path, mon
     import errno
     import os
 
-    from persist_core.tiers import memory as memory_mod
+    from persist_core.memory import store as memory_mod
 
     real = memory_mod.write_side_file
 

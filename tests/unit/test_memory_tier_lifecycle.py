@@ -232,7 +232,7 @@ def test_a_life_that_names_no_local_dir_identity_is_read_by_no_local_dir(tmp_pat
 
 
 def test_partner_copies_belong_to_the_run_and_its_node_layout_not_to_a_local_dir(tmp_path):
-    from persist_core.tiers.memory import MemoryStore
+    from persist_core.memory import MemoryStore
 
     _killed(tmp_path, range(5, 6), run_id="run-y")  # a snapshot of step 5, as rank 2 would send it
     snap = MemoryStore(tmp_path / "shm" / "run-y" / "rank-00000", identity=None).snapshots()[0]

@@ -1,4 +1,4 @@
-"""Partner copies (issue 42 b, ``persist_core.sync.partner``) between two ranks joined by an in-process channel: who
+"""Partner copies (issue 42 b, ``persist_core.memory.partner``) between two ranks joined by an in-process channel: who
 partners whom, a copy whole or ignored, the copy steps every rank agrees on (a new one only once every rank finished
 the last), the settled copy kept by the rank that holds it."""
 
@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from persist_core import CheckpointEngine, MemoryTier
-from persist_core.sync.partner import PartnerCopies, partners
-from persist_core.tiers.memory import MemoryStore, Snapshot
+from persist_core.memory import MemoryStore, PartnerCopies, Snapshot, partners
 from tests.support.states import state_for
 
 
@@ -78,12 +77,11 @@ class Everyone:
         return [r.vote() for r in self.ranks] + self.extra
 
 
-def _pair(wire: Wire, held: MemoryStore, *, ranks: tuple[int, int] = (0, 1), settle=lambda step: None,
-          ) -> tuple[Everyone, PartnerCopies, PartnerCopies]:
+def _pair(wire: Wire, held: MemoryStore, *, ranks: tuple[int, int] = (0, 1)) -> tuple[Everyone, PartnerCopies, PartnerCopies]:
     """Rank ``ranks[0]`` sending its copies to ``ranks[1]``, which holds them in ``held``; their channel."""
     channel = Everyone()
     a, b = ranks
-    sender = PartnerCopies(wire.end(a), channel, rank=a, partner=b, source=None, held=None, settle=settle,
+    sender = PartnerCopies(wire.end(a), channel, rank=a, partner=b, source=None, held=None,
                            chunk_bytes=64 << 10)
     receiver = PartnerCopies(wire.end(b), channel, rank=b, partner=None, source=a, held=held, chunk_bytes=64 << 10)
     channel.ranks += [sender, receiver]
@@ -123,9 +121,9 @@ def _torn(snap: Snapshot, path: Path) -> Snapshot:
 def test_a_new_copy_step_waits_until_every_rank_finished_the_last_and_a_copy_that_does_not_verify_is_not_kept(
         tmp_path):
     one, two, three = _three(tmp_path)
-    wire, settled = Wire(), []
+    wire = Wire()
     held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", identity="nodes-0-1")
-    channel, sender, receiver = _pair(wire, held, settle=settled.append)
+    channel, sender, receiver = _pair(wire, held)
     sending = sender._p2p
     try:
         assert sender.agree(1) and receiver.agree(1)  # the first snapshot step is a copy step on every rank
@@ -136,8 +134,9 @@ def test_a_new_copy_step_waits_until_every_rank_finished_the_last_and_a_copy_tha
         assert not sender.agree(2) and not receiver.agree(2)  # step 1's copy in flight: no new copy step
         sending.release.set()
         assert sender.flush(30) and sender.copied_step == 1
-        assert sender.agree(3) and receiver.agree(3)  # every rank finished step 1: a new copy step
-        assert sender.settled == receiver.settled == 1 and settled[-1] == 1  # ... and step 1 is settled
+        agreed = sender.agree(3)
+        assert agreed and receiver.agree(3)  # every rank finished step 1: a new copy step
+        assert sender.settled == receiver.settled == 1 and agreed.settled == 1  # ... and step 1 is settled
 
         sender.offer(_torn(three, tmp_path / "torn"))  # copy step 3, a byte changed after its record was written
         receiver.offer(three)
@@ -230,9 +229,8 @@ def test_persist_ls_shows_the_partner_copies_a_node_holds_and_gc_never_removes_a
 def test_a_run_that_goes_back_to_an_older_step_starts_the_copy_steps_over_and_drops_the_given_up_branchs_copies(
         tmp_path):
     one, two = _snapshots(tmp_path)
-    settled = []
     held = MemoryStore(tmp_path / "node1" / "partner-of-rank-00000", identity="nodes-0-1")
-    channel, sender, receiver = _pair(Wire(), held, settle=settled.append)
+    channel, sender, receiver = _pair(Wire(), held)
     try:
         for snap in (one, two):
             assert sender.agree(snap.step) and receiver.agree(snap.step)
@@ -241,9 +239,10 @@ def test_a_run_that_goes_back_to_an_older_step_starts_the_copy_steps_over_and_dr
             assert sender.flush(30)
         assert sender.settled == 1 and sorted(s.step for s in held.snapshots()) == [1, 2]
         # engine.load(1): the run goes on from step 1 again; its steps 1, 2, ... are not the ones copied before
-        assert sender.agree(1) and receiver.agree(1)
+        agreed = sender.agree(1)
+        assert agreed and receiver.agree(1)
         assert held.snapshots() == []  # the given-up branch's copies: a restore must never pull them
-        assert sender.settled == receiver.settled == -1 and settled[-1] == -1  # the kept slots go back
+        assert sender.settled == receiver.settled == -1 and agreed.settled == -1  # the kept slots go back
         sender.offer(one)
         receiver.offer(one)
         assert sender.flush(30) and sender.agree(2) and receiver.agree(2) and sender.settled == 1

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from persist_core import CheckpointEngine, CheckpointReader, CorruptCheckpointError, PerRank, UnsupportedStateError
 from persist_core.format.tree import flatten
-from persist_core.load.plan import overlap
+from persist_core.assembly.plan import overlap
 from persist_core.planning.sharding import replica_digests
 from tests.support.states import assert_state_equal
 

@@ -11,7 +11,7 @@ import torch
 
 from persist_core import CheckpointEngine
 from persist_core.hostmem import populate
-from persist_core.save.staging import StagingBuffer, StagingPool
+from persist_core.staging.pool import StagingBuffer, StagingPool
 from tests.support.states import assert_state_equal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")

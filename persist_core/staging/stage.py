@@ -1,4 +1,4 @@
-"""The copy of a state into a staging buffer (:mod:`persist_core.save.staging`'s pool hands out the buffers).
+"""The copy of a state into a staging buffer (:mod:`persist_core.staging.pool`'s pool hands out the buffers).
 
 :func:`stage_into` takes a buffer and calls :func:`stage`: the plan's header, then each source in file order, each
 range once the writer of the buffer's previous shard is past it. CUDA sources go ``non_blocking`` on a per-device side
@@ -18,7 +18,7 @@ import torch
 from persist_core import hostmem
 from persist_core.errors import PersistError
 from persist_core.planning.save import EntryCopy, ShardPlan
-from persist_core.save.staging import StagingBuffer, StagingPool
+from persist_core.staging.pool import StagingBuffer, StagingPool
 
 
 def stage(plan: ShardPlan, buf: StagingBuffer, streams: dict[torch.device, torch.cuda.Stream],

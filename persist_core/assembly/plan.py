@@ -2,9 +2,9 @@
 ranges of the saved chunks that the part it holds overlaps (resharding: any number of ranks, any mesh).
 
 Pure: boxes, strides and byte offsets in, byte ranges out. Who calls what:
-:func:`~persist_core.load.assemble.load_into` calls :func:`target_box` for each target and
+:func:`~persist_core.assembly.assemble.load_into` calls :func:`target_box` for each target and
 :func:`chunk_read` for each saved chunk of its record, then requests the ranges it returns of a
-:class:`~persist_core.load.blocks.ReadPlan`; :func:`slices` places a chunk in a tensor.
+:class:`~persist_core.assembly.blocks.ReadPlan`; :func:`slices` places a chunk in a tensor.
 """
 
 from __future__ import annotations

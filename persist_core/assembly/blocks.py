@@ -2,10 +2,10 @@
 in parallel; and what the reads cost (:class:`LoadStats`).
 
 Two shapes of read: a :class:`ReadPlan` takes requested byte ranges of shard files (the ranges
-:mod:`~persist_core.load.plan` computed for a load into targets) and merges them into runs;
+:mod:`~persist_core.assembly.plan` computed for a load into targets) and merges them into runs;
 :func:`read_shard` reads one shard file whole into one byte tensor per entry (a whole load). The bytes
 come from the tier (``read_blocks``/``fill``: local ``preadv``, or the remote's ranged reads); what they
-mean is :mod:`~persist_core.load.assemble`'s.
+mean is :mod:`~persist_core.assembly.assemble`'s.
 """
 
 from __future__ import annotations

@@ -13,14 +13,17 @@ snapshots (each rank's own memory keeps only its newest slots). So the ranks agr
 (:meth:`PartnerCopies.agree`, one small all-gather on the training thread's channel): a step is a *copy step* when
 every rank has finished the last one, both ways; the newest copy step every rank completed, both ways, is *settled*.
 Each rank keeps its own slot of the settled step and of the copy step in flight (the memory tier's
-:meth:`~persist_core.save.snapshots.Snapshots.copy_committed`), and each holder keeps the settled copy while it
+:meth:`~persist_core.memory.snapshots.Snapshots.copy_committed`), and each holder keeps the settled copy while it
 receives the next. What a lost node loses is the steps since the settled copy.
 
 Who calls what: the engine's build makes :class:`PartnerCopies` (two threads, on a point-to-point channel of their
-own); the memory tier calls :meth:`PartnerCopies.agree` at each snapshot step, on every rank
-(:meth:`~persist_core.save.snapshots.Snapshots.before`), and :meth:`PartnerCopies.offer` with a copy step's
-committed snapshot, or :meth:`PartnerCopies.skip` when there is none; ``wait()`` calls :meth:`PartnerCopies.flush`; ``close()`` calls :meth:`PartnerCopies.close`. On the
-wire (:mod:`persist_core.tiers.wire`), per copy step::
+own) and gives it to the memory tier's :class:`~persist_core.memory.snapshots.Snapshots` at construction as its
+:class:`CopySteps` (one node: :data:`NO_COPY_STEPS`). The conversation goes one way, so neither knows the other
+through anything set later: the snapshots call :meth:`PartnerCopies.agree` at each snapshot step, on every rank
+(:meth:`~persist_core.memory.snapshots.Snapshots.before`), and are *answered* with a :class:`CopyStep` (whether it is
+one, and which settled step their kept slots go back to); they call :meth:`PartnerCopies.offer` with a copy step's
+committed snapshot, or :meth:`PartnerCopies.skip` when there is none. ``wait()`` calls :meth:`PartnerCopies.flush`;
+``close()`` calls :meth:`PartnerCopies.close`. On the wire (:mod:`persist_core.memory.wire`), per copy step::
 
     sender (rank R)      BEGIN, record, CHUNK..., END     (ABORT: no snapshot of that step, or closing)
     receiver (partner)   verify every byte, write the record, ACK (kept or not)
@@ -30,21 +33,62 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-
-from collections.abc import Callable
+from typing import Protocol
 
 from persist_core.distributed import Collectives, PointToPoint
 from persist_core.format.manifest import Manifest
 from persist_core.layout import slot_filename
-from persist_core.tiers.memory import MemoryStore, Snapshot
-from persist_core.tiers.wire import ABORT, ACK, BEGIN, STOP, recv_header, recv_image, send_header, send_image
+from persist_core.memory.store import MemoryStore, Snapshot
+from persist_core.memory.wire import ABORT, ACK, BEGIN, STOP, recv_header, recv_image, send_header, send_image
 
 log = logging.getLogger(__name__)
 
 DATA_TAG, ACK_TAG = 1, 2
 _SLOTS = 2  # the settled copy and the one being received
 _NONE = 2**62  # a direction this rank has no part in (no partner, or no source): never the one waited for
+
+
+@dataclass(frozen=True)
+class CopyStep:
+    """The answer to :meth:`CopySteps.agree`: whether the step is a copy step (also the truth value), and the
+    settled copy step the memory tier's kept slots go back to (``None``: they stay as they are; ``-1``: none is
+    settled, every one goes back)."""
+
+    copy: bool
+    settled: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.copy
+
+
+class CopySteps(Protocol):
+    """What the memory tier's snapshots say to the partner copies about copy steps (training thread, every rank at
+    the same snapshot steps): 1. :meth:`agree` at each snapshot step (a collective call); 2. once a copy step's
+    snapshot is committed, :meth:`offer` it, or :meth:`skip` it when there is none."""
+
+    def agree(self, step: int) -> CopyStep: ...
+
+    def offer(self, snap: Snapshot) -> None: ...
+
+    def skip(self, step: int) -> None: ...
+
+
+class _NoCopySteps:
+    """One node (or no channel for them): no step is a copy step."""
+
+    def agree(self, step: int) -> CopyStep:
+        return CopyStep(False)
+
+    def offer(self, snap: Snapshot) -> None:
+        pass
+
+    def skip(self, step: int) -> None:
+        pass
+
+
+NO_COPY_STEPS: CopySteps = _NoCopySteps()
 
 
 def partners(groups: tuple[tuple[int, ...], ...], rank: int) -> tuple[int | None, int | None]:
@@ -70,17 +114,13 @@ class PartnerCopies:
         rank: this process's rank (for the log).
         partner / source: see :func:`partners` (``None``: no such thread).
         held: where ``source``'s copies go (``memory_dir/<run-id>/partner-of-rank-<source>``).
-        settle: called on the training thread with the settled step when a new copy step starts: the memory tier
-            lets go of the slots it kept for older copy steps.
         chunk_bytes: the size of each message (64 MiB: gloo moves a few GB/s with them).
     """
 
     def __init__(self, p2p: PointToPoint, channel: Collectives, *, rank: int, partner: int | None,
-                 source: int | None, held: MemoryStore | None, settle: Callable[[int], None] = lambda step: None,
-                 chunk_bytes: int = 64 << 20) -> None:
+                 source: int | None, held: MemoryStore | None, chunk_bytes: int = 64 << 20) -> None:
         self._p2p, self._channel, self._rank, self.partner, self.source, self.held = (p2p, channel, rank, partner,
                                                                                       source, held)
-        self._settle = settle
         self._chunk = chunk_bytes
         self._cond = threading.Condition()
         self._offered: tuple[int, Snapshot | None] | None = None  # the copy step to send (None: say there is none)
@@ -104,23 +144,24 @@ class PartnerCopies:
 
     # ---- the copy steps (training thread, every rank at the same steps)
 
-    def agree(self, step: int) -> bool:
+    def agree(self, step: int) -> CopyStep:
         """Whether ``step``'s snapshot is a copy step: every rank finished the last one, both ways (a collective
         call, at each snapshot step). When a new one starts, the last one is :attr:`settled` if every rank completed
-        it whole, and the memory tier lets go of the slots kept for other copy steps (``settle``). A step before the
-        current copy step (the run went back to an older step) starts the copy steps over."""
+        it whole, and the answer says so (the memory tier lets go of the slots kept for other copy steps). A step
+        before the current copy step (the run went back to an older step) starts the copy steps over (settled: -1)."""
+        settled = None
         if step < self._current:
             self._start_over(step)
+            settled = -1
         votes = self._channel.all_gather(self.vote())
         if step == self._current or min(v[0] for v in votes) < self._current:
-            return False  # this copy step again, or the last one still in flight somewhere
+            return CopyStep(False, settled)  # this copy step again, or the last one still in flight somewhere
         with self._cond:
             if self._current >= 0 and all(v[1] in (self._current, _NONE) for v in votes):
                 self.settled = self._current
             self._current = step
             self._cond.notify_all()  # the receiver picks its slot once it knows what is settled
-        self._settle(self.settled)
-        return True
+        return CopyStep(True, self.settled)
 
     def _start_over(self, step: int) -> None:
         """Training thread, every rank alike: the run went back to before ``step``. The copies in flight are
@@ -137,7 +178,6 @@ class PartnerCopies:
             if self.held is not None:
                 self.held.drop_newer(step - 1)
                 self._held_steps = {p: s for p, s in self._held_steps.items() if s < step}
-        self._settle(-1)
 
     def vote(self) -> tuple[int, int]:
         """What this rank says in :meth:`agree`: the newest copy step it finished both ways (whatever came of it), and

@@ -1,4 +1,4 @@
-"""load/plan.py, pure: a record's saved chunks (typed, as the reads plan them) and the bytes of each a box needs."""
+"""assembly/plan.py, pure: a record's saved chunks (typed, as the reads plan them) and the bytes of each a box needs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from persist_core.errors import CorruptCheckpointError
 from persist_core.format.records import Chunk, TensorRecord
-from persist_core.load.plan import SavedChunk, chunk_read, saved_chunks
+from persist_core.assembly.plan import SavedChunk, chunk_read, saved_chunks
 
 
 def test_a_plain_record_is_one_chunk_the_whole_tensor_with_its_offset_and_stride():

@@ -1,9 +1,9 @@
 """Shard bytes -> the state: the last phase of a load.
 
 :func:`load_into` fills targets in place — plain tensors, or ``DTensor`` s on any mesh (a job resumed on
-another number of ranks or another layout): for each target it asks :mod:`~persist_core.load.plan` which
+another number of ranks or another layout): for each target it asks :mod:`~persist_core.assembly.plan` which
 byte ranges of the saved chunks the part this rank holds overlaps, requests exactly those of a
-:class:`~persist_core.load.blocks.ReadPlan` (whole checksum blocks, each verified, runs in parallel) and
+:class:`~persist_core.assembly.blocks.ReadPlan` (whole checksum blocks, each verified, runs in parallel) and
 copies them into place; tensors without a target are read whole. :func:`iter_tensors` gives each tensor
 whole, one at a time (consolidation). :func:`load_checkpoint` rebuilds the state from shard files read
 whole (local, or streamed from the remote); :func:`assemble` builds a sharded tensor whole from its chunks.
@@ -33,8 +33,8 @@ from persist_core.format.records import Chunk, TensorRecord
 from persist_core.format.shard_file import (OBJECTS_ENTRY, PER_RANK_ENTRY, dtype_from_name, itemsize,
                                             whole_entry_mismatch)
 from persist_core.format.tree import flatten, tensor_paths, unflatten
-from persist_core.load.blocks import LoadStats, ReadBlocks, ReadPlan, bytes_of, read_shard
-from persist_core.load.plan import LoadOptions, chunk_read, saved_chunks, slices, target_box
+from persist_core.assembly.blocks import LoadStats, ReadBlocks, ReadPlan, bytes_of, read_shard
+from persist_core.assembly.plan import LoadOptions, chunk_read, saved_chunks, slices, target_box
 from persist_core.tiers.local import ShardFile
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ its slot, says ``ABORT`` instead of the next chunk (alone, without ``BEGIN``: it
 without the image says ``NONE``. The receiver
 writes the chunks into a file and, at ``END``, checks every byte against the record's checksums: an image that
 does not verify is no copy. ``ACK`` (the background copies' answer) and ``STOP`` (the sender is closing) complete
-the set. Who sends what when is :mod:`persist_core.sync.partner`'s (background) and
+the set. Who sends what when is :mod:`persist_core.memory.partner`'s (background) and
 :mod:`persist_core.load.agree`'s (restore) business; this module only moves one image.
 """
 
@@ -24,7 +24,7 @@ import crc32c
 from persist_core.distributed import PointToPoint
 from persist_core.errors import ConfigError, CorruptCheckpointError
 from persist_core.format.manifest import Manifest
-from persist_core.tiers.memory import Snapshot
+from persist_core.memory.store import Snapshot
 
 log = logging.getLogger(__name__)
 

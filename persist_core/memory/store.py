@@ -2,7 +2,7 @@
 
 :class:`MemoryTier` is what a user configures (``CheckpointEngine(local_dir, memory=MemoryTier(every_n_steps=1))``);
 :class:`MemoryStore` is one rank's snapshots on that memory, bytes only: the slot files the staging buffers are
-mapped from (:class:`~persist_core.save.allocators.FileAllocator`), each slot's commit record (the manifest of the
+mapped from (:class:`~persist_core.staging.allocators.FileAllocator`), each slot's commit record (the manifest of the
 snapshot it holds, written after its bytes and removed before they are overwritten), listing and reading them.
 
 Layout (:mod:`persist_core.layout`): ``memory_dir/<run-id>/rank-R/life-<token>/slot-N`` and ``slot-N.json``. Each
@@ -10,7 +10,7 @@ engine maps its slots in a directory of its own (``life-...``), ``flock``-ed whi
 killed process's slots while it maps new ones; the older lives are removed once the new one has a snapshot (or a
 disk checkpoint holds their step, at a clean close). Every directory and file is this user's own, never reached
 through a link, and each life belongs to one incarnation of ``local_dir``
-(:mod:`persist_core.tiers.memory_files`).
+(:mod:`persist_core.memory.files`).
 
 A process killed in the middle of a fill leaves that slot without a record (the record goes first), so the other
 slots are what a restart reads; every byte read is checked against the record's checksums.
@@ -24,16 +24,22 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from persist_core.errors import ConfigError, CorruptCheckpointError
-from persist_core.format.manifest import Manifest
+from persist_core._knobs import memory_type_error
+from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.layout import (DEFAULT_MEMORY_DIR, IDENTITY_NAME, LOCAL_DIR_NAME, is_life_dirname, layout_identity,
-                                 life_dirname, memory_rank_dirname, parse_partner_dirname, parse_slot_record_name,
+                                 life_dirname, memory_rank_dirname, parse_slot_record_name,
                                  partner_dirname)
 from persist_core.sidefiles import warn_once, write_side_file
-from persist_core.tiers.memory_files import (all_ours, default_base, local_dir_identity, make_dir, ours, read_own_file,
+from persist_core.tiers.local import read_blocks
+from persist_core.tiers.tier import CheckpointInfo
+from persist_core.memory.files import (all_ours, default_base, make_dir, ours, read_own_file,
                                              record_of, remove_life)
+
+if TYPE_CHECKING:
+    from persist_core.memory.read import SnapshotReads
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +63,7 @@ class MemoryTier:
 
     Several ranks: each snapshots its whole state; ``engine.load()`` agrees on the newest step every rank has whole.
     Several nodes: each rank's newest snapshot is also copied to its partner (the same local rank on the next
-    node), so a lost node restores from the other node's memory (:mod:`persist_core.sync.partner`).
+    node), so a lost node restores from the other node's memory (:mod:`persist_core.memory.partner`).
     """
 
     every_n_steps: int = 1
@@ -87,6 +93,12 @@ class MemoryTier:
         return MemoryStore(self.base / run_id / memory_rank_dirname(rank), identity=identity, local_dir=local_dir,
                            check_base=self.memory_dir is None)
 
+    def reads(self, local_dir: Path) -> SnapshotReads | None:
+        """The snapshots of the run ``local_dir`` keeps the id of, as a load reads them (``None``: none, said why)."""
+        from persist_core.memory.read import reads_of  # the reads sit above the store
+
+        return reads_of(self, Path(local_dir))
+
     def partner_store(self, run_id: str, of_rank: int, *, layout: tuple[tuple[int, ...], ...]) -> MemoryStore:
         """The copies of rank ``of_rank``'s snapshots that this node holds as its partner: the run's (its id and
         node ``layout``), whatever this node's ``local_dir`` (a replaced node's is new)."""
@@ -98,8 +110,7 @@ def check_memory(value: Any) -> MemoryTier | None:
     """``value`` as the ``memory`` option, or a ConfigError naming it."""
     if value is None or isinstance(value, MemoryTier):
         return value
-    raise ConfigError(f"memory={value!r} must be a MemoryTier (from persist_core import MemoryTier; "
-                      "memory=MemoryTier(every_n_steps=1)) or None")
+    raise memory_type_error(value)
 
 
 def memory_tier(every_n_steps: int | None, memory_dir: str | os.PathLike[str] | None) -> MemoryTier | None:
@@ -128,7 +139,7 @@ class Snapshot:
 
 class MemoryStore:
     """One rank's snapshots under ``root`` (``memory_dir/<run-id>/rank-R``) of the engines of ``identity`` (each
-    life records the identity it was made for, :mod:`persist_core.tiers.memory_files`: the incarnation of
+    life records the identity it was made for, :mod:`persist_core.memory.files`: the incarnation of
     ``local_dir``, so two jobs that share a launcher's run id, or a ``local_dir`` erased and made again, never read
     each other's; ``None``: every life, for listing). ``local_dir``: the path the lives name (which a life of an
     earlier incarnation of it names too: ``persist gc --memory`` removes those). ``check_base``: the base is the
@@ -276,6 +287,38 @@ class MemoryStore:
     def steps(self) -> set[int]:
         return {s.step for s in self.snapshots()}
 
+    # ---- the read side of the Tier protocol (TierReader): a load may read the store as one more source; nothing
+    # that prunes or lists checkpoints (the Retainer, persist ls, verify) takes it, as it has no remove
+
+    kind = "memory"
+
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a committed snapshot, ascending."""
+        return sorted(self.steps())
+
+    def read_manifest(self, step: int) -> Manifest:
+        """The record of the newest slot holding ``step``."""
+        return self._snapshot(step).manifest
+
+    def read_blocks(self, step: int, f: FileEntry, first: int, views: list[memoryview], *, verify: bool = True) -> None:
+        """Fill ``views`` with whole checksum blocks of ``step``'s image from block ``first`` on, each verified."""
+        read_blocks(self._snapshot(step).path, f, first, views, verify=verify)
+
+    def list(self) -> list[CheckpointInfo]:
+        """The committed snapshots, oldest first (``tier="memory"``, ``path`` the slot)."""
+        return [CheckpointInfo(step=s.step, time=s.manifest.time, nbytes=s.manifest.nbytes, path=str(s.path),
+                               tier="memory") for s in reversed(self.snapshots())]
+
+    def _snapshot(self, step: int) -> Snapshot:
+        found = next((s for s in self.snapshots() if s.step == step), None)
+        if found is None:
+            raise CheckpointNotFoundError(f"no memory snapshot of step={step} in {self.root}")
+        return found
+
     def _all_lives(self) -> list[Path]:
         """Every life under ``root`` that is this user's own (none when a directory above is not)."""
         if not all_ours(self._dirs()):
@@ -341,48 +384,3 @@ def _unlocked(life: Path) -> bool:
         return False
     finally:
         os.close(fd)
-
-
-def _stores(base: Path, run_id: str, local_dir: Path | None, check_base: bool) -> list[MemoryStore]:
-    """Run ``run_id``'s stores under ``base`` as ``local_dir`` answers for them: each rank's of its identity, and
-    the partner copies this node holds for other ranks (the run's, whatever the local_dir)."""
-    run = base / run_id
-    if not all_ours([base, run] if check_base else [run]):
-        return []
-    identity = None if local_dir is None else (local_dir_identity(local_dir, create=False) or "")
-    try:
-        names = sorted(os.listdir(run))
-    except OSError:
-        return []
-    stores = []
-    for n in names:
-        partner = parse_partner_dirname(n) is not None
-        if (n.startswith("rank-") or partner) and ours(run / n):
-            stores.append(MemoryStore(run / n, identity=None if partner else identity, local_dir=local_dir))
-    return stores
-
-
-def run_lives(base: Path, run_id: str, local_dir: Path | None = None, *, check_base: bool = False,
-              orphans: bool = False) -> list[tuple[Path, bool, list[Snapshot]]]:
-    """Every slot directory of run ``run_id`` under ``base`` that ``local_dir`` reads (each rank's, each engine's,
-    and the partner copies this node holds for other ranks, ``partner-of-rank-R``; ``orphans``: also those it
-    answers for that no local_dir reads): its path, whether a live process holds it, and its committed snapshots
-    (newest first)."""
-    found = []
-    for store in _stores(base, run_id, local_dir, check_base):
-        lives = store._lives() + (store.orphans() if orphans and store.identity is not None else [])
-        for life in sorted(set(lives)):
-            found.append((life, not _unlocked(life), store.snapshots([life])))
-    return found
-
-
-def remove_stale(base: Path, run_id: str, local_dir: Path | None = None, *, check_base: bool = False,
-                 dry_run: bool = False) -> list[Path]:
-    """Remove (``dry_run``: only name) the slot directories of run ``run_id`` (``local_dir``'s, and those of earlier
-    incarnations of it or that name none) that no live process holds, each oldest record first."""
-    stale = [(life, snaps) for life, live, snaps in run_lives(base, run_id, local_dir, check_base=check_base,
-                                                               orphans=True) if not live]
-    if not dry_run:
-        for life, snaps in stale:
-            remove_life(life, [s.path for s in reversed(snaps)])
-    return [life for life, _ in stale]

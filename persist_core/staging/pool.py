@@ -1,12 +1,12 @@
-"""Host staging buffers, reused across saves (the copy of a state into them: :mod:`persist_core.save.stage`).
+"""Host staging buffers, reused across saves (the copy of a state into them: :mod:`persist_core.staging.stage`).
 
-The engine calls :func:`~persist_core.save.stage.stage_into` from ``save()`` (:meth:`StagingPool.acquire`, then
-:func:`~persist_core.save.stage.stage`), and :meth:`StagingPool.release` from the writer once the shard is on disk. One buffer is one shard
+The engine calls :func:`~persist_core.staging.stage.stage_into` from ``save()`` (:meth:`StagingPool.acquire`, then
+:func:`~persist_core.staging.stage.stage`), and :meth:`StagingPool.release` from the writer once the shard is on disk. One buffer is one shard
 file image (header + data section), so writing is ``pwrite`` straight from it.
 
 Overlap: when every buffer is still being written, ``acquire`` may hand out one whose writer
 reports its progress (:meth:`StagingPool.writing`, :meth:`StagingPool.chunk_written`);
-:func:`~persist_core.save.stage.stage` then copies each byte range only once the writer is done with it, so the next
+:func:`~persist_core.staging.stage.stage` then copies each byte range only once the writer is done with it, so the next
 save's copy runs right behind the previous write instead of after all of it — without a
 second copy of the state in memory.
 
@@ -26,11 +26,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 from persist_core import hostmem
 from persist_core.turn import NO_TURN, Turn
-from persist_core.save.allocators import Allocator, HostAllocator
+from persist_core.staging.allocators import Allocator, HostAllocator
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +70,12 @@ class StagingPool:
         slots: how many checkpoints may be staged or writing at once.
         pin: pin buffers (page-locked) for fast, asynchronous device-to-host copies.
         turn: the warm-up's page faults hold off while a guarded update has the host.
-        allocator: where the buffers come from (default: this process's memory, pinned if ``pin``).
-        reusing: called with a buffer about to be overwritten by a save (the memory tier drops its record first).
+        allocator: where the buffers come from (default: this process's memory, pinned if ``pin``); told of a
+            buffer about to be overwritten by a save (the memory tier's drops its record first).
     """
 
-    def __init__(self, slots: int, *, pin: bool, turn: Turn = NO_TURN, allocator: Allocator | None = None,
-                 reusing: Callable[[StagingBuffer], None] | None = None) -> None:
+    def __init__(self, slots: int, *, pin: bool, turn: Turn = NO_TURN, allocator: Allocator | None = None) -> None:
         self._free: list[StagingBuffer | None] = [None] * slots  # None: a slot not allocated yet
-        self._reusing = reusing
         self._writing: list[StagingBuffer] = []  # being written, with progress reported
         self._cond = threading.Condition()
         self._allocator = allocator or HostAllocator(pin=pin)
@@ -180,8 +177,7 @@ class StagingPool:
                      if self._free[i] is None or not self._free[i]._kept), None)
 
     def _reuse(self, buf: StagingBuffer) -> None:
-        if self._reusing is not None:
-            self._reusing(buf)
+        self._allocator.reusing(buf.tensor)
 
     def keep(self, buf: StagingBuffer) -> None:
         """The memory tier holds ``buf`` (a snapshot): no save overwrites it until :meth:`unkeep`."""

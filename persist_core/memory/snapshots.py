@@ -1,14 +1,16 @@
 """The memory tier's save side (issue 42): which steps it snapshots, and each snapshot's commit record.
 
 A snapshot is a staged shard image in a slot of the staging pool (buffers mapped from files in shared memory,
-:class:`~persist_core.save.allocators.SlotAllocator`): the copy a disk save makes anyway, so a step that also goes
+:class:`~persist_core.memory.slots.SlotAllocator`): the copy a disk save makes anyway, so a step that also goes
 to disk costs nothing more. Who calls what: ``save()`` and the memory-only ``snapshot()`` (training thread, the
-:class:`~persist_core.save.saver.Saver`) call :meth:`Snapshots.taken` once a slot holds a step's bytes; the pool
-calls :meth:`Snapshots.reusing` before a slot is overwritten (its record goes first). On a thread of its own,
+:class:`~persist_core.save.saver.Saver`) call :meth:`Snapshots.taken` once a slot holds a step's bytes; before the
+pool overwrites a slot, its allocator drops the slot's record (:meth:`SlotAllocator.reusing
+<persist_core.memory.slots.SlotAllocator.reusing>`). On a thread of its own,
 :meth:`Snapshots._commit` checksums the slot and writes its record, then lets the previous snapshot's slot go: the
 newest committed snapshot's slot is kept (the pool hands it to no save) until a newer one is committed; with partner
 copies (several nodes), so is the slot of each copy step until a newer one is settled (:meth:`Snapshots.copy_at`,
-:meth:`Snapshots.settle`; :mod:`persist_core.sync.partner` says why). Behind a guard
+:meth:`Snapshots.settle`, as the :class:`~persist_core.memory.partner.CopySteps` answer; :mod:`persist_core.memory.partner`
+says why). Behind a guard
 the checksums hold off while an update runs (the overlap's :class:`~persist_core.turn.Turn`), as the disk writes do,
 and they follow the copy thread block by block (:class:`Filling`) instead of starting once it is done.
 """
@@ -27,9 +29,11 @@ import crc32c
 
 from persist_core.fileio import CHECKSUM_ALGORITHM, checksum_block
 from persist_core.format.manifest import FileEntry, Manifest
-from persist_core.save.allocators import SlotAllocator
-from persist_core.save.staging import StagingBuffer, StagingPool
-from persist_core.tiers.memory import MemoryStore, MemoryTier, Snapshot
+from persist_core.memory.partner import NO_COPY_STEPS, CopySteps
+from persist_core.memory.slots import SlotAllocator
+from persist_core.memory.store import MemoryStore, MemoryTier, Snapshot
+from persist_core.staging.filling import Filling
+from persist_core.staging.pool import StagingBuffer, StagingPool
 from persist_core.turn import NO_TURN, Turn
 
 log = logging.getLogger(__name__)
@@ -42,16 +46,19 @@ class Snapshots:
         tier: what the user configured (``every_n_steps``, ``memory_dir``).
         store: this rank's snapshots on it.
         allocator: the pool's allocator (its buffers' files are the slots).
+        pool: the staging buffers (made from ``allocator``): a committed snapshot's slot is kept there.
+        copy_steps: the partner copies (several nodes; :data:`~persist_core.memory.partner.NO_COPY_STEPS`: none).
+        turn: the overlap's: a guarded update holds the checksums off.
         chunk_bytes: the engine's write size (the checksum blocks are the disk's).
         rank: this process's rank (its file entry).
     """
 
-    def __init__(self, tier: MemoryTier, store: MemoryStore, allocator: SlotAllocator, *, chunk_bytes: int,
-                 rank: int) -> None:
-        self.tier, self.store, self.allocator = tier, store, allocator
+    def __init__(self, tier: MemoryTier, store: MemoryStore, allocator: SlotAllocator, pool: StagingPool, *,
+                 copy_steps: CopySteps = NO_COPY_STEPS, turn: Turn = NO_TURN, chunk_bytes: int, rank: int) -> None:
+        self.tier, self.store, self.allocator, self.pool = tier, store, allocator, pool
+        self._copies = copy_steps
         self._block = checksum_block(chunk_bytes)
         self._rank = rank
-        self.pool: StagingPool | None = None  # set once the pool exists (it calls reusing)
         self._lock = threading.Lock()
         self._newest: StagingBuffer | None = None  # the newest committed snapshot's slot (kept)
         self._newest_step = -1
@@ -61,13 +68,11 @@ class Snapshots:
         self._last: Future[None] | None = None  # the last commit submitted
         self._taken_max = -1  # the newest step saved or snapshot by this engine
         self._others_gone = False  # an earlier process's slots were removed (at the first commit)
-        # partner copies: the copy step assigned (copy_at), the newest one handed over (to on_copy: its snapshot,
-        # or None when it has none), and the slots kept for copy steps, by step
-        self.on_copy: Callable[[int, Snapshot | None], None] | None = None
-        self.agree: Callable[[int], bool] | None = None  # whether a step is a copy step (a collective call)
+        # partner copies: the copy step assigned (copy_at), the newest one handed over (offered with its snapshot,
+        # or skipped when it has none), and the slots kept for copy steps, by step
         self._copy_step = self._handed = -1
         self._copy_slots: dict[int, StagingBuffer] = {}
-        self.turn: Turn = NO_TURN  # the overlap's: a guarded update holds the checksums off (set by the build)
+        self.turn = turn
 
     @property
     def active(self) -> bool:
@@ -85,11 +90,16 @@ class Snapshots:
 
     def before(self, step: int, *, copies: bool = True) -> bool:
         """Training thread, at a snapshot step: with partner copies (``copies``: not for an explicit snapshot) every
-        rank first agrees whether it is a copy step (:attr:`agree`, a collective call at each such step); whether
-        this rank takes the snapshot (``False``: out of room, and a copy step then said to the partner as having
-        none)."""
-        if copies and self.agree is not None and self.agree(step):
-            self.copy_at(step)
+        rank first agrees whether it is a copy step (:meth:`CopySteps.agree
+        <persist_core.memory.partner.CopySteps.agree>`, a collective call at each such step; its answer also says
+        which kept slots go back); whether this rank takes the snapshot (``False``: out of room, and a copy step then
+        said to the partner as having none)."""
+        if copies:
+            agreed = self._copies.agree(step)
+            if agreed.settled is not None:
+                self.settle(agreed.settled)
+            if agreed:
+                self.copy_at(step)
         if self.active:
             return True
         self.hand_over_missed(step + 1)
@@ -97,7 +107,7 @@ class Snapshots:
 
     def copy_at(self, step: int) -> None:
         """Training thread, before the snapshot of ``step``: every rank agreed it is a copy step; once committed, its
-        slot is kept and it goes to ``on_copy``."""
+        slot is kept and it is offered to the partner copies."""
         with self._lock:
             if step <= self._handed:  # the run went back to an older step: the copy steps started over
                 self._handed = -1
@@ -105,30 +115,23 @@ class Snapshots:
 
     def hand_over_missed(self, before: int) -> None:
         """Training thread, once the snapshots before ``before`` are committed or failed: a copy step among them that
-        reached no commit (its copy failed, the memory tier ran out of room, the snapshot raised) goes to ``on_copy``
-        as having no snapshot, so that every rank can go on to the next copy step."""
+        reached no commit (its copy failed, the memory tier ran out of room, the snapshot raised) is said to the
+        partner copies as having no snapshot, so that every rank can go on to the next copy step."""
         with self._lock:
             missed = self._copy_step if self._handed < self._copy_step < before else None
             if missed is not None:
                 self._handed = missed
-        if missed is not None and self.on_copy is not None:
-            self.on_copy(missed, None)
+        if missed is not None:
+            self._copies.skip(missed)
 
     def settle(self, settled: int) -> None:
-        """Training thread (:meth:`PartnerCopies.agree <persist_core.sync.partner.PartnerCopies.agree>`), as a new
-        copy step starts: every rank completed ``settled``; the slots kept for other copy steps go back."""
-        assert self.pool is not None
+        """Training thread (:meth:`before`, as the copy steps' answer says), as a new copy step starts: every rank
+        completed ``settled``; the slots kept for other copy steps go back."""
         with self._lock:
             gone = [b for s, b in self._copy_slots.items() if s != settled]
             self._copy_slots = {s: b for s, b in self._copy_slots.items() if s == settled}
         for buf in gone:
             self.pool.unkeep(buf)
-
-    def reusing(self, buf: StagingBuffer) -> None:
-        """Pool (a save's thread): ``buf`` is about to be overwritten; its record goes first."""
-        path = self.allocator.path_of(buf.tensor)
-        if path is not None:
-            self.store.drop(path)
 
     def follow(self, buf: StagingBuffer, nbytes: int) -> Filling | None:
         """Training thread, before a guarded snapshot's deferred copies: its checksums are computed on this thread
@@ -147,7 +150,7 @@ class Snapshots:
         ``filename``) of ``base``'s step; it is kept from here and committed in the background (``filling``: its
         checksums, computed as the copy went, from :meth:`follow`)."""
         path = self.allocator.path_of(buf.tensor)
-        if path is None or self.pool is None:  # a buffer from this process's memory: the memory tier ran out of room
+        if path is None:  # a buffer from this process's memory: the memory tier ran out of room
             self.hand_over_missed(base.step + 1)
             return
         self.pool.keep(buf)
@@ -167,7 +170,6 @@ class Snapshots:
 
     def _commit(self, buf: StagingBuffer, path: Path, base: Manifest, nbytes: int, filename: str,
                 filling: Filling | None = None) -> None:
-        assert self.pool is not None
         try:
             crc = self._checksums(buf, nbytes) if filling is None else filling.sums.result()
             if crc is None:
@@ -207,8 +209,8 @@ class Snapshots:
             self.store.remove_other_lives()
             self._others_gone = True
         log.debug("[rank=%d][step=%d] memory snapshot committed in %s", self._rank, base.step, path)
-        if copy and self.on_copy is not None:
-            self.on_copy(base.step, Snapshot(manifest, path))
+        if copy:
+            self._copies.offer(Snapshot(manifest, path))
 
     def wait(self) -> None:
         """Until the snapshots taken so far are committed. A save calls it before it stages: the step before it
@@ -232,43 +234,3 @@ class Snapshots:
         with self._lock:
             own = self._committed > 0
         self.store.close(remove=finished, others_up_to=None if own or not finished else disk_step())
-
-
-class Filling:
-    """How far a guarded snapshot's copy has filled its slot: the copy thread says :meth:`reached` and
-    :meth:`finish`; the snapshots' thread checksums each block once it is :meth:`passed`."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._end = 0
-        self._done: bool | None = None  # copied whole (True), failed (False), still copying (None)
-        self.sums: Future[list[int] | None]
-
-    def reached(self, end: int) -> None:
-        with self._cond:
-            self._end = max(self._end, end)
-            self._cond.notify_all()
-
-    def finish(self, ok: bool) -> None:
-        with self._cond:
-            self._done = ok
-            self._cond.notify_all()
-
-    def passed(self, end: int) -> bool:
-        """Whether bytes ``[0, end)`` are final (waits for the copy to get there); ``False``: it failed first."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._end >= end or self._done is not None)
-            return self._done is not False
-
-
-def followed(copy: Callable[..., float], filling: Filling | None) -> float:
-    """``copy()`` (a guarded save's deferred copies), telling ``filling`` how far it got and how it ended."""
-    if filling is None:
-        return copy()
-    try:
-        behind = copy(progress=filling.reached)
-    except BaseException:
-        filling.finish(False)
-        raise
-    filling.finish(True)
-    return behind
