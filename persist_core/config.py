@@ -107,6 +107,13 @@ class Config:
         "a save references the tensors whose bytes equal the newest committed checkpoint's (a frozen base, a PEFT "
         "model's base; proven by a 128-bit hash) instead of writing and uploading them again."))
     full_every: int = _option(10, "with ``incremental``, a full checkpoint at least every this many saves.")
+    verify_resume: str = _option("warn", (
+        "after a load, ``verify_resume(state)`` compares the state with what was saved: ``\"warn\"`` "
+        "(a ``ResumeMismatchWarning`` naming each differing key), ``\"raise\"`` (``ResumeMismatchError``) or "
+        "``\"off\"``."))
+    verify_resume_ignore: tuple[str, ...] = _option((), accepts=tuple[str, ...] | list[str], doc=(
+        "glob patterns of key paths (as ``persist inspect`` names them, e.g. ``optim/param_groups/*/lr``) that "
+        "``verify_resume`` skips: intended changes after a resume."))
 
     def __post_init__(self) -> None:
         def resolved(name: str, value: Any) -> None:
@@ -143,6 +150,13 @@ class Config:
         check_replica_mode(self.replica_check)
         check_memory(self.memory)
         _knobs.check_incremental(self)
+        if self.verify_resume not in ("warn", "raise", "off"):
+            raise ConfigError(f"verify_resume={self.verify_resume!r} must be 'warn', 'raise' or 'off'")
+        if isinstance(self.verify_resume_ignore, str) or not all(
+                isinstance(p, str) for p in self.verify_resume_ignore):
+            raise ConfigError(f"verify_resume_ignore={self.verify_resume_ignore!r} must be a sequence of glob "
+                              "patterns, e.g. ['optim/param_groups/*/lr']")
+        resolved("verify_resume_ignore", tuple(self.verify_resume_ignore))
         if self.remote_url is not None:
             _knobs.check_backend(self.remote_url)
 
@@ -229,7 +243,7 @@ SUGAR = (
 
 _ADAPTERS = ("remote_url", "storage_options", "keep_last", "keep_every_n_steps", "keep_every_n_seconds", "retention",
              "verify", "max_pending", "preemption_grace_s", "remote_timeout_s", "start_over", "memory_every_n_steps",
-             "memory_dir", "incremental", "full_every")
+             "memory_dir", "incremental", "full_every", "verify_resume", "verify_resume_ignore")
 #: which options each entry point takes as keywords, besides ``local_dir`` (its first argument) and its own
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "CheckpointEngine": tuple(f.name for f in dataclasses.fields(Config) if f.name != "local_dir"),

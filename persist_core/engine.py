@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -19,14 +20,18 @@ from persist_core import _knobs
 from persist_core._build import build, close_at_exit
 from persist_core.config import Config, keyword_options
 from persist_core.distributed import Collectives, decision_channel
-from persist_core.errors import ConfigError, PersistError, RemoteError
+from persist_core.errors import ConfigError, PersistError, RemoteError, ResumeMismatchError, ResumeMismatchWarning
 from persist_core.fileio import FileOps
 from persist_core.format.manifest import Manifest
 from persist_core.handle import SaveHandle
 from persist_core.save.overlap import Guard
 from persist_core.policies.save import Clock, DecisionContext, SavePolicy
 from persist_core.load.agree import agreed_load
+from persist_core.lineage import Lineage
 from persist_core.load.reader import CheckpointReader
+from persist_core.load.verify import compare
+from persist_core.run_ids import run_id_of
+from persist_core.tiers.local import committed_steps
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -67,11 +72,13 @@ class CheckpointEngine:
         self.config = config
         self._closed = False
         self._resumed: int | None = None
+        self._loaded_manifest: Manifest | None = None  # the checkpoint verify_resume compares with
         p = self._parts = build(config, collectives=collectives, clock=clock, wall_clock=wall_clock, file_ops=file_ops,
                                 wait=self.wait, on_loaded=self._loaded)
         self._root, self._coll, self._tier, self._ledger, self._history = p.root, p.coll, p.tier, p.ledger, p.history
         self._overlap, self._pool, self._pipeline, self._writer = p.overlap, p.pool, p.pipeline, p.pipeline.writer
         self._scheduler, self._reader, self._own_notice = p.scheduler, p.reader, p.own_notice
+        self._lineage = Lineage(run_id=_run_id(p.root, config.run_id), world_size=p.coll.world_size)
         close_at_exit(self)
 
     def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
@@ -89,7 +96,8 @@ class CheckpointEngine:
             PersistError: an earlier save failed in the background (raised once).
         """
         self._check_open()
-        return self._parts.saver.save(state, step, metadata=metadata, resumed_at=self.resumed_step)
+        return self._parts.saver.save(state, step, metadata=metadata, resumed_at=self.resumed_step,
+                                      lineage=self._lineage.record())
 
     def snapshot(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> None:
         """Copy ``state`` into the memory tier as ``step`` (nothing goes to disk); returns once it is copied. A
@@ -285,6 +293,7 @@ class CheckpointEngine:
         """:meth:`resume_from` without the check that ``step`` is committed here: a session's weights-only
         engine continues from the step its full engine resumed from."""
         self._resumed = step
+        self._lineage.resumed(step, run=None, branch=any(s > step for s in committed_steps(self._root)))
         self._history.resumed()
         self._pipeline.timeline.resumed()
         if from_remote:
@@ -319,6 +328,44 @@ class CheckpointEngine:
             self._pipeline.adopt_remote_run()
         return state
 
+    def verify_resume(self, state: Any) -> list[str]:
+        """Compare ``state``, the live state a run resumes with, with the checkpoint this engine loaded last: the key
+        paths (as ``persist inspect`` writes them, e.g. ``optim/param_groups/0/lr``) whose values differ, that the
+        checkpoint has and ``state`` lacks, or the other way round; ``[]`` when equal (one INFO line says so).
+
+        The baseline is what was saved (each tensor's digest, recorded at save; each scalar in the manifest); key
+        paths matching ``verify_resume_ignore`` are skipped; sharded leaves of a resharded load, pickled leaves and
+        checkpoints older than format version 7 are not verified (logged, never a mismatch). ``verify_resume="off"``:
+        ``[]`` without comparing.
+
+        Raises:
+            ResumeMismatchError: ``verify_resume="raise"`` and something differs (``warn``, the default, issues a
+                ``ResumeMismatchWarning`` instead).
+        """
+        mode = self.config.verify_resume
+        manifest = self._loaded_manifest
+        if mode == "off":
+            return []
+        if manifest is None:
+            log.info("[rank=%d] resume not verified: this engine loaded no checkpoint", self._coll.rank)
+            return []
+        verdict = compare(manifest, state, world_size=self._coll.world_size, ignore=self.config.verify_resume_ignore)
+        prefix = f"[rank={self._coll.rank}][step={manifest.step}]"
+        if verdict is None:
+            log.info("%s resume not verified (no digests: checkpoint format v%d)", prefix, manifest.version)
+            return []
+        for reason, paths in verdict.not_verified.items():
+            log.info("%s %d key(s) not verified (%s): %s", prefix, len(paths), reason, ", ".join(paths[:10]))
+        if not verdict.differ:
+            log.info("%s resume verified: %d tensors and %d values equal step %d", prefix, verdict.tensors,
+                     verdict.values, manifest.step)
+            return []
+        keys = list(verdict.differ)
+        if mode == "raise":
+            raise ResumeMismatchError(verdict.message(), keys)
+        warnings.warn(verdict.message(), ResumeMismatchWarning, stacklevel=2)
+        return keys
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -331,9 +378,21 @@ class CheckpointEngine:
         """A load (this engine's, or its reader's under an adapter) returned ``manifest``'s checkpoint: this
         process continues from it (the save decisions' interval counts from now), and the staging buffers for
         saves about as large are made ready in the background (:meth:`Saver.warm`)."""
+        self._loaded_manifest = manifest
+        self._lineage.resumed(manifest.step, run=(manifest.lineage or {}).get("run"),
+                              branch=any(s > manifest.step for s in committed_steps(self._root)))
         self._history.resumed()  # an interval policy counts from this checkpoint
         self._pipeline.timeline.resumed()  # the next step past it decides, once, whether this resume branches
         if self._parts.pipeline.incremental is not None and self._reader.loaded_from_remote:
             self._parts.pipeline.incremental.loaded_from_remote(manifest.step)  # the next save: full unless it is local
         if not self._closed:
             self._parts.saver.warm(manifest)
+
+
+def _run_id(root: Path, given: str | None) -> str | None:
+    """This run's id for the lineage: the one given, the launcher's, or the one kept in ``root``; ``None`` when none
+    is (never made here)."""
+    try:
+        return run_id_of(root, given, create=False)
+    except ConfigError:
+        return None

@@ -10,11 +10,15 @@ builtin whose meaning matches, so callers can catch either::
     ├── UnsupportedStateError(PersistError, TypeError) a state leaf that cannot be checkpointed
     ├── CheckpointNotFoundError(PersistError, FileNotFoundError)
     ├── CorruptCheckpointError(PersistError)          a manifest, size or checksum that does not verify
+    ├── ResumeMismatchError(PersistError)             the state a run resumes with differs from the checkpoint
     ├── WriteError(PersistError, OSError)             a failed write; earlier checkpoints are intact
     └── RemoteError(PersistError, OSError)            a remote operation failed for good; local copies are intact
 
 Background errors (a failed write) are raised exactly once: by the first ``wait()`` or ``save()``
 that observes them.
+
+One warning goes with the tree: :class:`ResumeMismatchWarning` (a ``UserWarning``), what
+``verify_resume="warn"`` (the default) issues where ``"raise"`` raises :class:`ResumeMismatchError`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ __all__ = [
     "DirectoryInUseError",
     "PersistError",
     "RemoteError",
+    "ResumeMismatchError",
+    "ResumeMismatchWarning",
     "StepExistsError",
     "UnsafeCheckpointError",
     "UnsupportedStateError",
@@ -66,6 +72,20 @@ class CheckpointNotFoundError(PersistError, FileNotFoundError):
 
 class CorruptCheckpointError(PersistError):
     """A checkpoint's manifest, file sizes or checksums do not verify."""
+
+
+class ResumeMismatchError(PersistError):
+    """The state a run resumes with differs from the checkpoint it loaded (``verify_resume="raise"``); the message
+    names each differing key path. ``keys``: those key paths."""
+
+    def __init__(self, message: str, keys: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.keys = list(keys or [])
+
+
+class ResumeMismatchWarning(UserWarning):
+    """The state a run resumes with differs from the checkpoint it loaded (``verify_resume="warn"``, the default);
+    the message names each differing key path."""
 
 
 class UnsafeCheckpointError(PersistError, pickle.UnpicklingError):

@@ -151,7 +151,8 @@ def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool, 
     if depth is not None:
         rows = _summed_below(rows, depth)
     if as_json:
-        click.echo(json.dumps({"step": m.step, "world_size": m.world_size, "bytes": m.nbytes, "entries": rows}))
+        click.echo(json.dumps({"step": m.step, "world_size": m.world_size, "bytes": m.nbytes, "entries": rows,
+                               "lineage": m.lineage, "nodes": [list(n) for n in m.nodes], "metadata": m.metadata}))
         return
     from rich.console import Console
     from rich.table import Table
@@ -164,6 +165,23 @@ def inspect(ctx: click.Context, location: str, step: int | None, as_json: bool, 
                       human_size(r["bytes"]) if r["bytes"] else "", "" if r["value"] is None else repr(r["value"]),
                       r["file"] or "")
     Console().print(table)
+    click.echo(_lineage_text(m))
+
+
+def _lineage_text(m: Any) -> str:
+    """The lineage of a checkpoint in a few lines (format version 7; older ones say they have none)."""
+    lin = m.lineage
+    if lin is None:
+        return f"lineage: none recorded (format version {m.version})"
+    resumed = lin.get("resumed_from")
+    origin = "fresh start" if resumed is None else f"resumed from step {resumed.get('step')} of run {resumed.get('run')}"
+    if lin.get("branch_from") is not None:
+        origin += f" (a branch: went back to step {lin['branch_from']})"
+    nodes = f", {len(m.nodes)} node(s) {[list(n) for n in m.nodes]}" if m.nodes else ""
+    versions = ", ".join(f"{k} {v}" for k, v in (lin.get("versions") or {}).items())
+    return "\n".join([f"lineage: run {lin.get('run')}, {origin}",
+                      f"  world size {lin.get('world_size')}{nodes}; git commit {lin.get('git_commit') or 'none'}",
+                      f"  versions: {versions}", f"  metadata: {json.dumps(m.metadata)}"])
 
 
 def _summed_below(rows: list[dict[str, Any]], depth: int) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ from typing import Any
 import crc32c
 
 from persist_core.errors import CorruptCheckpointError
-from persist_core.format.records import REFERENCES_VERSION, Chunk, TensorRecord, _whole
+from persist_core.format.records import DIGESTS_VERSION, REFERENCES_VERSION, Chunk, TensorRecord, _whole
 from persist_core.format.shard_file import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = ["Chunk", "FileEntry", "Manifest", "TensorRecord"]
@@ -32,8 +32,9 @@ __all__ = ["Chunk", "FileEntry", "Manifest", "TensorRecord"]
 _CHECKSUM_KEY = "manifest_crc32c"
 _CHECKSUM_TAIL = re.compile(rb',"' + _CHECKSUM_KEY.encode() + rb'":(\d{1,10})\}$')
 _FIRST_CHECKSUMMED_VERSION = 2
-#: the newest format version this code reads (and writes, for a manifest with references: :attr:`Manifest.version`)
-READ_VERSION = REFERENCES_VERSION
+#: the newest format version this code reads (and writes, for a manifest with digests or lineage:
+#: :attr:`Manifest.version`)
+READ_VERSION = DIGESTS_VERSION
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,10 @@ class Manifest:
         part: a memory snapshot of rank ``part``'s own state (several ranks, ``DTensor`` leaves): its sharded
             records hold that rank's boxes alone, so it loads into targets whose parts it holds, never whole;
             ``None`` (every checkpoint on disk): the chunks tile each sharded tensor.
+        lineage: where this checkpoint comes from (version 7): ``run``, ``resumed_from`` (``{"step", "run"}`` or
+            ``None`` for a fresh start), ``branch_from`` (the step a run that went back went back to, else ``None``),
+            ``world_size``, ``versions`` (package -> version), ``git_commit`` (of the training code's checkout, or
+            ``None``); the node layout is :attr:`nodes`, the user's metadata :attr:`metadata`. ``None``: older.
     """
 
     step: int
@@ -128,6 +133,7 @@ class Manifest:
     nodes: tuple[tuple[int, ...], ...] = ()
     node: int | None = None
     part: int | None = None
+    lineage: dict[str, Any] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -157,8 +163,10 @@ class Manifest:
 
     @property
     def version(self) -> int:
-        """The format version this manifest is written as: 6 when it references another checkpoint's bytes, else
-        the version before (older readers load it)."""
+        """The format version this manifest is written as: 7 with leaf digests or lineage (resume verification), 6
+        when it references another checkpoint's bytes, else 5 (older readers load it)."""
+        if self.lineage is not None or any(t.digest is not None for t in self.tensors):
+            return DIGESTS_VERSION
         return REFERENCES_VERSION if self.depends_on() else FORMAT_VERSION
 
     def held(self) -> tuple[FileEntry, ...]:
@@ -183,6 +191,8 @@ class Manifest:
         fields["files"] = [asdict(f) for f in self.files]
         if self.part is None:  # only a rank's memory snapshot has it
             del fields["part"]
+        if self.lineage is None:  # version 7 on
+            del fields["lineage"]
         body = json.dumps({"format": FORMAT_NAME, "version": self.version, **fields}, separators=(",", ":")).encode()
         return body[:-1] + f',"{_CHECKSUM_KEY}":{crc32c.crc32c(body)}}}'.encode()
 
@@ -232,6 +242,7 @@ class Manifest:
                 nodes=tuple(tuple(n) for n in body.get("nodes", ())),
                 node=body.get("node"),
                 part=body.get("part"),
+                lineage=body.get("lineage"),
             )
             _check_places(manifest, where)
             _check_schema(manifest, where)
@@ -291,6 +302,8 @@ def _check_schema(m: Manifest, where: str) -> None:
         raise bad(f"node={m.node!r} is not one of its {len(m.nodes)} nodes")
     if m.part is not None and not _whole(m.part):
         raise bad(f"part={m.part!r} is not a rank")
+    if m.lineage is not None and not isinstance(m.lineage, dict):
+        raise bad(f"lineage is {type(m.lineage).__name__}, not an object")
     if m.per_rank and len(m.per_rank) != m.world_size:
         raise bad(f"per_rank lists {len(m.per_rank)} ranks for a world of {m.world_size}")
     for fname, begin, length in [*m.objects, *(p for r in m.per_rank for p in r)]:

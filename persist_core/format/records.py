@@ -23,6 +23,10 @@ def _ints(v: Any, n: int | None = None) -> bool:
 #: the first format version whose chunks may name bytes in another checkpoint (incremental saves, issue 43)
 REFERENCES_VERSION = 6
 
+#: the first format version whose plain tensor records carry ``digest`` (resume verification, issue 55) and whose
+#: manifest carries ``lineage``
+DIGESTS_VERSION = 7
+
 _HASH = re.compile(r"[0-9a-f]{32}")  # xxh3-128 of a tensor's bytes, hex (incremental saves)
 
 
@@ -64,6 +68,10 @@ class TensorRecord:
     ``step``: the committed checkpoint of this run whose ``file`` holds them (a reference: ``entry`` and ``offset``
     are that file's; always the checkpoint holding the bytes, never one that references them in turn); ``None``:
     this checkpoint's own file. A record with a hash and no step is readable by version-5 code.
+
+    Resume verification (format version 7): ``digest``, the xxh3-128 (hex) of the tensor's elements in C order (the
+    bytes ``t.contiguous()`` holds), computed on the writer thread from the staged bytes; ``None``: not recorded
+    (older versions, a sharded tensor).
     """
 
     dtype: str
@@ -78,6 +86,7 @@ class TensorRecord:
     chunks: tuple[Chunk, ...] | None = None
     step: int | None = None
     hash: str | None = None
+    digest: str | None = None
 
     @property
     def sharded(self) -> bool:
@@ -107,6 +116,8 @@ class TensorRecord:
             out["step"] = self.step
         if self.hash is not None:
             out["hash"] = self.hash
+        if self.digest is not None:
+            out["digest"] = self.digest
         return out
 
     @classmethod
@@ -154,9 +165,13 @@ class TensorRecord:
             raise bad(f"tensor record {i} has hash {str(digest)[:40]!r}, not 32 hex digits")
         if step is not None and digest is None:
             raise bad(f"tensor record {i} references step {step} without the hash of its bytes")
+        leaf = raw.get("digest")
+        if leaf is not None and (version < DIGESTS_VERSION or not (isinstance(leaf, str) and _HASH.fullmatch(leaf))):
+            raise bad(f"tensor record {i} has digest {str(leaf)[:40]!r}: 32 hex digits, format version "
+                      f"{DIGESTS_VERSION} on (this manifest is {version})")
         return cls(dtype=raw["dtype"], shape=tuple(shape), file=raw.get("file"), entry=entry,
                    stride=None if stride is None else tuple(stride), offset=offset, replicated=raw.get("replicated"),
-                   step=step, hash=digest)
+                   step=step, hash=digest, digest=leaf)
 
 
 def _chunks(raw: Any, i: int, shape: list[int], bad: Any, version: int, *, part: bool = False) -> tuple[Chunk, ...]:

@@ -37,7 +37,8 @@ FORMAT_NAME = "torch-persist"
 FORMAT_VERSION = 5  # 2: the manifest's own crc32c; 3: torch-loadable shards; 4: sharded tensors, PerRank values;
 # 5: node-local copies (the manifest's nodes and node). What shards, and manifests without references, are written as.
 # 6 (format/records.py REFERENCES_VERSION): records referencing an older checkpoint's bytes, written only by a manifest
-# that holds one (Manifest.version). Readers take every older one (format/manifest.py READ_VERSION).
+# that holds one (Manifest.version). 7 (DIGESTS_VERSION): leaf digests and lineage in the manifest (resume
+# verification), every manifest a save writes. Readers take every older one (format/manifest.py READ_VERSION).
 
 
 OBJECTS_ENTRY = "__objects__"

@@ -78,8 +78,10 @@ class Saver:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.latest_step = -1  # the newest step saved (the upload lag counts from it)
 
-    def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None, resumed_at: int | None) -> SaveHandle:
-        """Stage ``state`` as ``step`` and hand it on; see :meth:`CheckpointEngine.save`."""
+    def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None, resumed_at: int | None,
+             lineage: dict[str, Any] | None = None) -> SaveHandle:
+        """Stage ``state`` as ``step`` and hand it on (``lineage``: recorded in its manifest); see
+        :meth:`CheckpointEngine.save`."""
         t0, decided_at = time.perf_counter(), self._history.now()
         self._overlap.fence()  # the previous guarded save's copy goes to the writer first: saves stay in order
         self._ledger.raise_first()
@@ -98,6 +100,8 @@ class Saver:
                              cache=self._plans)
             self._check_backlog(step, plan.shard.file_bytes)
             base = plan.manifest(step=step, time=self._wall_clock(), metadata=metadata)
+            if lineage is not None:
+                base = dataclasses.replace(base, lineage=lineage)
             unstaged = self._unchanged(base, plan.shard.copies, step)
             staged = stage_into(self._pool, plan.shard, self._streams, defer=self._overlap.deferral(),
                                 skip=None if unstaged is None else unstaged.skips)

@@ -28,16 +28,25 @@ def _place(root: Path, version: str, step: int = 12) -> Path:
     return ckpt
 
 
-@pytest.mark.parametrize("torch_loadable, prefix, shard", [(False, "v5-", "rank-00000.safetensors"),
-                                                           (True, "v5-torch-", "rank-00000.ckpt")])
+def _golden_lineage(raw: bytes, want: Manifest) -> bytes:
+    """A manifest written here with the golden file's lineage (this machine's versions and git commit differ)."""
+    got = Manifest.from_bytes(raw, where="new")
+    assert got.lineage is not None and set(got.lineage) == set(want.lineage or {})
+    return dataclasses.replace(got, lineage=want.lineage).to_bytes()
+
+
+@pytest.mark.parametrize("torch_loadable, prefix, shard", [(False, "v7-", "rank-00000.safetensors"),
+                                                           (True, "v7-torch-", "rank-00000.ckpt")])
 def test_a_save_writes_the_golden_bytes_of_the_current_version(tmp_path, torch_loadable, prefix, shard):
     with CheckpointEngine(tmp_path, direct_io="off", chunk_bytes=4096 * 4, wall_clock=lambda: WALL,
                           torch_loadable=torch_loadable) as engine:
         engine.save(golden_state(), step=12, metadata={"note": "golden"}).wait()
     ckpt = tmp_path / "step-000000000012"
-    assert FORMAT_VERSION == 5
+    assert FORMAT_VERSION == 5  # shards are unchanged since version 5; manifests are version 7
     assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", shard]
-    assert (ckpt / "manifest.json").read_bytes() == (GOLDEN / f"{prefix}manifest.json").read_bytes()
+    want = (GOLDEN / f"{prefix}manifest.json").read_bytes()
+    assert Manifest.from_bytes(want, where="golden").version == 7
+    assert _golden_lineage((ckpt / "manifest.json").read_bytes(), Manifest.from_bytes(want, where="g")) == want
     assert (ckpt / shard).read_bytes() == (GOLDEN / f"{prefix}{shard}").read_bytes()
 
 
@@ -45,12 +54,12 @@ def test_only_the_time_field_and_the_checksum_depend_on_the_clock(tmp_path):
     with CheckpointEngine(tmp_path, direct_io="off", chunk_bytes=4096 * 4, wall_clock=lambda: WALL + 60) as engine:
         engine.save(golden_state(), step=12, metadata={"note": "golden"}).wait()
     got = Manifest.from_bytes((tmp_path / "step-000000000012" / "manifest.json").read_bytes(), where="new")
-    want = Manifest.from_bytes((GOLDEN / "v5-manifest.json").read_bytes(), where="golden")
+    want = Manifest.from_bytes((GOLDEN / "v7-manifest.json").read_bytes(), where="golden")
     assert got.time == WALL + 60 and want.time == WALL
-    assert Manifest(**{**got.__dict__, "time": WALL}).to_bytes() == want.to_bytes()
+    assert Manifest(**{**got.__dict__, "time": WALL, "lineage": want.lineage}).to_bytes() == want.to_bytes()
 
 
-@pytest.mark.parametrize("version", ["1", "2", "3", "3-torch", "4", "4-torch", "5", "5-torch"])
+@pytest.mark.parametrize("version", ["1", "2", "3", "3-torch", "4", "4-torch", "5", "5-torch", "7", "7-torch"])
 def test_every_versions_golden_checkpoint_loads(tmp_path, version):
     ckpt = _place(tmp_path, version)
     with CheckpointReader(tmp_path) as reader:
@@ -160,7 +169,12 @@ def test_an_incremental_save_writes_the_golden_bytes_of_version_6(tmp_path):
     for step, prefix in ((11, "v6-full-"), (12, "v6-")):
         ckpt = tmp_path / f"step-{step:012d}"
         assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "rank-00000.safetensors"]
-        assert (ckpt / "manifest.json").read_bytes() == (GOLDEN / f"{prefix}manifest.json").read_bytes()
+        got = Manifest.from_bytes((ckpt / "manifest.json").read_bytes(), where="new")
+        assert got.version == 7 and all(t.digest is not None for t in got.tensors if t.step is None)
+        # without what version 7 adds (digests, lineage) it is byte for byte the version-6 golden manifest
+        older = dataclasses.replace(got, lineage=None, tensors=tuple(dataclasses.replace(t, digest=None)
+                                                                      for t in got.tensors))
+        assert older.to_bytes() == (GOLDEN / f"{prefix}manifest.json").read_bytes()
         assert (ckpt / "rank-00000.safetensors").read_bytes() == (GOLDEN / f"{prefix}rank-00000.safetensors").read_bytes()
     assert Manifest.from_bytes((GOLDEN / "v6-full-manifest.json").read_bytes(), where="g").version == 5
     assert Manifest.from_bytes((GOLDEN / "v6-manifest.json").read_bytes(), where="g").depends_on() == {11}
