@@ -9,7 +9,7 @@ import torch
 import xxhash
 
 from persist_core.format.records import TensorRecord
-from persist_core.format.shard_file import dtype_from_name
+from persist_core.format.shard_file import dtype_from_name, itemsize
 
 __all__ = ["PIECE_BYTES", "contiguous", "staged_digest", "tensor_digest"]
 
@@ -31,7 +31,7 @@ def contiguous(r: TensorRecord) -> bool:
 def staged_digest(r: TensorRecord, view: memoryview, start: int) -> str:
     """The digest of the plain tensor ``r`` whose entry starts at byte ``start`` of ``view`` (a staged shard)."""
     dtype = dtype_from_name(r.dtype)
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = itemsize(dtype)
     numel = 1
     for d in r.shape:
         numel *= d

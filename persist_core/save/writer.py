@@ -248,7 +248,7 @@ class Writer:
                                 self._coll.rank)
         try:  # resume verification's baseline: each plain tensor's digest, from the staged bytes (before compaction)
             t0 = time.perf_counter()
-            base = with_digests(job.base, buf.memoryview(handle.stats.nbytes), pool=self._io, turn=self._turn.wait,
+            base = with_digests(job.base, buf.memoryview(handle.stats.nbytes), turn=self._turn.wait,
                                 known=None if job.unstaged is None else job.unstaged.hashes)
             self.digest_s += time.perf_counter() - t0
         except BaseException:
