@@ -30,7 +30,6 @@ from persist_core.load.agree import agreed_load
 from persist_core.lineage import Lineage
 from persist_core.load.reader import CheckpointReader
 from persist_core.load.verify import compare
-from persist_core.run_ids import run_id_of
 from persist_core.tiers.local import committed_steps
 from persist_core.tiers.tier import CheckpointInfo
 
@@ -78,7 +77,7 @@ class CheckpointEngine:
         self._root, self._coll, self._tier, self._ledger, self._history = p.root, p.coll, p.tier, p.ledger, p.history
         self._overlap, self._pool, self._pipeline, self._writer = p.overlap, p.pool, p.pipeline, p.pipeline.writer
         self._scheduler, self._reader, self._own_notice = p.scheduler, p.reader, p.own_notice
-        self._lineage = Lineage(run_id=_run_id(p.root, config.run_id), world_size=p.coll.world_size)
+        self._lineage = Lineage.of(p.root, config.run_id, world_size=p.coll.world_size)
         close_at_exit(self)
 
     def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
@@ -388,11 +387,3 @@ class CheckpointEngine:
         if not self._closed:
             self._parts.saver.warm(manifest)
 
-
-def _run_id(root: Path, given: str | None) -> str | None:
-    """This run's id for the lineage: the one given, the launcher's, or the one kept in ``root``; ``None`` when none
-    is (never made here)."""
-    try:
-        return run_id_of(root, given, create=False)
-    except ConfigError:
-        return None

@@ -1,6 +1,7 @@
 """Where a checkpoint comes from (issue 55): the lineage every manifest a save writes carries (format version 7).
 
-Who calls what: the engine makes one :class:`Lineage` (the git commit looked up once, at the first save), tells it
+Who calls what: the engine makes one :class:`Lineage` (the versions read and the git commit looked up once, when it
+is made, the commit on a thread of its own: nothing of it on a save's path), tells it
 what it loaded or resumed from (:meth:`Lineage.resumed`), and the saver records :meth:`Lineage.record` in each
 manifest. Nothing here fails a save: what cannot be found out is ``None``.
 """
@@ -11,7 +12,11 @@ import logging
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
+
+from persist_core.errors import ConfigError
+from persist_core.run_ids import run_id_of
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +69,21 @@ class Lineage:
         self._run_id = run_id
         self._world_size = world_size
         self._lock = threading.Lock()
-        self._commit: tuple[str | None] | None = None  # looked up once
+        self._versions = package_versions()  # once: never on a save's path
+        self._commit: list[str | None] = []  # looked up once, in the background (a subprocess: never on a save's path)
+        threading.Thread(target=lambda: self._commit.append(git_commit()), name="persist-lineage", daemon=True).start()
         self._resumed: dict[str, Any] | None = None
         self._branch: int | None = None
+
+    @classmethod
+    def of(cls, root: Path, given: str | None, *, world_size: int) -> Lineage:
+        """The lineage of an engine on ``root``: its run id the one given, the launcher's, or the one kept in ``root``
+        (``None`` when there is none: never made here, nor an error)."""
+        try:
+            run_id = run_id_of(root, given, create=False)
+        except ConfigError:
+            run_id = None
+        return cls(run_id=run_id, world_size=world_size)
 
     def resumed(self, step: int, *, run: str | None, branch: bool) -> None:
         """This run continues from committed ``step`` of ``run``; ``branch``: newer checkpoints were committed (the run
@@ -77,9 +94,7 @@ class Lineage:
 
     def record(self) -> dict[str, Any]:
         """The lineage a manifest written now records."""
-        with self._lock:
-            if self._commit is None:
-                self._commit = (git_commit(),)
+        with self._lock:  # the commit: None until its lookup ended (a save right after the engine was made)
             return {"run": self._run_id, "resumed_from": None if self._resumed is None else dict(self._resumed),
-                    "branch_from": self._branch, "world_size": self._world_size, "versions": package_versions(),
-                    "git_commit": self._commit[0]}
+                    "branch_from": self._branch, "world_size": self._world_size, "versions": dict(self._versions),
+                    "git_commit": self._commit[0] if self._commit else None}
