@@ -5,7 +5,8 @@ the stall (``save()`` blocking the caller) and of save -> committed, and the med
 per step (``engine.snapshot`` on the training thread), on a state of ``--mib`` MiB of fp32 tensors. Pair it against
 another tree with ``benchmarks/ab_pairs.sh`` (interleaved runs; the ratio of the medians per pair).
 
-Usage: ``PYTHONPATH=TREE python benchmarks/ab_tree.py [--mib 256] [--saves 6] [--snapshots 12] [--dir DIR]``
+Usage: ``PYTHONPATH=TREE python benchmarks/ab_tree.py [--mib 256] [--saves 6] [--snapshots 12] [--dir DIR]``;
+``--smoke``: tiny sizes (CI runs it).
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ import torch
 from persist_core import CheckpointEngine, MemoryTier
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--saves", type=int, default=6)
     p.add_argument("--snapshots", type=int, default=12)
     p.add_argument("--dir", default=None)
-    a = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="a 4 MiB state, 2 saves, 2 snapshots (CI; means nothing)")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.mib, a.saves, a.snapshots = 4, 2, 2
     root = Path(a.dir or tempfile.mkdtemp(prefix="ab-tree-"))
     shutil.rmtree(root, ignore_errors=True)
     n = a.mib * (1 << 20) // 4 // 16
@@ -54,7 +58,8 @@ def main() -> None:
     shutil.rmtree(root, ignore_errors=True)
     print(json.dumps({"stall_s": statistics.median(stalls[1:]), "commit_s": statistics.median(commits[1:]),
                       "snapshot_s": statistics.median(snaps[1:])}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: script -> (the module it needs beyond torch, or None; a line its report prints)
 SMOKES = {
+    "ab_tree": (None, '"stall_s": '),
     "bench_save": (None, "| torch-persist |"),
     "bench_accelerate": ("accelerate", "| save_state with PersistHook |"),
     "bench_overlap": ("crc32c", "C with the writes yielding / without"),
