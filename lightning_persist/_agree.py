@@ -12,7 +12,7 @@ from persist_core import CheckpointReader, PersistError
 from persist_core.distributed import decision_channel
 from persist_core.layout import FULL
 from persist_core.links import Links
-from persist_core.load.reader import checkpoint_of
+from persist_core.load.paths import checkpoint_of
 from persist_core.session import PersistSession
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import torch
 
 from persist_core import ConfigError
 from persist_core.layout import FULL, MANIFEST_NAME, WEIGHTS_ONLY, is_url
-from persist_core.load.reader import checkpoint_of
+from persist_core.load.paths import checkpoint_of
 
 
 def path_key(path: str | os.PathLike[str]) -> str:

@@ -39,7 +39,7 @@ from persist_core import CheckpointEngine, CheckpointNotFoundError, CheckpointRe
 from persist_core.config import adapter_config, keyword_options
 from persist_core.layout import FULL, shard_filename
 from persist_core.links import Links
-from persist_core.load.reader import checkpoint_of
+from persist_core.load.paths import checkpoint_of
 from persist_core.policies import SavePolicy
 from persist_core.session import PersistSession
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from persist_core import CheckpointReader, ConfigError
-from persist_core.load.reader import checkpoint_of
+from persist_core.load.paths import checkpoint_of
 
 
 def load_from_checkpoint(cls: type, path: str | os.PathLike[str], *, map_location: Any = None,

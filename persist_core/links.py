@@ -27,7 +27,7 @@ from persist_core.errors import PersistError
 from persist_core.fileio import link_atomically as link
 from persist_core.layout import FULL, KINDS, checkpoint_dirname, kind_subdir, parse_checkpoint_dirname
 from persist_core.policies.retention import KeepStepsOf
-from persist_core.load.reader import checkpoint_of
+from persist_core.load.paths import checkpoint_of
 
 log = logging.getLogger(__name__)
 

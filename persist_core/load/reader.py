@@ -25,11 +25,11 @@ from typing import Any, TypeVar
 
 from persist_core import _knobs
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RemoteError
-from persist_core.layout import parse_checkpoint_dirname, parse_shard_filename
 from persist_core.ownership import discard
 from persist_core.format.manifest import Manifest
 from persist_core.assembly.assemble import load_checkpoint, load_into
 from persist_core.assembly.blocks import LoadStats, node_copy_blocks
+from persist_core.load.paths import step_named
 from persist_core.load.choose import LOCAL, MEMORY, PARTNER, REMOTE, Listing
 from persist_core.assembly.plan import LoadOptions, check_weights_only
 from persist_core.load.references import load_referencing
@@ -197,15 +197,7 @@ class CheckpointReader:
         in_memory = self.memory_step(text)
         if in_memory is not None:
             return in_memory
-        if self._tier is not None and text.startswith(self._tier.url + "/"):
-            step = parse_checkpoint_dirname(text[len(self._tier.url) + 1 :])
-        else:
-            real = checkpoint_of(Path(os.path.realpath(text)))
-            step = parse_checkpoint_dirname(real.name) if real.parent == Path(os.path.realpath(self._root)) else None
-        if step is None:
-            where = str(self._root) + (f" or {self._tier.url}" if self._tier else "")
-            raise CheckpointNotFoundError(f"{text!r} is not a checkpoint directory of {where} (a step-NNNNNNNNNNNN entry)")
-        return step
+        return step_named(text, self._root, None if self._tier is None else self._tier.url)
 
     # ------------------------------------------------------------------ loading
 
@@ -404,9 +396,3 @@ class CheckpointReader:
         """Move a copy that failed verification out of the way with one rename (then delete it)."""
         discard(self._root, ckpt)
 
-
-def checkpoint_of(real: Path) -> Path:
-    """The checkpoint directory ``real`` names: itself, or the directory of the shard file it is."""
-    if parse_shard_filename(real.name) is not None and parse_checkpoint_dirname(real.parent.name) is not None:
-        return real.parent
-    return real

@@ -63,7 +63,7 @@ def make_trainer(io: PersistCheckpointIO | None, dirpath, max_steps: int, callba
 
 def linked(path) -> str:
     """The name of the checkpoint directory a Lightning path links to (itself or its shard file)."""
-    from persist_core.load.reader import checkpoint_of
+    from persist_core.load.paths import checkpoint_of
 
     return checkpoint_of(Path(os.path.realpath(path))).name
 
