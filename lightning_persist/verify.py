@@ -59,6 +59,8 @@ class PersistResumeCheck(Callback):
         if io is None or not io._resume_loaded or trainer.ckpt_path is None:
             return
         io._resume_loaded = False
+        if trainer.world_size != io._session.collectives.world_size and not trainer.is_global_zero:
+            return  # Lightning's own DDP: the plugin works on rank 0 only (PersistDDPStrategy: on every rank)
         state = live_state(trainer)
         moved = [f"callbacks/{_escape(cb.state_key)}/*" for cb in trainer.checkpoint_callbacks
                  if self._saved_dirpaths.get(cb.state_key, cb.dirpath) != cb.dirpath]
