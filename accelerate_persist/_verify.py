@@ -15,10 +15,13 @@ optimizer's ``param_groups`` on load are not a mismatch (:data:`NEW_OK`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from accelerate_persist import _state
 from persist_core.session import PersistSession
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AT_FORWARD", "AT_RESTORE", "NEW_OK", "ResumeCheck"]
 
@@ -39,10 +42,13 @@ class ResumeCheck:
         self._accelerator = accelerator
         self._handle: Any = None
 
-    def restored(self, optimizer_steps: int) -> None:
-        """The hook restored a checkpoint of its own: the RNG and the data now, the rest at the first forward."""
+    def restored(self, optimizer_steps: int, saved_processes: int) -> None:
+        """The hook restored a checkpoint of its own, written by ``saved_processes`` processes: the RNG and the data
+        now, the rest at the first forward. Another number of processes than now: the per-process states are not
+        compared (each process took one of them, or process 0's)."""
         self.remove()
-        self._verify(AT_RESTORE, optimizer_steps)
+        resharded = saved_processes != self._accelerator.num_processes
+        self._verify(AT_RESTORE, optimizer_steps, ignore=("per_process/*",) if resharded else ())
         models = self._accelerator._models
         if not models:
             self._verify(AT_FORWARD, optimizer_steps)
@@ -60,6 +66,9 @@ class ResumeCheck:
             self._handle.remove()
             self._handle = None
 
-    def _verify(self, keys: tuple[str, ...], optimizer_steps: int) -> list[str]:
+    def _verify(self, keys: tuple[str, ...], optimizer_steps: int, ignore: tuple[str, ...] = ()) -> list[str]:
         live = _state.capture(self._accelerator, optimizer_steps=optimizer_steps)
-        return self._session.open().verify_resume({k: live[k] for k in keys}, new_ok=NEW_OK, partial=True)
+        if ignore:
+            log.info("per-process states (RNG, step) not verified (resharded: another number of processes)")
+        return self._session.open().verify_resume({k: live[k] for k in keys}, ignore=ignore, new_ok=NEW_OK,
+                                                  partial=True)

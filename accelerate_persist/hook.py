@@ -251,7 +251,7 @@ class PersistHook:
         if self._snapshots is not None:
             self._snapshots.restored()
         if self._check is not None:  # the RNG and data now, the rest at the first forward (accelerate_persist._verify)
-            self._check.restored(self._optimizer_steps)
+            self._check.restored(self._optimizer_steps, len(state["per_process"]))
 
     def resume(self) -> int:
         """Restore the newest committed checkpoint (local, else remote) into the Accelerator.
