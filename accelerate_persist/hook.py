@@ -31,6 +31,7 @@ from typing import Any
 
 from accelerate_persist import _state
 from accelerate_persist._snapshots import StepSnapshots
+from accelerate_persist._verify import ResumeCheck
 from accelerate_persist._dirs import named_dir, newest_plain, optimizer_steps_of, plain_accelerate_dir
 from persist_core import CheckpointNotFoundError, CheckpointReader, ConfigError, KeepLastN, SingleProcess
 from persist_core import TorchCollectives
@@ -101,6 +102,7 @@ class PersistHook:
         self._originals: dict[str, Any] = {}
         self._wrapped: list[tuple[Any, Any]] = []  # (optimizer, its own step) to put back on close
         self._snapshots: StepSnapshots | None = None  # memory_every_n_steps: a snapshot at the next forward
+        self._check: ResumeCheck | None = None  # the resume check's pending part (at the next forward)
         self._optimizer_steps = 0
         self._links = Links(self._options.local_dir)  # directories named in save_state(dir); no policy: all kept
 
@@ -162,6 +164,7 @@ class PersistHook:
             self._count_steps(optimizer)
         if options.memory is not None:
             self._snapshots = StepSnapshots(session, accelerator, options.memory, lambda: self._optimizer_steps)
+        self._check = ResumeCheck(session, accelerator)
         session.install_flush()  # without a save policy: SIGTERM drains, then ends the process
         if self._overlap and accelerator._optimizers:  # the update after the next backward waits for the copy
             self._guard = session.open().guard(*[getattr(o, "optimizer", o) for o in accelerator._optimizers])
@@ -247,6 +250,8 @@ class PersistHook:
         session.restored(self._optimizer_steps)  # saving again at this step is a no-op
         if self._snapshots is not None:
             self._snapshots.restored()
+        if self._check is not None:  # the RNG and data now, the rest at the first forward (accelerate_persist._verify)
+            self._check.restored(self._optimizer_steps, len(state["per_process"]))
 
     def resume(self) -> int:
         """Restore the newest committed checkpoint (local, else remote) into the Accelerator.
@@ -328,6 +333,9 @@ class PersistHook:
             if self._snapshots is not None:
                 self._snapshots.remove()
                 self._snapshots = None
+            if self._check is not None:
+                self._check.remove()
+                self._check = None
             for name, original in self._originals.items():
                 setattr(acc, name, original)
             for optimizer, step in reversed(self._wrapped):

@@ -114,6 +114,7 @@ class PersistCheckpointIO(CheckpointIO):
         self._exit_after_sigterm = exit_after_sigterm
         self._strategy_seen = False  # the Trainer's strategy was checked (a CheckpointIO has no set-up hook)
         self._memory_refusal_said = False  # a strategy that cannot snapshot was said (lightning_persist.snapshots)
+        self._resume_loaded = False  # the last load went through the full engine's reader (lightning_persist.verify)
         options = adapter_config("PersistCheckpointIO", local_dir, keywords, torch_loadable=True)
         # ModelCheckpoint decides which paths exist: with no retention policy, what they link to is what stays
         self._links = Links(options.local_dir, file_name=shard_filename(0, torch_zip=True), retain_only_linked=True)
@@ -201,15 +202,19 @@ class PersistCheckpointIO(CheckpointIO):
             CorruptCheckpointError: the checkpoint does not verify.
         """
         self._trainer()
+        self._resume_loaded = False
 
         def read(reader: CheckpointReader, step: int) -> dict[str, Any]:
-            return reader.load(step, map_location=device(map_location), into=into, rank=self._rank,
-                               weights_only=restricted(weights_only))
+            state = reader.load(step, map_location=device(map_location), into=into, rank=self._rank,
+                                weights_only=restricted(weights_only))
+            self._resume_loaded = reader is self._get_reader()  # what the engine's verify_resume compares with
+            return state
 
         text = os.fspath(path)
         snapshot = load_snapshot(self._session, text, into=into, map_location=device(map_location),
                                  weights_only=restricted(weights_only))
         if snapshot is not None:  # io.latest_path() named a memory snapshot (rank 0's, with several ranks)
+            self._resume_loaded = True
             return snapshot
         agreed = agreed_step(self._session, self._links, self._get_reader, text)
         if agreed is not None:  # several ranks: every one loads the step rank 0's path names, from its own tiers

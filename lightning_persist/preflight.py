@@ -31,10 +31,12 @@ __all__ = ["PersistPreflight", "callbacks"]
 
 def callbacks() -> list[Callback]:
     """The entry point Lightning calls for every ``Trainer`` (group ``lightning.pytorch.callbacks_factory``): the
-    checks before the first batch, and the memory tier's snapshots (:mod:`lightning_persist.snapshots`)."""
+    checks before the first batch, the memory tier's snapshots (:mod:`lightning_persist.snapshots`) and the check of
+    a resume (:mod:`lightning_persist.verify`)."""
     from lightning_persist.snapshots import PersistMemorySnapshots
+    from lightning_persist.verify import PersistResumeCheck
 
-    return [PersistPreflight(), PersistMemorySnapshots()]
+    return [PersistPreflight(), PersistMemorySnapshots(), PersistResumeCheck()]
 
 
 def persist_io_of(trainer: Any) -> Any | None:

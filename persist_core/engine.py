@@ -10,7 +10,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -327,7 +327,8 @@ class CheckpointEngine:
             self._pipeline.adopt_remote_run()
         return state
 
-    def verify_resume(self, state: Any) -> list[str]:
+    def verify_resume(self, state: Any, *, ignore: Sequence[str] = (), new_ok: Sequence[str] = (),
+                      partial: bool = False) -> list[str]:
         """Compare ``state``, the live state a run resumes with, with the checkpoint this engine loaded last: the key
         paths (as ``persist inspect`` writes them, e.g. ``optim/param_groups/0/lr``) whose values differ, that the
         checkpoint has and ``state`` lacks, or the other way round; ``[]`` when equal (one INFO line says so).
@@ -336,6 +337,10 @@ class CheckpointEngine:
         paths matching ``verify_resume_ignore`` are skipped; sharded leaves of a resharded load, pickled leaves and
         checkpoints older than format version 7 are not verified (logged, never a mismatch). ``verify_resume="off"``:
         ``[]`` without comparing.
+
+        Adapters pass what legitimately differs: ``ignore`` (globs added to ``verify_resume_ignore``), ``new_ok``
+        (globs of key paths the state may have that the checkpoint lacks) and ``partial`` (compare only the
+        top-level keys ``state`` has: what the framework restores).
 
         Raises:
             ResumeMismatchError: ``verify_resume="raise"`` and something differs (``warn``, the default, issues a
@@ -348,7 +353,8 @@ class CheckpointEngine:
         if manifest is None:
             log.info("[rank=%d] resume not verified: this engine loaded no checkpoint", self._coll.rank)
             return []
-        verdict = compare(manifest, state, world_size=self._coll.world_size, ignore=self.config.verify_resume_ignore)
+        verdict = compare(manifest, state, world_size=self._coll.world_size,
+                          ignore=(*self.config.verify_resume_ignore, *ignore), new_ok=new_ok, partial=partial)
         prefix = f"[rank={self._coll.rank}][step={manifest.step}]"
         if verdict is None:
             log.info("%s resume not verified (no digests: checkpoint format v%d)", prefix, manifest.version)

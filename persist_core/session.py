@@ -37,6 +37,7 @@ from persist_core.policies.anyof import AnyOf
 from persist_core.policies.save import SavePolicy
 from persist_core.preemption import PreemptionNotice, SignalFlush, drain_within
 from persist_core.load.reader import CheckpointReader
+from persist_core.format.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class PersistSession:
         self._release_hint = release_hint
         self._engine: CheckpointEngine | None = None
         self._reader: CheckpointReader | None = None
+        self._read_manifest: Manifest | None = None  # what the session's own reader loaded last (verify_resume's)
         self._collectives: Collectives = SingleProcess()
         self._saved: dict[tuple[str, int], SaveHandle | None] = {}  # (kind, step); None: restored from it
         self._offered = -1  # the last step offered to the memory tier (first_offer)
@@ -101,6 +103,7 @@ class PersistSession:
         self._engine = self._new_engine(FULL, save_policy=o.save_policy, preemption=self.notice)
         if self._reader is not None and self._reader.loaded_step is not None:  # resumed before the engine opened
             self._engine.resume_from(self._reader.loaded_step, from_remote=self._reader.loaded_from_remote)
+            self._engine._loaded_manifest = self._read_manifest  # what its verify_resume compares with
         return self._engine
 
     def open_kind(self, kind: str) -> CheckpointEngine:
@@ -162,9 +165,11 @@ class PersistSession:
         if self._reader is None:
             o = self.options
             self._reader = CheckpointReader(o.local_dir, remote_url=o.remote_url, storage_options=o.storage_options,
-                                            memory=o.memory,
-                                            verify=o.verify)
+                                            memory=o.memory, verify=o.verify, on_loaded=self._reader_loaded)
         return self._reader
+
+    def _reader_loaded(self, manifest: Manifest) -> None:
+        self._read_manifest = manifest
 
     # ---- saving
 

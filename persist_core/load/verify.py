@@ -61,10 +61,13 @@ def _summary(paths: list[str]) -> str:
     return ", ".join(p.split("/", 1)[-1] for p in paths[:5]) + (f" (+{len(paths) - 5})" if len(paths) > 5 else "")
 
 
-def compare(manifest: Manifest, state: Any, *, world_size: int, ignore: Sequence[str] = ()) -> Verdict | None:
+def compare(manifest: Manifest, state: Any, *, world_size: int, ignore: Sequence[str] = (),
+            new_ok: Sequence[str] = (), partial: bool = False) -> Verdict | None:
     """The live ``state`` against ``manifest`` (the checkpoint loaded); ``None`` when the manifest has no digests
     (format version before 7, or a memory snapshot's). ``world_size``: this run's (per-rank values of a checkpoint
-    another world size wrote are not compared)."""
+    another world size wrote are not compared). ``new_ok``: globs of key paths the state may have that the
+    checkpoint lacks (keys torch adds to ``param_groups`` on load); ``partial``: compare only the top-level keys
+    ``state`` has (an adapter's live state holds what its framework restores, not the whole checkpoint)."""
     if manifest.lineage is None and not any(t.digest is not None for t in manifest.tensors):
         return None
     saved = _leaves(manifest.tree)
@@ -73,7 +76,11 @@ def compare(manifest: Manifest, state: Any, *, world_size: int, ignore: Sequence
     verdict = Verdict(step=manifest.step)
     resharded = manifest.world_size != world_size
 
+    tops = {p.split("/", 1)[0] for p in live} if partial else None
+
     def skipped(path: str) -> bool:
+        if tops is not None and path.split("/", 1)[0] not in tops:
+            return True
         return any(fnmatch.fnmatchcase(path, g) for g in ignore)
 
     def unverified(reason: str, path: str) -> None:
@@ -88,6 +95,8 @@ def compare(manifest: Manifest, state: Any, *, world_size: int, ignore: Sequence
             verdict.differ[path] = "missing (saved, not in the state now)"
             continue
         if old is _ABSENT:
+            if any(fnmatch.fnmatchcase(path, g) for g in new_ok):
+                continue
             verdict.differ[path] = "new (in the state now, not saved)"
             continue
         kind_old, kind_new = next(iter(old)), next(iter(new))
