@@ -280,13 +280,16 @@ class CheckpointEngine:
         """
         return self._reader.list(tier)
 
-    def resume_from(self, step: int, *, from_remote: bool = False) -> None:
+    def resume_from(self, step: int, *, from_remote: bool = False, loaded: Manifest | None = None) -> None:
         """Say that this run continues from committed checkpoint ``step`` (``load`` says so by itself). A save
         past it while newer ones are committed starts a branch: those are set aside on both tiers (kept, listed
         by :meth:`abandoned`). ``from_remote``: it was downloaded, so this run takes over the remote's lease.
+        ``loaded``: the manifest of the checkpoint the caller loaded it from (:meth:`verify_resume` compares with it).
         Raises ``ConfigError`` for a step committed on neither tier (naming those that are).
         """
         self._continue_from(_knobs.check_resume_step(step, self._reader), from_remote=from_remote)
+        if loaded is not None:
+            self._loaded_manifest = loaded
 
     def _continue_from(self, step: int, *, from_remote: bool = False) -> None:
         """:meth:`resume_from` without the check that ``step`` is committed here: a session's weights-only

@@ -102,8 +102,8 @@ class PersistSession:
             self.notice = PreemptionNotice(o.preemption_signals)
         self._engine = self._new_engine(FULL, save_policy=o.save_policy, preemption=self.notice)
         if self._reader is not None and self._reader.loaded_step is not None:  # resumed before the engine opened
-            self._engine.resume_from(self._reader.loaded_step, from_remote=self._reader.loaded_from_remote)
-            self._engine._loaded_manifest = self._read_manifest  # what its verify_resume compares with
+            self._engine.resume_from(self._reader.loaded_step, from_remote=self._reader.loaded_from_remote,
+                                     loaded=self._read_manifest)  # what its verify_resume compares with
         return self._engine
 
     def open_kind(self, kind: str) -> CheckpointEngine:
