@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
+from accelerate_persist._hf_verify import ResumeCheck
 from persist_core import ConfigError
 from persist_core.config import adapter_config, keyword_options
 from persist_core.layout import TRAINER_DIRNAME, trainer_checkpoint_dirname
@@ -81,6 +82,8 @@ class PersistTrainerCallback(TrainerCallback):
         self.saved_steps: list[int] = []
         self.snapshot_steps: list[int] = []  # the steps kept in memory (memory_every_n_steps)
         self._pending: tuple[int, dict[str, Any]] | None = None  # a save taken over, not yet at its point
+        self._check = ResumeCheck(self._session, lambda state, control, kwargs: _checkpoint(
+            state, control, kwargs, saving=False))  # the automatic resume check (issue 55)
 
     # ------------------------------------------------------------------ Trainer events
 
@@ -98,6 +101,9 @@ class PersistTrainerCallback(TrainerCallback):
             if bad:
                 raise ConfigError(f"PersistTrainerCallback does not work with {what}: the Trainer's own checkpoint-N "
                                   f"directories are not written; use {fix}")
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._check.train_begin(state)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         control = self._take_over(state, control, kwargs)
@@ -127,10 +133,12 @@ class PersistTrainerCallback(TrainerCallback):
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """A save whose log or evaluation never came is due before the next epoch."""
         self._save_pending(state, control)
+        self._check.epoch_begin(args, kwargs)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """A save whose log or evaluation never came is due before the next step."""
+        """A save whose log or evaluation never came is due before the next step; the first after a resume is checked."""
         self._save_pending(state, control)
+        self._check.step_begin(state, control, kwargs)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Wait for pending saves and uploads, log the summary; raises a background failure once."""
@@ -206,6 +214,7 @@ class PersistTrainerCallback(TrainerCallback):
                               "PersistTrainerCallback; the Trainer cannot resume from it")
         out = out.with_name(trainer_checkpoint_dirname(step))
         _materialize(checkpoint, out)
+        self._check.loaded(step, checkpoint["trainer_state"])
         return str(out)
 
 

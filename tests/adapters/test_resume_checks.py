@@ -140,3 +140,75 @@ def test_accelerate_an_rng_restore_that_failed_is_named_right_after_it(tmp_path,
     torch.manual_seed(123)
     caught, _ = _accelerate_resume(tmp_path)
     assert len(caught) == 1 and "per_process/0/rng/torch:" in str(caught[0].message)
+
+
+# ---------------------------------------------------------------- HF Trainer
+
+
+class _HFMutate:
+    """Changes one key of the restored state in ``on_train_begin`` (after the Trainer's restore)."""
+
+    def __new__(cls, change):
+        from transformers import TrainerCallback
+
+        class Mutate(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                change(kwargs)
+
+        return Mutate()
+
+
+def _hf_resume(tmp_path, stop: int, changes=(), **options) -> tuple[list[warnings.WarningMessage], str]:
+    """Train with the callback until ``stop`` (saving every 2 steps), then resume from the newest checkpoint with
+    ``changes`` applied after the restore; the ResumeMismatchWarnings and the checkpoint resumed from."""
+    pytest.importorskip("transformers")
+    from accelerate_persist import PersistTrainerCallback
+    from tests.adapters.test_hf_trainer import StopAt, run
+
+    run(tmp_path / "out", [PersistTrainerCallback(local_dir=tmp_path / "ckpt", **options), StopAt(stop)])
+    callback = PersistTrainerCallback(local_dir=tmp_path / "ckpt", **options)
+    resume = callback.resume_path()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResumeMismatchWarning)
+        run(tmp_path / "out", [callback, *(_HFMutate(c) for c in changes)], resume=resume)
+    return [w for w in caught if issubclass(w.category, ResumeMismatchWarning)], resume
+
+
+@pytest.mark.parametrize("stop, step", [(5, 4), (7, 6)], ids=["within-an-epoch", "at-an-epoch-boundary"])
+def test_hf_an_exact_resume_is_verified_without_a_warning(tmp_path, caplog, stop, step):
+    with caplog.at_level(logging.INFO, logger="persist_core.engine"):
+        caught, resume = _hf_resume(tmp_path, stop)
+    assert caught == [] and resume.endswith(f"checkpoint-{step}")
+    lines = [r.getMessage() for r in caplog.records if "resume verified" in r.getMessage()]
+    assert len(lines) == 2 and all(f"equal step {step}" in line for line in lines)  # the RNG, then the rest
+
+
+def _hf_lr(kwargs) -> None:
+    kwargs["optimizer"].param_groups[0]["lr"] = 0.5
+
+
+def _hf_weight(kwargs) -> None:
+    with torch.no_grad():
+        kwargs["model"].classifier.weight[0, 0] += 1
+
+
+HF_MUTATIONS = [(_hf_lr, "optimizer/param_groups/0/lr"), (_hf_weight, "model/classifier.weight")]
+
+
+@pytest.mark.parametrize("change, key", HF_MUTATIONS, ids=[k for _, k in HF_MUTATIONS])
+def test_hf_one_key_changed_after_the_restore_is_named_alone(tmp_path, change, key):
+    caught, _ = _hf_resume(tmp_path, 5, [change])
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert f"{key}:" in message and "in 1 key(s)" in message
+
+
+@pytest.mark.parametrize("stop", [5, 7], ids=["within-an-epoch", "at-an-epoch-boundary"])
+def test_hf_an_rng_restore_that_failed_is_named_before_the_data_draws(tmp_path, monkeypatch, stop):
+    from transformers import Trainer
+
+    monkeypatch.setattr(Trainer, "_load_rng_state", lambda self, checkpoint: None)  # a restore that did nothing
+    caught, _ = _hf_resume(tmp_path, stop)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "rng/cpu:" in message and "\n  rng:" in message and "trainer_state" not in message
