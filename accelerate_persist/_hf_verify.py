@@ -22,7 +22,11 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from typing import Any
+
+import numpy as np
+import torch
 
 from persist_core.session import PersistSession
 
@@ -106,13 +110,19 @@ class ResumeCheck:
                                            partial=True)
 
     def _verify_rng(self) -> None:
-        from accelerate_persist.trainer import _rng_state
-
         self._rng_pending = False
-        self._session.open().verify_resume({"rng": _rng_state()}, partial=True)
+        self._session.open().verify_resume({"rng": rng_state()}, partial=True)
 
     def _unwrap(self) -> None:
         if self._wrapped is not None:
             self._wrapped.__dict__.pop("set_epoch", None)
             self._wrapped = None
 
+
+def rng_state() -> dict[str, Any]:
+    """What the Trainer's ``_save_rng_state`` keeps (one process)."""
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state_all()
+    return state

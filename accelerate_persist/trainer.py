@@ -28,16 +28,14 @@ import dataclasses
 import json
 import logging
 import os
-import random
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from accelerate_persist._hf_verify import ResumeCheck
+from accelerate_persist._hf_verify import ResumeCheck, rng_state
 from persist_core import ConfigError
 from persist_core.config import adapter_config, keyword_options
 from persist_core.layout import TRAINER_DIRNAME, trainer_checkpoint_dirname
@@ -234,18 +232,9 @@ def _checkpoint(state: Any, control: Any, kwargs: dict[str, Any], *, saving: boo
         "config": model.config.to_json_string() if hasattr(model, "config") else None,
         "optimizer": kwargs["optimizer"].state_dict(),
         "scheduler": kwargs["lr_scheduler"].state_dict() if kwargs.get("lr_scheduler") is not None else None,
-        "rng": _rng_state(),
+        "rng": rng_state(),
         "trainer_state": trainer_state,
     }
-
-
-def _rng_state() -> dict[str, Any]:
-    """What the Trainer's ``_save_rng_state`` keeps (one process)."""
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.random.get_rng_state_all()
-    return state
 
 
 def _materialize(checkpoint: dict[str, Any], out: Path) -> None:

@@ -22,6 +22,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_persist._paths import path_key
 from lightning_persist._strategies import check_strategy
+from lightning_persist.snapshots import PersistMemorySnapshots
+from lightning_persist.verify import PersistResumeCheck
 from persist_core import ConfigError, PersistError
 
 log = logging.getLogger(__name__)
@@ -33,10 +35,7 @@ def callbacks() -> list[Callback]:
     """The entry point Lightning calls for every ``Trainer`` (group ``lightning.pytorch.callbacks_factory``): the
     checks before the first batch, the memory tier's snapshots (:mod:`lightning_persist.snapshots`) and the check of
     a resume (:mod:`lightning_persist.verify`)."""
-    from lightning_persist.snapshots import PersistMemorySnapshots
-    from lightning_persist.verify import PersistResumeCheck
-
-    return [PersistPreflight(), PersistMemorySnapshots(), PersistResumeCheck()]
+    return [PersistPreflight(), PersistMemorySnapshots(persist_io_of), PersistResumeCheck(persist_io_of)]
 
 
 def persist_io_of(trainer: Any) -> Any | None:

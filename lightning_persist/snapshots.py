@@ -18,12 +18,12 @@ naming the fix (:func:`warn_without_entry_point`); a strategy that cannot snapsh
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_persist.preflight import persist_io_of
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +35,23 @@ ENTRY_POINT_NAME = "torch_persist"
 
 class PersistMemorySnapshots(Callback):
     """Offers each optimizer step to the memory tier of the Trainer's :class:`PersistCheckpointIO` (see the module's
-    docstring). Added to every Trainer by the entry point; does nothing without a memory tier."""
+    docstring). Added to every Trainer by the entry point; does nothing without a memory tier.
+
+    Args:
+        io_of: the Trainer's plugin, or ``None`` (:func:`lightning_persist.preflight.persist_io_of`).
+    """
+
+    def __init__(self, io_of: Callable[[Any], Any]) -> None:
+        self._io_of = io_of
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        io = persist_io_of(trainer)
+        io = self._io_of(trainer)
         if io is not None and io._session.options.memory is not None:
             offer(io, trainer)
 
     def on_before_optimizer_step(self, trainer: Any, *args: Any) -> None:
         """Before an update, the last snapshot is committed: a kill after the update loses that one step only."""
-        io = persist_io_of(trainer)
+        io = self._io_of(trainer)
         engine = None if io is None or io._session.options.memory is None else io._session.engine
         if engine is not None:
             engine.wait_snapshot()

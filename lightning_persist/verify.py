@@ -17,12 +17,12 @@ Lightning saves no RNG state.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer import call
 
-from lightning_persist.preflight import persist_io_of
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,12 @@ class PersistResumeCheck(Callback):
     :class:`PersistCheckpointIO` loaded, that the live state equals what was saved (see the module's docstring).
     Added to every Trainer by the entry point; inert otherwise."""
 
-    def __init__(self) -> None:
+    def __init__(self, io_of: Callable[[Any], Any]) -> None:
+        self._io_of = io_of  # the Trainer's plugin, or None (lightning_persist.preflight.persist_io_of)
         self._saved_dirpaths: dict[str, Any] = {}  # ModelCheckpoint state key -> the dirpath the checkpoint has
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        io = persist_io_of(trainer)
+        io = self._io_of(trainer)
         if io is not None:
             io._resume_loaded = False  # a load from now on is this fit's restore
         self._saved_dirpaths = {}
@@ -55,7 +56,7 @@ class PersistResumeCheck(Callback):
                                 if isinstance(states.get(cb.state_key), dict)}
 
     def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
-        io = persist_io_of(trainer)
+        io = self._io_of(trainer)
         if io is None or not io._resume_loaded or trainer.ckpt_path is None:
             return
         io._resume_loaded = False

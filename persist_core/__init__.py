@@ -40,7 +40,7 @@ from persist_core.format.tree import PerRank
 from persist_core.handle import SaveHandle, SaveStats
 from persist_core.fileio import FileOps
 from persist_core.load.reader import CheckpointReader
-from persist_core.memory.store import MemoryTier
+from persist_core.memory.option import MemoryTier
 from persist_core.tiers.tier import CheckpointInfo
 
 __all__ = [

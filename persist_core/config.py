@@ -31,7 +31,7 @@ from persist_core.policies.anyof import policy_from_keywords
 from persist_core.policies.retention import RetentionPolicy, check_policy
 from persist_core.policies.save import SavePolicy, check_save_policy
 from persist_core.preemption import PreemptionNotice, check_grace
-from persist_core.memory.store import MemoryTier, check_memory, memory_tier
+from persist_core.memory.option import MemoryTier, check_memory, memory_tier
 
 T = TypeVar("T", bound=type)
 

@@ -38,7 +38,8 @@ Call order (the training thread unless said; every rank alike):
 from persist_core.memory.partner import CopyStep, CopySteps, PartnerCopies, partners
 from persist_core.memory.read import PartnerLink, SnapshotReads
 from persist_core.memory.snapshots import Snapshots
-from persist_core.memory.store import MemoryStore, MemoryTier, Snapshot, check_memory, memory_tier
+from persist_core.memory.option import MemoryTier, check_memory, memory_tier
+from persist_core.memory.store import MemoryStore, Snapshot
 
 __all__ = ["CopyStep", "CopySteps", "MemoryStore", "MemoryTier", "PartnerCopies", "PartnerLink", "Snapshot",
            "SnapshotReads", "Snapshots", "check_memory", "memory_tier", "partners"]

@@ -5,6 +5,8 @@ pulled back over the wire (:class:`PartnerLink`, what :func:`~persist_core.load.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import dataclasses
 import logging
 import os
@@ -26,7 +28,7 @@ from persist_core.assembly.plan import LoadOptions
 from persist_core.run_ids import run_id_of
 from persist_core.tiers.local import ShardFile, read_blocks
 from persist_core.memory.files import local_dir_identity
-from persist_core.memory.store import MemoryStore, MemoryTier, Snapshot
+from persist_core.memory.store import MemoryStore, Snapshot
 from persist_core.memory.wire import BEGIN, NONE, recv_header, recv_image, send_header, send_image
 from persist_core.tiers.tier import CheckpointInfo
 
@@ -65,16 +67,9 @@ class SnapshotReads:
         return read_snapshot(self.store, step, into, options=options, pool=pool, stats=stats)
 
 
-def reads_of(memory: MemoryTier, root: Path) -> SnapshotReads | None:
-    """The snapshots a reader of ``root`` sees (``None``: none, said why)."""
-    store = run_store(memory, root)
-    return None if store is None else SnapshotReads(store)
-
-
-def run_store(memory: MemoryTier | None, root: Path) -> MemoryStore | None:
-    """The snapshots of the run ``root`` keeps the id of (the launcher's id first, as the engine takes it)."""
-    if memory is None:
-        return None
+def run_store(make_store: Callable[[str, str], MemoryStore], root: Path) -> MemoryStore | None:
+    """The snapshots of the run ``root`` keeps the id of (the launcher's id first, as the engine takes it):
+    ``make_store(run_id, identity)`` (``None``: no run id or no identity there, said why)."""
     run_id = run_id_of(root, create=False)
     if run_id is None:
         log.info("no run id in %s: no memory snapshots to read", root)
@@ -84,7 +79,7 @@ def run_store(memory: MemoryTier | None, root: Path) -> MemoryStore | None:
         log.info("%s has no identity of its own (no engine with a memory tier made it): no memory snapshots to read",
                  root)
         return None
-    return memory.store(run_id, 0, root, identity)
+    return make_store(run_id, identity)
 
 
 def newest_snapshot(store: MemoryStore | None, *, newer_than: int) -> CheckpointInfo | None:

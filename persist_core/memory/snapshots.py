@@ -31,7 +31,8 @@ from persist_core.fileio import CHECKSUM_ALGORITHM, checksum_block
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.memory.partner import NO_COPY_STEPS, CopySteps
 from persist_core.memory.slots import SlotAllocator
-from persist_core.memory.store import MemoryStore, MemoryTier, Snapshot
+from persist_core.memory.option import MemoryTier
+from persist_core.memory.store import MemoryStore, Snapshot
 from persist_core.staging.filling import Filling
 from persist_core.staging.pool import StagingBuffer, StagingPool
 from persist_core.turn import NO_TURN, Turn

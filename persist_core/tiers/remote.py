@@ -259,7 +259,7 @@ class RemoteTier:
         """``(step, at)`` of the checkpoints taken off the live branch whose move did not finish."""
         return remote_aside.hidden(self)
 
-    def _copy(self, path: str, target: str) -> None:
+    def copy_object(self, path: str, target: str) -> None:
         """One object copied on the remote: server-side where the backend can (S3), else read and written back
         in pieces (a backend without a copy); a file system that wants directories gets the target's first."""
         if "file" in self._protocols:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from persist_core.errors import CorruptCheckpointError
 from persist_core.format.manifest import Manifest
@@ -24,8 +25,25 @@ from persist_core.layout import (ASIDE_MANIFEST_NAME, MANIFEST_NAME, abandoned_d
                                  parse_abandoned_dirname)
 from persist_core.tiers.tier import CheckpointInfo
 
-if TYPE_CHECKING:
-    from persist_core.tiers.remote import RemoteTier
+T = TypeVar("T")
+
+
+class RemoteTier(Protocol):
+    """What setting aside needs of :class:`persist_core.tiers.remote.RemoteTier` (which calls these functions)."""
+
+    url: str
+    root: str
+    fs: Any
+
+    def path_of(self, name: str) -> str: ...
+
+    def retry(self, what: str, fn: Callable[[], T]) -> T: ...
+
+    def copy_object(self, path: str, target: str) -> None: ...
+
+    def remove(self, step: int) -> None: ...
+
+    def remove_prefix(self, prefix: str, *, manifest: bool = True) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +53,7 @@ def hide(tier: RemoteTier, step: int, at: int) -> None:
     request, no retries: the caller falls back to the second half alone when the remote does not answer."""
     src = tier.path_of(checkpoint_dirname(step))
     dst = tier.path_of(abandoned_dirname(step, at, secrets.token_hex(3)))
-    tier._copy(f"{src}/{MANIFEST_NAME}", f"{dst}/{ASIDE_MANIFEST_NAME}")
+    tier.copy_object(f"{src}/{MANIFEST_NAME}", f"{dst}/{ASIDE_MANIFEST_NAME}")
     tier.fs.rm_file(f"{src}/{MANIFEST_NAME}")
     tier.fs.invalidate_cache(src)
     log.info("[step=%d] left the live branch on %s (its objects follow before the next upload): the run resumed "
@@ -67,10 +85,10 @@ def set_aside(tier: RemoteTier, step: int, at: int) -> None:
     files.sort(key=lambda p: p.endswith(MANIFEST_NAME))
     for path in files:
         target = dst + path[len(src.rstrip("/")):] if path.startswith(src) else f"{dst}/{path.rsplit('/', 1)[-1]}"
-        tier.retry(f"copying {path}", lambda path=path, target=target: tier._copy(path, target))
+        tier.retry(f"copying {path}", lambda path=path, target=target: tier.copy_object(path, target))
     if held:
         pending, manifest = f"{dst}/{ASIDE_MANIFEST_NAME}", f"{dst}/{MANIFEST_NAME}"
-        tier.retry(f"copying {pending}", lambda: tier._copy(pending, manifest))
+        tier.retry(f"copying {pending}", lambda: tier.copy_object(pending, manifest))
         tier.retry(f"removing {pending}", lambda: tier.fs.rm_file(pending))
         tier.remove_prefix(src, manifest=False)
     else:
