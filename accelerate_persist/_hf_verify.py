@@ -106,12 +106,12 @@ class ResumeCheck:
         if differ:
             log.warning("trainer_state differs from what was saved in: %s", ", ".join(differ))
         live["trainer_state"] = json.dumps(now, indent=2, sort_keys=True)
-        self._session.open().verify_resume({k: live[k] for k in AT_STEP if live.get(k) is not None}, new_ok=NEW_OK,
+        self._session.verify_resume({k: live[k] for k in AT_STEP if live.get(k) is not None}, new_ok=NEW_OK,
                                            partial=True)
 
     def _verify_rng(self) -> None:
         self._rng_pending = False
-        self._session.open().verify_resume({"rng": rng_state()}, partial=True)
+        self._session.verify_resume({"rng": rng_state()}, partial=True)
 
     def _unwrap(self) -> None:
         if self._wrapped is not None:

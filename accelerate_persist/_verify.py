@@ -70,5 +70,5 @@ class ResumeCheck:
         live = _state.capture(self._accelerator, optimizer_steps=optimizer_steps)
         if ignore:
             log.info("per-process states (RNG, step) not verified (resharded: another number of processes)")
-        return self._session.open().verify_resume({k: live[k] for k in keys}, ignore=ignore, new_ok=NEW_OK,
+        return self._session.verify_resume({k: live[k] for k in keys}, ignore=ignore, new_ok=NEW_OK,
                                                   partial=True)

@@ -65,7 +65,7 @@ class PersistResumeCheck(Callback):
         state = live_state(trainer)
         moved = [f"callbacks/{_escape(cb.state_key)}/*" for cb in trainer.checkpoint_callbacks
                  if self._saved_dirpaths.get(cb.state_key, cb.dirpath) != cb.dirpath]
-        io._get_engine().verify_resume(state, ignore=(*EXCLUDED, *moved), new_ok=NEW_OK, partial=True)
+        io._session.verify_resume(state, ignore=(*EXCLUDED, *moved), new_ok=NEW_OK, partial=True)
 
 
 def live_state(trainer: Any) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -20,7 +19,7 @@ from persist_core import _knobs
 from persist_core._build import build, close_at_exit
 from persist_core.config import Config, keyword_options
 from persist_core.distributed import Collectives, decision_channel
-from persist_core.errors import ConfigError, PersistError, RemoteError, ResumeMismatchError, ResumeMismatchWarning
+from persist_core.errors import ConfigError, PersistError, RemoteError
 from persist_core.fileio import FileOps
 from persist_core.format.manifest import Manifest
 from persist_core.handle import SaveHandle
@@ -29,7 +28,7 @@ from persist_core.policies.save import Clock, DecisionContext, SavePolicy
 from persist_core.load.agree import agreed_load
 from persist_core.lineage import Lineage
 from persist_core.load.reader import CheckpointReader
-from persist_core.load.verify import compare
+from persist_core.load.verify import verify_resume
 from persist_core.tiers.local import committed_steps
 from persist_core.tiers.tier import CheckpointInfo
 
@@ -349,30 +348,9 @@ class CheckpointEngine:
             ResumeMismatchError: ``verify_resume="raise"`` and something differs (``warn``, the default, issues a
                 ``ResumeMismatchWarning`` instead).
         """
-        mode = self.config.verify_resume
-        manifest = self._loaded_manifest
-        if mode == "off":
-            return []
-        if manifest is None:
-            log.info("[rank=%d] resume not verified: this engine loaded no checkpoint", self._coll.rank)
-            return []
-        verdict = compare(manifest, state, world_size=self._coll.world_size,
-                          ignore=(*self.config.verify_resume_ignore, *ignore), new_ok=new_ok, partial=partial)
-        prefix = f"[rank={self._coll.rank}][step={manifest.step}]"
-        if verdict is None:
-            log.info("%s resume not verified (no digests: checkpoint format v%d)", prefix, manifest.version)
-            return []
-        for reason, paths in verdict.not_verified.items():
-            log.info("%s %d key(s) not verified (%s): %s", prefix, len(paths), reason, ", ".join(paths[:10]))
-        if not verdict.differ:
-            log.info("%s resume verified: %d tensors and %d values equal step %d", prefix, verdict.tensors,
-                     verdict.values, manifest.step)
-            return []
-        keys = list(verdict.differ)
-        if mode == "raise":
-            raise ResumeMismatchError(verdict.message(), keys)
-        warnings.warn(verdict.message(), ResumeMismatchWarning, stacklevel=2)
-        return keys
+        return verify_resume(self._loaded_manifest, state, mode=self.config.verify_resume, rank=self._coll.rank,
+                             world_size=self._coll.world_size, ignore=(*self.config.verify_resume_ignore, *ignore),
+                             new_ok=new_ok, partial=partial)
 
     @property
     def closed(self) -> bool:

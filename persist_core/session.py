@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from persist_core.config import Config
@@ -37,6 +37,7 @@ from persist_core.policies.anyof import AnyOf
 from persist_core.policies.save import SavePolicy
 from persist_core.preemption import PreemptionNotice, SignalFlush, drain_within
 from persist_core.load.reader import CheckpointReader
+from persist_core.load.verify import verify_resume
 from persist_core.format.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,17 @@ class PersistSession:
 
     def _reader_loaded(self, manifest: Manifest) -> None:
         self._read_manifest = manifest
+
+    def verify_resume(self, state: Any, *, ignore: Sequence[str] = (), new_ok: Sequence[str] = (),
+                      partial: bool = False) -> list[str]:
+        """:meth:`CheckpointEngine.verify_resume`: the open engine's, or, before one is open (a run that saved
+        nothing yet), against what this session's reader loaded, without opening one (nor taking its lock)."""
+        if self._engine is not None:
+            return self._engine.verify_resume(state, ignore=ignore, new_ok=new_ok, partial=partial)
+        o = self.options
+        return verify_resume(self._read_manifest, state, mode=o.verify_resume, rank=self.collectives.rank,
+                             world_size=self.collectives.world_size, ignore=(*o.verify_resume_ignore, *ignore),
+                             new_ok=new_ok, partial=partial)
 
     # ---- saving
 

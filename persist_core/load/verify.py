@@ -13,11 +13,14 @@ engine (:meth:`CheckpointEngine.verify_resume`) warns, raises or logs.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from persist_core.errors import ResumeMismatchError, ResumeMismatchWarning
 from persist_core.format.manifest import Manifest
 from persist_core.format.records import DIGESTS_VERSION
 from persist_core.format.tree import flatten, is_dtensor
@@ -26,6 +29,8 @@ from persist_core.format.digest import tensor_digest
 #: an absent leaf, and what :func:`_leaves` maps a path to
 _ABSENT = object()
 
+
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Verdict:
@@ -125,6 +130,40 @@ def compare(manifest: Manifest, state: Any, *, world_size: int, ignore: Sequence
         else:
             verdict.differ[path] = f"saved a {kind_old}, now a {kind_new}"
     return _counted(verdict, tensors, values)
+
+
+def verify_resume(manifest: Manifest | None, state: Any, *, mode: str, ignore: Sequence[str], rank: int,
+                  world_size: int, new_ok: Sequence[str] = (), partial: bool = False) -> list[str]:
+    """:meth:`CheckpointEngine.verify_resume <persist_core.engine.CheckpointEngine.verify_resume>` against
+    ``manifest`` (the checkpoint loaded; ``None``: nothing loaded), with the options ``mode`` (``verify_resume``) and
+    ``ignore`` (``verify_resume_ignore`` and the adapter's): the differing key paths, warned or raised per ``mode``,
+    or one INFO line when equal. Needs no engine: an adapter whose run saves nothing checks without taking
+    ``local_dir``'s writer lock.
+
+    Raises:
+        ResumeMismatchError: ``mode="raise"`` and something differs.
+    """
+    if mode == "off":
+        return []
+    if manifest is None:
+        log.info("[rank=%d] resume not verified: no checkpoint was loaded", rank)
+        return []
+    verdict = compare(manifest, state, world_size=world_size, ignore=ignore, new_ok=new_ok, partial=partial)
+    prefix = f"[rank={rank}][step={manifest.step}]"
+    if verdict is None:
+        log.info("%s resume not verified (no digests: checkpoint format v%d)", prefix, manifest.version)
+        return []
+    for reason, paths in verdict.not_verified.items():
+        log.info("%s %d key(s) not verified (%s): %s", prefix, len(paths), reason, ", ".join(paths[:10]))
+    if not verdict.differ:
+        log.info("%s resume verified: %d tensors and %d values equal step %d", prefix, verdict.tensors,
+                 verdict.values, manifest.step)
+        return []
+    keys = list(verdict.differ)
+    if mode == "raise":
+        raise ResumeMismatchError(verdict.message(), keys)
+    warnings.warn(verdict.message(), ResumeMismatchWarning, stacklevel=3)
+    return keys
 
 
 def _counted(v: Verdict, tensors: int, values: int) -> Verdict:

@@ -49,7 +49,7 @@ def _resumed_fit(tmp_path, callbacks=(), **options) -> list[warnings.WarningMess
 
 
 def test_lightning_an_exact_resume_is_verified_without_a_warning(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="persist_core.engine"):
+    with caplog.at_level(logging.INFO, logger="persist_core.load.verify"):
         assert _resumed_fit(tmp_path) == []
     lines = [r.getMessage() for r in caplog.records if "resume verified" in r.getMessage()]
     assert len(lines) == 1 and "equal step 3" in lines[0]
@@ -97,7 +97,7 @@ def _accelerate_resume(tmp_path, change=None, **options) -> tuple[list[warnings.
 
 
 def test_accelerate_an_exact_resume_is_verified_without_a_warning(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="persist_core.engine"):
+    with caplog.at_level(logging.INFO, logger="persist_core.load.verify"):
         caught, start = _accelerate_resume(tmp_path)
     assert caught == [] and start == 3
     lines = [r.getMessage() for r in caplog.records if "resume verified" in r.getMessage()]
@@ -176,7 +176,7 @@ def _hf_resume(tmp_path, stop: int, changes=(), **options) -> tuple[list[warning
 
 @pytest.mark.parametrize("stop, step", [(5, 4), (7, 6)], ids=["within-an-epoch", "at-an-epoch-boundary"])
 def test_hf_an_exact_resume_is_verified_without_a_warning(tmp_path, caplog, stop, step):
-    with caplog.at_level(logging.INFO, logger="persist_core.engine"):
+    with caplog.at_level(logging.INFO, logger="persist_core.load.verify"):
         caught, resume = _hf_resume(tmp_path, stop)
     assert caught == [] and resume.endswith(f"checkpoint-{step}")
     lines = [r.getMessage() for r in caplog.records if "resume verified" in r.getMessage()]

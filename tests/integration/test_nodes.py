@@ -54,7 +54,7 @@ def test_two_nodes_commit_their_own_files_the_remote_assembles_them_and_a_replac
         assert _entries(node) == [STEP30], _entries(node)
         assert _entries(node / STEP30) == ["manifest.json", *(f"rank-{r:05d}.safetensors" for r in ranks)]
         manifest = json.loads((node / STEP30 / "manifest.json").read_text())
-        assert manifest["version"] == 5 and manifest["nodes"] == [[0, 1], [2, 3]] and manifest["node"] == n
+        assert manifest["version"] == 7 and manifest["nodes"] == [[0, 1], [2, 3]] and manifest["node"] == n
         assert len(manifest["files"]) == 4
         # each node's record of what is not uploaded yet, for persist gc there: nothing, at the end
         assert json.loads((node / ".unsynced.json").read_text())["steps"] == []

@@ -40,7 +40,7 @@ def _resumed(tmp_path: Path, **options) -> tuple[CheckpointEngine, dict]:
 
 def test_an_exact_resume_returns_nothing_and_logs_one_line(tmp_path, caplog):
     engine, state = _resumed(tmp_path)
-    with engine, caplog.at_level(logging.INFO, logger="persist_core.engine"), warnings.catch_warnings():
+    with engine, caplog.at_level(logging.INFO, logger="persist_core.load.verify"), warnings.catch_warnings():
         warnings.simplefilter("error", ResumeMismatchWarning)
         assert engine.verify_resume(state) == []
         assert engine.verify_resume(_state()) == []  # the live objects, rebuilt the same way
@@ -131,7 +131,7 @@ def test_an_old_format_checkpoint_is_not_verified(tmp_path, caplog):
     shutil.copy(GOLDEN / "v5-manifest.json", ckpt / "manifest.json")
     shutil.copy(GOLDEN / "v5-rank-00000.safetensors", ckpt / "rank-00000.safetensors")
     with CheckpointEngine(tmp_path, direct_io="off", verify_resume="raise") as engine, \
-            caplog.at_level(logging.INFO, logger="persist_core.engine"):
+            caplog.at_level(logging.INFO, logger="persist_core.load.verify"):
         state = engine.load()
         state["step"] = 99
         assert engine.verify_resume(state) == []
