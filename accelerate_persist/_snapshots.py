@@ -63,8 +63,6 @@ class StepSnapshots:
         session = self._session
         if not self._memory.due(step) or not session.first_offer(step):
             return False
-        if session.saved(step) and session.collectives.world_size == 1:
-            return False
         state = _state.capture(self._accelerator, optimizer_steps=step)
         return session.open().maybe_snapshot(lambda: state, step)
 

@@ -67,8 +67,6 @@ def offer(io: Any, trainer: Any) -> bool:
     step = trainer.global_step
     if not _can_snapshot(io, trainer) or not session.first_offer(step):
         return False
-    if session.saved(step) and session.collectives.world_size == 1:
-        return False
     engine = io._get_engine()  # the dump only when this rank's tier takes it (DDP's dump gathers nothing)
     return engine.maybe_snapshot(lambda: trainer._checkpoint_connector.dump_checkpoint(weights_only=False), step)
 

@@ -228,12 +228,13 @@ class PersistSession:
         return self._saved.get((kind, step))
 
     def first_offer(self, step: int) -> bool:
-        """Whether ``step`` is offered to the memory tier for the first time: the adapters' callbacks (two of them,
-        or gradient accumulation's repeated optimizer step) offer a step once, taken or not, on every rank alike."""
+        """Whether ``step`` is to be snapshot now: offered to the memory tier for the first time (the adapters'
+        callbacks, two of them or gradient accumulation's repeated optimizer step, offer a step once, taken or not,
+        on every rank alike) and, with one process, not saved to disk already (that copy is a snapshot)."""
         if step == self._offered:
             return False
         self._offered = step
-        return True
+        return not (self.saved(step) and self.collectives.world_size == 1)
 
     def newest_saved(self) -> int:
         return max((step for _, step in self._saved), default=-1)
