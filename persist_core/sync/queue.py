@@ -111,7 +111,6 @@ class RemoteSync:
         self._stopping = False
         self._down = False  # the last listing or upload failed (its recovery is logged once)
         self._gave_up = False  # close() after remote_timeout_s: nothing more is started
-        self._lease = lease
         # a daemon: close() waits for it, except for a request the remote never answers after giving up
         self._thread = threading.Thread(target=self._run, name="persist-sync", daemon=True)
 
