@@ -318,8 +318,21 @@ def test_uploads_through_fsspec_wait_for_the_turn_too(tmp_path, monkeypatch):
     assert "persist-sync" in callers  # the upload (fsspec's put_file on the sync thread) asked for its turn
 
 
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _os_threads() -> set[str]:
+    # The process's threads by id: a thread another test left behind may end meanwhile (a count would
+    # then miss a new one), but no id absent before can appear unless a thread was started.
+    return set(os.listdir("/proc/self/task"))
+
+
+def _names(tids: set[str]) -> list[str]:
+    names = []
+    for tid in sorted(tids):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f"{tid}:{f.read().strip()}")
+        except OSError:
+            names.append(f"{tid}:(ended)")
+    return names
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
@@ -347,7 +360,8 @@ def test_the_background_copy_starts_no_parallel_team_that_would_slow_the_trainin
         opt.step()  # waits for the background copy
         handle.wait()
         assert engine.summary()["overlapped_saves"] == 2
-        assert _os_threads() == threads
+        started = _os_threads() - threads
+        assert not started, f"threads started by the save: {_names(started)}"
         saved = engine.load(1)
     assert_state_equal(saved["model"], before["model"])
     assert_state_equal(saved["optim"]["state"], before["optim"])
