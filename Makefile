@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(PY) examples/hf_trainer_train.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20
 
 # the inner loop: everything but what starts a process or a server or runs a real Trainer (marked slow)
 test-quick: $(STAMP)
