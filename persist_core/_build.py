@@ -18,16 +18,17 @@ import torch
 from persist_core._knobs import check_callable
 from persist_core.config import Config
 from persist_core.distributed import Collectives, check_collectives, decision_channel, point_to_point
-from persist_core.errors import PersistError
+from persist_core.errors import PersistError, RemoteError
 from persist_core.fileio import FileOps, OsFileOps
-from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger
 from persist_core.history import SaveHistory, recent_costs
 from persist_core.ownership import DirLock
 from persist_core.pipeline import Pipeline
+from persist_core.resumption import Resumption
 from persist_core.policies.save import Clock
 from persist_core.preemption import PreemptionNotice, default_notice
 from persist_core.layout import parse_memory_rank_dirname
+from persist_core.lineage import Lineage
 from persist_core.load.reader import CheckpointReader
 from persist_core.memory.files import local_dir_identity
 from persist_core.memory.partner import NO_COPY_STEPS, PartnerCopies, partners
@@ -75,9 +76,9 @@ class Parts:
     scheduler: SaveScheduler
     reader: CheckpointReader
     own_notice: PreemptionNotice | None  # the engine's own SIGTERM notice, put back at close
+    resumption: Resumption  # what this run continues from (load, resume_from, verify_resume)
     memory: MemorySide | NoMemory = NO_MEMORY  # the engine's memory calls
     snapshots: Snapshots | None = None  # the memory tier's save side
-    partner_link: PartnerLink | None = None  # how a restore pulls a partner's copy back (several nodes)
 
     def summary(self) -> dict[str, float | int | None]:
         """``CheckpointEngine.summary``: the history's, the overlapped saves, how far behind the remote is."""
@@ -87,11 +88,37 @@ class Parts:
             summary.update(self.pipeline.sync.backlog())
         return summary
 
+    def wait(self, timeout: float | None) -> None:
+        """``CheckpointEngine.wait``: the guarded copy handed on, every snapshot committed (the newest one's partner
+        copy sent), every save committed and uploaded; a background failure raised once (a more specific one behind
+        a ``RemoteError`` first: another run's lease)."""
+        self.overlap.fence()
+        self.memory.wait(timeout)
+        try:
+            self.pipeline.drain(timeout)
+        except RemoteError:
+            self.ledger.raise_first()
+            raise
+        self.ledger.raise_first()
+
+    def drain_and_close(self, *, finished: bool) -> None:
+        """``CheckpointEngine.close``: :meth:`wait`, then :meth:`close` whatever the wait raised; a failed wait keeps
+        the memory snapshots (they may be the only copy of the last steps)."""
+        self.pipeline.closing = True  # a drain after giving up waits no second remote_timeout_s
+        try:
+            self.wait(None)
+        except BaseException:
+            finished = False
+            raise
+        finally:
+            self.close(finished=finished)
+
     def close(self, *, finished: bool = True) -> None:
         """Put the signal back, stop the threads, release the tiers and the directory (after a drain);
         ``finished``: the run ended well (its memory snapshots go; after a failure they stay for the restart)."""
         if self.own_notice is not None:
             self.own_notice.restore()
+        self.resumption.close()
         self.overlap.close()
         self.pool.close()
         self.memory.close(finished=finished, disk_step=lambda: max((c.step for c in self.reader.list()), default=-1))
@@ -103,9 +130,8 @@ class Parts:
 
 
 def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall_clock: Clock,
-          file_ops: FileOps | None, wait: Callable[[], None], on_loaded: Callable[[Manifest], None]) -> Parts:
-    """The parts of an engine on ``config``; ``wait`` drains it (a preemption's save waits with it), ``on_loaded``
-    is called with the manifest of each checkpoint a load returns.
+          file_ops: FileOps | None, wait: Callable[[float], None]) -> Parts:
+    """The parts of an engine on ``config``; ``wait`` drains it (a preemption's save waits with it).
 
     Raises:
         ConfigError / DirectoryInUseError: as :class:`~persist_core.engine.CheckpointEngine`.
@@ -142,17 +168,22 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     built.append(saver)
     preemption = default_notice(config.save_policy) if config.preemption == "default" else config.preemption
     assert not isinstance(preemption, str)  # Config checked it
+    own_notice = preemption if preemption is not None and preemption.exit_after else None
     scheduler = SaveScheduler(policy=config.save_policy, preemption=preemption, grace_s=config.preemption_grace_s,
                               coll=coll, history=history, clock=clock, in_flight=writer.in_flight,
                               known=lambda step: step in writer.pending_steps() or history.last_step() == step,
-                              wait=wait, memory_only=config.memory is not None and config.save_policy is None)
-    reader = CheckpointReader(root, verify=config.verify, tier=tier, on_loaded=on_loaded,
+                              wait=wait, memory_only=config.memory is not None and config.save_policy is None,
+                              exits=own_notice is not None)
+    # the reader tells the resumption of each load it returns (none before build returns: it is made just below)
+    reader = CheckpointReader(root, verify=config.verify, tier=tier, on_loaded=lambda m: resumption.loaded(m),
                               memory=None if snapshots is None else SnapshotReads(snapshots.store))
-    own_notice = preemption if preemption is not None and preemption.exit_after else None
+    resumption = Resumption(root, reader=reader, coll=coll, history=history, pipeline=pipeline, saver=saver,
+                            lineage=Lineage.of(root, config.run_id, world_size=coll.world_size), partner=link,
+                            verify_mode=config.verify_resume, ignore=config.verify_resume_ignore)
     memory = NO_MEMORY if snapshots is None else MemorySide(snapshots, partner, saver, world_size=coll.world_size)
     return Parts(root=root, coll=coll, dir_lock=dir_lock, tier=tier, ledger=ledger, history=history, overlap=overlap,
                  pool=pool, pipeline=pipeline, saver=saver, scheduler=scheduler, reader=reader, own_notice=own_notice,
-                 memory=memory, snapshots=snapshots, partner_link=link)
+                 resumption=resumption, memory=memory, snapshots=snapshots)
 
 
 def _partner(config: Config, coll: Collectives, store: MemoryStore,

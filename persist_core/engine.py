@@ -1,8 +1,7 @@
-"""``CheckpointEngine``: the facade over one ``local_dir`` (and its remote). It holds no wiring
-(:func:`persist_core._build.build` makes the parts from a :class:`~persist_core.config.Config`): ``save`` is the
-save flow's (:mod:`persist_core.save`), ``maybe_save``/``decide`` the scheduler's, ``wait``/``close`` drain the
-pipeline and the sync side (:mod:`persist_core.sync`), ``list``/``load`` the load flow's (:mod:`persist_core.load`).
-"""
+"""``CheckpointEngine``: the facade over one ``local_dir`` (and its remote), built by :func:`persist_core._build.build`
+from a :class:`~persist_core.config.Config`: ``save`` is the save flow's, ``snapshot`` the memory tier's,
+``maybe_save``/``decide``/preemption the scheduler's, ``wait``/``close`` the parts', ``list`` the load flow's,
+``load``/``resume_from``/``verify_resume`` the :class:`~persist_core.resumption.Resumption`'s."""
 
 from __future__ import annotations
 
@@ -14,22 +13,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-
 from persist_core import _knobs
 from persist_core._build import build, close_at_exit
 from persist_core.config import Config, keyword_options
-from persist_core.distributed import Collectives, decision_channel
-from persist_core.errors import ConfigError, PersistError, RemoteError
+from persist_core.distributed import Collectives
+from persist_core.errors import PersistError
 from persist_core.fileio import FileOps
 from persist_core.format.manifest import Manifest
 from persist_core.handle import SaveHandle
 from persist_core.save.overlap import Guard
 from persist_core.policies.save import Clock, DecisionContext, SavePolicy
-from persist_core.load.agree import agreed_load
-from persist_core.lineage import Lineage
 from persist_core.load.reader import CheckpointReader
-from persist_core.load.verify import verify_resume
-from persist_core.tiers.local import committed_steps
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -66,24 +60,18 @@ class CheckpointEngine:
     def __init__(self, local_dir: str | os.PathLike[str] | Config, *, collectives: Collectives | None = None,
                  clock: Clock = time.monotonic, wall_clock: Clock = time.time, file_ops: FileOps | None = None,
                  **keywords: Any) -> None:
-        config = Config.given(local_dir, keywords)
-        self.config = config
+        self.config = config = Config.given(local_dir, keywords)
         self._closed = False
-        self._resumed: int | None = None
-        self._loaded_manifest: Manifest | None = None  # the checkpoint verify_resume compares with
         p = self._parts = build(config, collectives=collectives, clock=clock, wall_clock=wall_clock, file_ops=file_ops,
-                                wait=self.wait, on_loaded=self._loaded)
-        self._root, self._coll, self._tier, self._ledger, self._history = p.root, p.coll, p.tier, p.ledger, p.history
-        self._overlap, self._pool, self._pipeline, self._writer = p.overlap, p.pool, p.pipeline, p.pipeline.writer
-        self._scheduler, self._reader, self._own_notice = p.scheduler, p.reader, p.own_notice
-        self._lineage = Lineage.of(p.root, config.run_id, world_size=p.coll.world_size)
+                                wait=self.wait)
+        self._root, self._coll, self._overlap, self._tier = p.root, p.coll, p.overlap, p.tier  # _tier: bench_remote
+        self._scheduler, self._reader, self._resumption = p.scheduler, p.reader, p.resumption
         close_at_exit(self)
 
     def save(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> SaveHandle:
         """Snapshot ``state`` (nested dicts / lists / tuples of tensors and picklable values) as ``step`` and write
-        it in the background; returns a handle once it is staged (the caller may then mutate ``state``).
-
-        ``step`` is a non-negative int not saved before in ``local_dir``, except the step this run resumed from
+        it in the background; returns a handle once it is staged (the caller may then mutate ``state``). ``step``
+        is a non-negative int not saved before in ``local_dir``, except the step this run resumed from
         (saving it again replaces it atomically, as a framework re-saving that step expects).
 
         Raises:
@@ -95,18 +83,15 @@ class CheckpointEngine:
         """
         self._check_open()
         return self._parts.saver.save(state, step, metadata=metadata, resumed_at=self.resumed_step,
-                                      lineage=self._lineage.record())
+                                      lineage=self._resumption.lineage.record())
 
     def snapshot(self, state: Any, step: int, *, metadata: dict[str, Any] | None = None) -> None:
         """Copy ``state`` into the memory tier as ``step`` (nothing goes to disk); returns once it is copied. A
         restart on this machine resumes from it (``load()`` reads the freshest source). :meth:`maybe_save` calls
         it at the memory tier's steps; call it yourself to snapshot at steps of your choosing (with several nodes,
         such a snapshot goes to no partner: the partner copies are of the steps :meth:`maybe_snapshot` takes, which
-        every rank calls at the same steps).
-
-        Raises:
-            ConfigError: the engine has no ``memory`` tier; a bad step or metadata.
-        """
+        every rank calls at the same steps). Raises ``ConfigError`` without a ``memory`` tier, or for a bad step or
+        metadata."""
         self._check_open()
         self._parts.memory.snapshot(state, step, metadata=metadata, resumed_at=self.resumed_step)
 
@@ -131,9 +116,6 @@ class CheckpointEngine:
         ``step_hook=False``: the caller calls :meth:`fence` itself before the update (Lightning, whose
         ``optimizer.step(closure)`` runs forward and backward inside). See the engine page of the docs.
         """
-        if not optimizers or not all(hasattr(o, "register_step_pre_hook") for o in optimizers):
-            raise ConfigError(f"guard({', '.join(type(o).__name__ for o in optimizers) or ''}) needs torch optimizers "
-                              "(whose step() the copy must finish before)")
         return self._overlap.guard(optimizers, self.fence if step_hook else None)
 
     def fence(self) -> float:
@@ -158,8 +140,8 @@ class CheckpointEngine:
         decided, preempting = self.decide(step)
         state = make_state() if decided else None
         handle = self.save(state, step, metadata=metadata) if decided else None
-        if not decided or not self._parts.saver.disk_is_snapshot:  # one process: a step saved to disk is one already
-            self.maybe_snapshot(make_state if state is None else lambda: state, step, metadata=metadata)
+        self._parts.memory.beside_save(make_state if state is None else lambda: state, step, saved=decided,
+                                       metadata=metadata, resumed_at=self.resumed_step)
         if preempting:
             self.finish_preemption()
         return handle
@@ -183,8 +165,6 @@ class CheckpointEngine:
         """Wait up to ``preemption_grace_s`` for pending commits and uploads; set :attr:`preempted`. With the
         engine's own (default) notice, the signal's previous disposition then runs (by default: the process ends)."""
         self._scheduler.finish_preemption()
-        if self._own_notice is not None:
-            self._own_notice.exit_as_signal()
 
     @property
     def preempted(self) -> bool:
@@ -206,30 +186,22 @@ class CheckpointEngine:
         """Apply the retention policies to both tiers now (they also run after every commit and upload): when
         what a policy keeps changed in between. Pending, uploading and the newest checkpoints are kept."""
         self._check_open()
-        self._pipeline.prune()
+        self._parts.pipeline.prune()
 
     def _check_open(self) -> None:
         if self._closed:
             raise PersistError(f"this CheckpointEngine on {self._root} is closed; create a new one")
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save is committed locally and, with a remote, uploaded (and every memory
-        snapshot taken is committed).
+        """Block until every pending save is committed locally and, with a remote, uploaded, and every memory
+        snapshot taken is committed.
 
         Raises:
             TimeoutError: something is still pending after ``timeout`` seconds.
             RemoteError: uploads still fail after ``remote_timeout_s`` (names the un-synced steps).
             PersistError: a background failure no other call has raised yet (raised once).
         """
-        _knobs.check_timeout(timeout)
-        self._overlap.fence()
-        self._parts.memory.wait(timeout)  # every snapshot committed, the newest one's partner copy sent
-        try:
-            self._pipeline.drain(timeout)
-        except RemoteError:
-            self._ledger.raise_first()  # a more specific failure behind it (another run's lease) first
-            raise
-        self._ledger.raise_first()
+        self._parts.wait(_knobs.check_timeout(timeout))
 
     def close(self, *, keep_memory: bool = False) -> None:
         """Wait for pending saves, release threads; raises a background failure once. Idempotent. The run is
@@ -238,17 +210,9 @@ class CheckpointEngine:
         self._close(finished=not keep_memory)
 
     def _close(self, *, finished: bool) -> None:
-        if self._closed:
-            return
-        self._pipeline.closing = True
-        try:
-            self.wait()
-        except BaseException:
-            finished = False  # a save failed: the snapshots may be the only copy of the last steps
-            raise
-        finally:
-            self._closed = True
-            self._parts.close(finished=finished)
+        if not self._closed:
+            self._closed = True  # closed from here, whatever the drain raises
+            self._parts.drain_and_close(finished=finished)
 
     def __enter__(self) -> CheckpointEngine:
         return self
@@ -284,26 +248,17 @@ class CheckpointEngine:
         past it while newer ones are committed starts a branch: those are set aside on both tiers (kept, listed
         by :meth:`abandoned`). ``from_remote``: it was downloaded, so this run takes over the remote's lease.
         ``loaded``: the manifest of the checkpoint the caller loaded it from (:meth:`verify_resume` compares with it).
-        Raises ``ConfigError`` for a step committed on neither tier (naming those that are).
-        """
-        self._continue_from(_knobs.check_resume_step(step, self._reader), from_remote=from_remote)
-        if loaded is not None:
-            self._loaded_manifest = loaded
+        Raises ``ConfigError`` for a step committed on neither tier (naming those that are)."""
+        self._resumption.resume_from(step, from_remote=from_remote, loaded=loaded)
 
     def _continue_from(self, step: int, *, from_remote: bool = False) -> None:
-        """:meth:`resume_from` without the check that ``step`` is committed here: a session's weights-only
-        engine continues from the step its full engine resumed from."""
-        self._resumed = step
-        self._lineage.resumed(step, run=None, branch=any(s > step for s in committed_steps(self._root)))
-        self._history.resumed()
-        self._pipeline.timeline.resumed()
-        if from_remote:
-            self._pipeline.adopt_remote_run()
+        """:meth:`resume_from` without the check that ``step`` is committed here (a session's weights-only engine)."""
+        self._resumption.continue_from(step, from_remote=from_remote)
 
     @property
     def resumed_step(self) -> int | None:
         """The committed step this run continues from (:meth:`load` or :meth:`resume_from`), or ``None``."""
-        return self._resumed if self._resumed is not None else self._reader.loaded_step
+        return self._resumption.step
 
     def abandoned(self, tier: str = "local") -> list[CheckpointInfo]:
         """Checkpoints set aside by a branch (see :meth:`resume_from`), oldest first."""
@@ -318,39 +273,23 @@ class CheckpointEngine:
         :meth:`CheckpointReader.load`; raises ``CheckpointNotFoundError`` or ``CorruptCheckpointError``.
         """
         self._check_open()
-        kwargs = dict(into=into, map_location=map_location, verify=verify, rank=self._coll.rank,
-                      weights_only=weights_only)
-        chan = decision_channel(self._coll)
-        if step is None and chan is not None and chan.world_size > 1:
-            state = agreed_load(self._reader, chan, self._parts.partner_link, **kwargs)
-        else:
-            state = self._reader.load(step, **kwargs)
-        if self._reader.loaded_from_remote:  # a fresh machine: this run continues the one that wrote it
-            self._pipeline.adopt_remote_run()
-        return state
+        return self._resumption.load(step, into=into, map_location=map_location, verify=verify, rank=self._coll.rank,
+                                     weights_only=weights_only)
 
     def verify_resume(self, state: Any, *, ignore: Sequence[str] = (), new_ok: Sequence[str] = (),
                       partial: bool = False) -> list[str]:
         """Compare ``state``, the live state a run resumes with, with the checkpoint this engine loaded last: the key
         paths (as ``persist inspect`` writes them, e.g. ``optim/param_groups/0/lr``) whose values differ, that the
-        checkpoint has and ``state`` lacks, or the other way round; ``[]`` when equal (one INFO line says so).
-
-        The baseline is what was saved (each tensor's digest, recorded at save; each scalar in the manifest); key
-        paths matching ``verify_resume_ignore`` are skipped; sharded leaves of a resharded load, pickled leaves and
+        checkpoint has and ``state`` lacks, or the other way round; ``[]`` when equal (one INFO line says so). The
+        baseline is what was saved (each tensor's digest, recorded at save; each scalar in the manifest); key paths
+        matching ``verify_resume_ignore`` are skipped; sharded leaves of a resharded load, pickled leaves and
         checkpoints older than format version 7 are not verified (logged, never a mismatch). ``verify_resume="off"``:
-        ``[]`` without comparing.
-
-        Adapters pass what legitimately differs: ``ignore`` (globs added to ``verify_resume_ignore``), ``new_ok``
-        (globs of key paths the state may have that the checkpoint lacks) and ``partial`` (compare only the
-        top-level keys ``state`` has: what the framework restores).
-
-        Raises:
-            ResumeMismatchError: ``verify_resume="raise"`` and something differs (``warn``, the default, issues a
-                ``ResumeMismatchWarning`` instead).
-        """
-        return verify_resume(self._loaded_manifest, state, mode=self.config.verify_resume, rank=self._coll.rank,
-                             world_size=self._coll.world_size, ignore=(*self.config.verify_resume_ignore, *ignore),
-                             new_ok=new_ok, partial=partial)
+        ``[]`` without comparing. Adapters pass what legitimately differs: ``ignore`` (globs added to
+        ``verify_resume_ignore``), ``new_ok`` (globs of key paths the state may have that the checkpoint lacks) and
+        ``partial`` (compare only the top-level keys ``state`` has: what the framework restores). Raises
+        ``ResumeMismatchError`` if ``verify_resume="raise"`` and something differs (``"warn"``, the default, issues a
+        ``ResumeMismatchWarning`` instead)."""
+        return self._resumption.verify(state, ignore=ignore, new_ok=new_ok, partial=partial)
 
     @property
     def closed(self) -> bool:
@@ -359,18 +298,3 @@ class CheckpointEngine:
     @property
     def rank(self) -> int:
         return self._coll.rank
-
-    def _loaded(self, manifest: Manifest) -> None:
-        """A load (this engine's, or its reader's under an adapter) returned ``manifest``'s checkpoint: this
-        process continues from it (the save decisions' interval counts from now), and the staging buffers for
-        saves about as large are made ready in the background (:meth:`Saver.warm`)."""
-        self._loaded_manifest = manifest
-        self._lineage.resumed(manifest.step, run=(manifest.lineage or {}).get("run"),
-                              branch=any(s > manifest.step for s in committed_steps(self._root)))
-        self._history.resumed()  # an interval policy counts from this checkpoint
-        self._pipeline.timeline.resumed()  # the next step past it decides, once, whether this resume branches
-        if self._parts.pipeline.incremental is not None and self._reader.loaded_from_remote:
-            self._parts.pipeline.incremental.loaded_from_remote(manifest.step)  # the next save: full unless it is local
-        if not self._closed:
-            self._parts.saver.warm(manifest)
-

@@ -38,11 +38,14 @@ class SaveScheduler:
         wait: the engine's ``wait(timeout)``.
         memory_only: a memory tier without a ``policy``: :meth:`should_save`'s disk decision is "no" (disk saves are
             the explicit ``save()`` calls).
+        exits: ``preemption`` is the engine's own (default) notice: once :meth:`finish_preemption` waited, the
+            signal's previous disposition runs (by default: the process ends).
     """
 
     def __init__(self, *, policy: SavePolicy | None, preemption: PreemptionNotice | None, grace_s: float,
                  coll: Collectives, history: SaveHistory, clock: Clock, in_flight: Callable[[], bool],
-                 known: Callable[[int], bool], wait: Callable[[float], None], memory_only: bool = False) -> None:
+                 known: Callable[[int], bool], wait: Callable[[float], None], memory_only: bool = False,
+                 exits: bool = False) -> None:
         self._policy = policy
         self._preemption = preemption
         self._grace_s = grace_s
@@ -54,6 +57,7 @@ class SaveScheduler:
         self._wait = wait
         self._preempt_saved = False
         self._memory_only = memory_only
+        self._exits = exits
 
     def should_save(self, step: int, *, policy: SavePolicy | None = None) -> bool:
         """This process's decision alone; see :meth:`CheckpointEngine.should_save`."""
@@ -101,6 +105,8 @@ class SaveScheduler:
         log.warning("[rank=%d] preempted: waiting up to %.0f s for the commit and upload", self._coll.rank,
                     self._grace_s)
         drain_within(self._wait, self._grace_s)
+        if self._exits and self._preemption is not None:
+            self._preemption.exit_as_signal()
 
     @property
     def preempted(self) -> bool:

@@ -1,5 +1,5 @@
 """What the engine's memory calls do (``snapshot``, ``maybe_snapshot``, ``wait_snapshot``, and the memory tier's
-part of ``wait`` and ``close``): :class:`MemorySide` over one engine's :class:`~persist_core.memory.snapshots.Snapshots`
+part of ``maybe_save``, ``wait`` and ``close``): :class:`MemorySide` over one engine's :class:`~persist_core.memory.snapshots.Snapshots`
 and :class:`~persist_core.memory.partner.PartnerCopies`; :data:`NO_MEMORY` without a memory tier (the same calls, no
 ``None`` checks in the engine). The copy itself is the save flow's (its ``Saver``), known here by
 :class:`Stager`."""
@@ -51,6 +51,14 @@ class MemorySide:
             return False
         return self._take(make_state, step, metadata, resumed_at)
 
+    def beside_save(self, make_state: Callable[[], Any], step: int, *, saved: bool, metadata: dict[str, Any] | None,
+                    resumed_at: int | None) -> bool:
+        """``CheckpointEngine.maybe_save``'s part: a step one process ``saved`` to disk is a snapshot already (its
+        staged shard); otherwise :meth:`maybe_snapshot`. Whether a snapshot was taken here."""
+        if saved and self._world_size == 1:
+            return False
+        return self.maybe_snapshot(make_state, step, metadata=metadata, resumed_at=resumed_at)
+
     def _take(self, make_state: Callable[[], Any], step: int, metadata: dict[str, Any] | None,
               resumed_at: int | None, *, copies: bool = True) -> bool:
         """Snapshot ``step``; with partner copies (several nodes, ``copies``) every rank first agrees whether it is a
@@ -89,6 +97,10 @@ class NoMemory:
 
     def maybe_snapshot(self, make_state: Callable[[], Any], step: int, *, metadata: dict[str, Any] | None,
                        resumed_at: int | None) -> bool:
+        return False
+
+    def beside_save(self, make_state: Callable[[], Any], step: int, *, saved: bool, metadata: dict[str, Any] | None,
+                    resumed_at: int | None) -> bool:
         return False
 
     def wait_snapshot(self) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from persist_core.errors import ConfigError
 from persist_core.handle import SaveHandle
 from persist_core.turn import Turn
 from persist_core.planning.save import EntryCopy
@@ -83,6 +84,12 @@ class Overlap:
         return bool(self._optimizers)
 
     def guard(self, optimizers: tuple[Any, ...], fence: Callable[[], object] | None) -> Guard:
+        """``CheckpointEngine.guard``: ``fence`` before each optimizer's step (``None``: the caller fences), the
+        turn given back after it. Raises ``ConfigError`` unless ``optimizers`` are torch optimizers."""
+        if not optimizers or not all(hasattr(o, "register_step_pre_hook") for o in optimizers):
+            raise ConfigError(f"guard({', '.join(type(o).__name__ for o in optimizers) or ''}) needs torch optimizers "
+                              "(whose step() the copy must finish before)")
+
         def pre_hook(*_: Any) -> None:  # a step pre-hook must return None (or new arguments)
             assert fence is not None
             fence()

@@ -157,7 +157,7 @@ def test_unobserved_write_failure_is_raised_by_the_next_save(ckpt_dir):
     ops = FailingOps(fail_at=1, err=errno.EIO)
     engine = CheckpointEngine(ckpt_dir, file_ops=ops)
     engine.save(state_for(1), step=1)
-    engine._writer.drain(None)  # the writer thread has finished step 1
+    engine._parts.pipeline.writer.drain(None)  # the writer thread has finished step 1
     with pytest.raises(WriteError, match="step=1"):
         engine.save(state_for(2), step=2)
     handle = engine.save(state_for(2), step=2)  # the error was raised once; saving goes on
@@ -328,7 +328,7 @@ def test_next_save_copies_behind_the_running_write_without_corrupting_it(tmp_pat
     ops.gate.set()
     with CheckpointEngine(tmp_path, file_ops=ops, chunk_bytes=64 << 10, direct_io="off") as engine:
         engine.save(big_state(1), step=1).wait()  # settles the write mode: overlap is on from now
-        pool, waiting = engine._pool, threading.Event()
+        pool, waiting = engine._parts.pool, threading.Event()
         real_wait_free = pool.wait_free
 
         def wait_free(buf, end):

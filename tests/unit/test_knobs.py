@@ -30,4 +30,4 @@ def test_good_environment_values_are_taken(tmp_path, monkeypatch):
     monkeypatch.setenv("PERSIST_REMOTE_RETRIES", "2")
     monkeypatch.setenv("PERSIST_REMOTE_CONCURRENCY", "3")
     with CheckpointEngine(tmp_path / "a", remote_url="memory://knobs-ok") as engine:
-        assert (engine._tier.retries, engine._tier.concurrency) == (2, 3)
+        assert (engine._parts.tier.retries, engine._parts.tier.concurrency) == (2, 3)

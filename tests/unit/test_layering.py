@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
      "policies.save"),
     ("planning", "tiers", "policies", "history", "staging", "assembly"),
     ("save", "load", "sync", "memory", "timeline"),
-    ("scheduler", "pipeline", "config", "links"),
+    ("scheduler", "pipeline", "config", "links", "resumption"),
     ("_build",),
     ("engine",),
     ("session", ""),  # "": the package's __init__

@@ -351,7 +351,7 @@ def test_the_background_copy_starts_no_parallel_team_that_would_slow_the_trainin
     tiny = torch.nn.Parameter(torch.zeros(4))  # copied in the background too, but too small to run in parallel
     with CheckpointEngine(tmp_path) as engine, engine.guard(opt, torch.optim.SGD([tiny], lr=0.1)):
         engine.save({"tiny": tiny}, step=0).wait()  # the engine's own threads, the copy thread too, are started
-        warming = engine._pool._warming  # the staging slots' warm-up thread, if still running, ends first
+        warming = engine._parts.pool._warming  # the staging slots' warm-up thread, if still running, ends first
         if warming is not None:
             warming.join()
         threads = _os_threads()

@@ -137,7 +137,7 @@ def test_upload_failure_is_raised_once_and_nothing_partial_is_listed(tmp_path, u
     calls = []
     counted = threading.Event()  # the engine's own background retry waits for the test to count the first round
 
-    pipe = type(engine._tier.fs).pipe_file
+    pipe = type(engine._parts.tier.fs).pipe_file
 
     def broken_pipe(self, path, value, **kwargs):
         if not path.endswith("manifest.json"):
@@ -147,7 +147,7 @@ def test_upload_failure_is_raised_once_and_nothing_partial_is_listed(tmp_path, u
         calls.append(path)
         raise ConnectionResetError("connection reset by peer")
 
-    monkeypatch.setattr(type(engine._tier.fs), "pipe_file", broken_pipe)  # the manifest never lands
+    monkeypatch.setattr(type(engine._parts.tier.fs), "pipe_file", broken_pipe)  # the manifest never lands
     handle = engine.save(state_for(1), step=1)
     with pytest.raises(PersistError, match="committing .*after 3 attempts.*local checkpoints are intact"):
         handle.wait()

@@ -39,7 +39,7 @@ needs_populate = pytest.mark.skipif(not populate_works(), reason="this kernel ha
 
 def settle(engine: CheckpointEngine) -> None:
     """Wait for the engine's warm-up, if one runs."""
-    warming = engine._pool._warming
+    warming = engine._parts.pool._warming
     if warming is not None:
         warming.join()
 
@@ -82,9 +82,9 @@ def test_after_a_load_the_next_save_copies_into_a_warm_buffer(ckpt_dir):
         assert_state_equal(loaded, state())
         size = engine.list()[-1].nbytes
         settle(engine)
-        buf, _ = engine._pool.acquire(size)  # what the next save takes: allocated, its pages in
+        buf, _ = engine._parts.pool.acquire(size)  # what the next save takes: allocated, its pages in
         assert buf.capacity >= size and resident_fraction(buf) == 1.0
-        engine._pool.release(buf)
+        engine._parts.pool.release(buf)
         handle = engine.save(state(), step=2)
         handle.wait()
         assert handle.stats.nbytes <= buf.capacity
@@ -99,5 +99,5 @@ def test_a_load_through_the_engines_reader_warms_too(ckpt_dir):
     with CheckpointEngine(ckpt_dir) as engine:
         engine.reader.load(into={"w": torch.empty(1 << 20), "b": torch.empty(1 << 18, dtype=torch.float64)})
         settle(engine)
-        buf, _ = engine._pool.acquire(1)
+        buf, _ = engine._parts.pool.acquire(1)
         assert buf.capacity >= engine.list()[-1].nbytes and resident_fraction(buf) == 1.0

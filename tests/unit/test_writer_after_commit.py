@@ -26,7 +26,7 @@ class FakeSync:
 
     def __init__(self, engine: CheckpointEngine, events: list[tuple], *, gate: threading.Event | None = None,
                  fail: BaseException | None = None) -> None:
-        self._real = engine._pipeline.sync
+        self._real = engine._parts.pipeline.sync
         self._engine, self.events, self.gate, self.fail = engine, events, gate, fail
         self.unsynced: set[int] = set()
         self.entered = threading.Event()
@@ -37,7 +37,7 @@ class FakeSync:
 
     def committed(self, handle: Any, manifest: Any) -> None:
         step = handle.step
-        self.seen[step] = {"local_done": handle._local.done(), "pending": step in self._engine._writer.pending_steps(),
+        self.seen[step] = {"local_done": handle._local.done(), "pending": step in self._engine._parts.pipeline.writer.pending_steps(),
                            "on_disk": read_manifest(checkpoint_dir(self._engine._root, step)) == manifest}
         self.entered.set()
         if self.gate is not None:
@@ -59,8 +59,8 @@ def engine_with_fake_sync(tmp_path, **fake: Any) -> tuple[CheckpointEngine, Fake
     engine = CheckpointEngine(tmp_path, keep_local=KeepLastN(1))
     events: list[tuple] = []
     sync = FakeSync(engine, events, **fake)
-    engine._pipeline.sync = sync
-    local = engine._pipeline.local
+    engine._parts.pipeline.sync = sync
+    local = engine._parts.pipeline.local
     apply = local.apply
 
     def recording_apply() -> Any:
@@ -105,11 +105,11 @@ def test_the_local_phase_ends_only_after_the_after_commit_step_returns(tmp_path)
         assert committed_steps(engine) == [1]
         with pytest.raises(TimeoutError):
             handle.wait_local(timeout=0)
-        assert engine._writer.pending_steps() == {1}  # still protected from retention by the writer
+        assert engine._parts.pipeline.writer.pending_steps() == {1}  # still protected from retention by the writer
         gate.set()
         handle.wait_local(timeout=WAIT_S)
         assert events == [("handed", 1), ("retained", frozenset({1}), ())]
-        assert engine._writer.pending_steps() == set()
+        assert engine._parts.pipeline.writer.pending_steps() == set()
     finally:
         gate.set()
         engine.close()
@@ -125,7 +125,7 @@ def test_a_failing_after_commit_step_is_raised_once_and_the_checkpoint_stays_com
     fail = RuntimeError("the sync side broke") if where == "sync side" else None
     engine, sync, events = engine_with_fake_sync(tmp_path, fail=fail)
     if where == "local retention":
-        engine._pipeline.local.policy = RaisingPolicy()
+        engine._parts.pipeline.local.policy = RaisingPolicy()
     try:
         handle = engine.save(states.state_for(1, (4,)), step=1)
         with pytest.raises(PersistError, match="step=1 was committed, but what follows the commit failed") as info:
@@ -134,10 +134,10 @@ def test_a_failing_after_commit_step_is_raised_once_and_the_checkpoint_stays_com
         assert isinstance(cause, RuntimeError) and str(cause) in ("the sync side broke", "a bug in the user's keep_local")
         assert events == [("handed", 1)]  # no retention pass ended (the sync side had it before retention began)
         assert committed_steps(engine) == [1]  # nothing lost: the manifest and files check
-        assert engine._writer.pending_steps() == set()
+        assert engine._parts.pipeline.writer.pending_steps() == set()
         engine.wait(timeout=WAIT_S)  # the handle's wait raised it: the engine never raises it again
         sync.fail = None
-        engine._pipeline.local.policy = KeepLastN(1)
+        engine._parts.pipeline.local.policy = KeepLastN(1)
         engine.save(states.state_for(2, (4,)), step=2).wait_local(timeout=WAIT_S)  # the writer goes on
         assert committed_steps(engine) == [1, 2]  # KeepLastN(1), but step 1 is not uploaded yet
         assert events[-1] == ("retained", frozenset({1, 2}), ())
