@@ -1,9 +1,9 @@
 """What follows ``save()``, wired once (:class:`Pipeline`): the writer, retention on the local tier, and
 the history of what each save cost; everything about the remote goes through one object,
-:class:`~persist_core.sync.syncer.Syncer`.
+:class:`~persist_core.sync.side.SyncSide`.
 
 After each commit (writer thread, :class:`~persist_core.save.writer.Writer`) the checkpoint goes to the sync
-side first (:meth:`Syncer.committed <persist_core.sync.syncer.Syncer.committed>`: the upload queue), then
+side first (:meth:`SyncSide.committed <persist_core.sync.side.SyncSide.committed>`: the upload queue), then
 local retention (:class:`~persist_core.policies.retention.Retainer`) runs, then the watch on the set-aside branches
 (:class:`~persist_core.policies.abandoned.AbandonedWatch`: one warning when they outgrow the live one); after each
 upload (sync thread)
@@ -25,7 +25,7 @@ from persist_core.policies.abandoned import AbandonedWatch
 from persist_core.policies.retention import Retainer
 from persist_core.save.dedup import Incremental
 from persist_core.staging.pool import StagingPool
-from persist_core.sync import SyncJob, Syncer
+from persist_core.sync import SyncJob, SyncSide
 from persist_core.tiers.local import LocalTier
 from persist_core.tiers.remote import RemoteTier
 from persist_core.timeline import Timeline
@@ -38,7 +38,7 @@ class Pipeline:
 
     After each commit (writer thread) the checkpoint goes to the sync side first, then local
     retention runs; after each upload (sync thread) local retention runs again. Local retention
-    never touches a step that is pending here or not yet uploaded (:meth:`Syncer.protected`); only
+    never touches a step that is pending here or not yet uploaded (:meth:`SyncSide.protected`); only
     rank 0 applies retention on the remote and uploads.
 
     Args:
@@ -71,12 +71,12 @@ class Pipeline:
         local = LocalTier(root)
         planned = self.incremental.planned if self.incremental is not None else set
         self.local = Retainer(local, config.keep_local, protected=lambda: self.sync.protected(),
-                              depended_on=lambda: planned() | local.abandoned_depend_on(),
-                              dependencies=local.depends_on)
+                              referenced=lambda: planned() | local.abandoned_depend_on(),
+                              references=local.depends_on)
         #: set-aside branches are kept, but one warning says when they hold more than the live branch
         self.abandoned = AbandonedWatch(local, str(root))
         #: this rank's side of uploads (the queue on rank 0): the one object the remote goes through
-        self.sync = Syncer(root, coll=coll, tier=tier, ledger=ledger, keep_remote=config.keep_remote,
+        self.sync = SyncSide(root, coll=coll, tier=tier, ledger=ledger, keep_remote=config.keep_remote,
                            latest_step=latest_step,
                            pending=self.writer.pending_steps, ours=self.writer.ours,
                            committed_steps=local.committed_steps, abandoned=local.abandoned_manifests,
@@ -128,7 +128,7 @@ class Pipeline:
         self.sync.prune()
 
     def check_backlog(self, step: int, nbytes: int) -> None:
-        """Refuse a save that would pile more un-synced bytes than the cap (:meth:`Syncer.check_backlog`)."""
+        """Refuse a save that would pile more un-synced bytes than the cap (:meth:`SyncSide.check_backlog`)."""
         self.sync.check_backlog(step, nbytes)
 
     def drain(self, timeout: float | None) -> None:
@@ -136,7 +136,7 @@ class Pipeline:
 
         Raises:
             TimeoutError: ``timeout`` ran out first.
-            RemoteError: uploads still fail after ``remote_timeout_s`` (:meth:`Syncer.drain`).
+            RemoteError: uploads still fail after ``remote_timeout_s`` (:meth:`SyncSide.drain`).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         self.writer.drain(deadline)

@@ -84,14 +84,14 @@ class RetentionPlan:
 
 def decide(ordered: Sequence[CheckpointInfo], policy_keeps: Sequence[bool], *,
            held: Mapping[int, RetentionReason] | None = None,
-           dependencies: Callable[[int], set[int]] | None = None) -> RetentionPlan:
+           references: Callable[[int], set[int]] | None = None) -> RetentionPlan:
     """The plan for ``ordered`` (oldest first), given the policy's answer for each.
 
     Args:
         ordered: the tier's checkpoints, oldest first.
         policy_keeps: the policy's answer per checkpoint.
         held: steps kept whatever the policy says, each with its guard (steps not in ``ordered`` change nothing).
-        dependencies: ``dependencies(step)``: the checkpoints ``step`` references; read only for checkpoints staying,
+        references: ``references(step)``: the checkpoints ``step`` references; read only for checkpoints staying,
             only when one would go, once each.
 
     Raises:
@@ -109,14 +109,14 @@ def decide(ordered: Sequence[CheckpointInfo], policy_keeps: Sequence[bool], *,
         reasons[c.step] = held.get(c.step) or (RetentionReason.NEWEST if c.step == newest else
                                                 RetentionReason.KEPT_BY_POLICY if keep else RetentionReason.PRUNE)
     by: dict[int, tuple[int, ...]] = {}
-    if dependencies is not None:
-        by = _spare_referenced(ordered, reasons, dependencies)
+    if references is not None:
+        by = _spare_referenced(ordered, reasons, references)
     return RetentionPlan(tuple(RetentionDecision(c, reasons[c.step], bool(k), by.get(c.step, ()))
                                for c, k in zip(ordered, policy_keeps)))
 
 
 def _spare_referenced(ordered: Sequence[CheckpointInfo], reasons: dict[int, RetentionReason],
-                      dependencies: Callable[[int], set[int]]) -> dict[int, tuple[int, ...]]:
+                      references: Callable[[int], set[int]]) -> dict[int, tuple[int, ...]]:
     """Mark :attr:`~RetentionReason.REFERENCED` (in ``reasons``) every going checkpoint a staying one references, until
     none is left to spare; returns, for each, the staying checkpoints that reference it."""
     gone = {s for s, r in reasons.items() if r is RetentionReason.PRUNE}
@@ -126,7 +126,7 @@ def _spare_referenced(ordered: Sequence[CheckpointInfo], reasons: dict[int, Rete
         staying = [c.step for c in ordered if c.step not in gone]
         for s in staying:
             if s not in known:
-                known[s] = set(dependencies(s))
+                known[s] = set(references(s))
         needed = set().union(*(known[s] for s in staying)) & gone
         if not needed:
             break

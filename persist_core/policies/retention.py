@@ -183,7 +183,7 @@ def answers(policy: RetentionPolicy, checkpoints: Sequence[CheckpointInfo], cont
 
 def plan_retention(checkpoints: Sequence[CheckpointInfo], policy: RetentionPolicy | None, *,
                    context: RetentionContext, held: Mapping[int, RetentionReason] | None = None,
-                   dependencies: Callable[[int], set[int]] | None = None) -> RetentionPlan:
+                   references: Callable[[int], set[int]] | None = None) -> RetentionPlan:
     """The plan for ``checkpoints`` (any order) under ``policy`` (``None`` keeps everything): one decision per
     checkpoint, oldest first, with its reason (:mod:`persist_core.policies.plan` gives their order).
 
@@ -192,14 +192,14 @@ def plan_retention(checkpoints: Sequence[CheckpointInfo], policy: RetentionPolic
         policy: the tier's policy.
         context: tier and time.
         held: steps kept whatever the policy says, each with its guard (:data:`~persist_core.policies.plan.GUARDS`).
-        dependencies: ``dependencies(step)``: the checkpoints ``step`` references (its manifest's ``depends_on()``).
+        references: ``references(step)``: the checkpoints ``step`` references (its manifest's ``depends_on()``).
 
     Raises:
         ConfigError: a custom policy returned the wrong number of answers.
     """
     ordered = sorted(checkpoints, key=lambda c: c.step)
     keep = [True] * len(ordered) if policy is None or not ordered else answers(policy, ordered, context)
-    return decide(ordered, keep, held=held, dependencies=dependencies)
+    return decide(ordered, keep, held=held, references=references)
 
 
 def to_delete(
@@ -232,23 +232,25 @@ class Retainer:
         policy: what to keep; ``None`` keeps everything.
         protected: steps that must stay whatever the policy says (being written, or not yet uploaded),
             read at each pass (:attr:`~RetentionReason.UNSYNCED`).
-        depended_on: steps other checkpoints depend on (an incremental save being written names bytes in them),
-            read at each pass; kept whatever the policy says while they do (:attr:`~RetentionReason.DEPENDED_ON`).
-        dependencies: ``dependencies(step)``: the checkpoints committed checkpoint ``step`` references (its
+        referenced: steps other checkpoints reference (an incremental save being written names bytes in them),
+            read at each pass; kept whatever the policy says while they are (:attr:`~RetentionReason.DEPENDED_ON`).
+        references: ``references(step)``: the checkpoints committed checkpoint ``step`` references (its
             manifest's ``depends_on()``); a checkpoint that one kept references is kept, counted by no policy.
+            (``dependencies``: its former name, still taken: ``persist gc``'s call.)
         held: more steps kept whatever the policy says, each with its guard, read at each pass (``persist gc``: the
             newest checkpoint that verifies).
     """
 
     def __init__(self, tier: Tier, policy: RetentionPolicy | None, protected: Callable[[], set[int]] = set,
-                 depended_on: Callable[[], set[int]] = set,
-                 dependencies: Callable[[int], set[int]] | None = None,
-                 held: Callable[[], Mapping[int, RetentionReason]] = dict) -> None:
+                 referenced: Callable[[], set[int]] = set,
+                 references: Callable[[int], set[int]] | None = None,
+                 held: Callable[[], Mapping[int, RetentionReason]] = dict,
+                 dependencies: Callable[[int], set[int]] | None = None) -> None:
         self.tier = tier
         self.policy = policy
         self._protected = protected
-        self._depended_on = depended_on
-        self._dependencies = dependencies
+        self._referenced = referenced
+        self._references = references if references is not None else dependencies
         self._held = held
         self._lock = threading.Lock()
 
@@ -280,13 +282,13 @@ class Retainer:
             return self._carry_out(plan, each)
 
     def _plan(self, listing: Sequence[CheckpointInfo] | None) -> RetentionPlan:
-        held = {**dict.fromkeys(self._depended_on(), RetentionReason.DEPENDED_ON),
+        held = {**dict.fromkeys(self._referenced(), RetentionReason.DEPENDED_ON),
                 **dict.fromkeys(self._protected(), RetentionReason.UNSYNCED)}
         for step, reason in self._held().items():
             held.setdefault(step, reason)
         context = RetentionContext(tier=self.tier.kind, now=time.time())
         return plan_retention(self.tier.list() if listing is None else listing, self.policy, context=context,
-                              held=held, dependencies=self._dependencies)
+                              held=held, references=self._references)
 
     def _carry_out(self, plan: RetentionPlan, each: Callable[[RetentionDecision], object]) -> list[CheckpointInfo]:
         for decision in plan.removals:

@@ -108,9 +108,9 @@ class Incremental:
         previous, since_full = self._peek(step)
         if previous is None or since_full + in_flight + 1 >= self._full_every:  # this save may be due full
             return None
-        holders = {previous.step} | previous.depends_on()
+        referenced = {previous.step} | previous.depends_on()
         with self._lock:  # protected before anything is decided: retention keeps what this save may reference
-            self._early[step] = holders
+            self._early[step] = referenced
         try:
             unstaged = self._unchanged(records, copies, step, previous)
         except BaseException:
@@ -122,7 +122,8 @@ class Incremental:
 
     def _unchanged(self, records: Sequence, copies: Sequence[EntryCopy], step: int,
                    previous: Manifest) -> Unstaged | None:
-        """:meth:`before_copy` once ``previous``'s holders are protected: hash, compare, keep what still exists."""
+        """:meth:`before_copy` once what ``previous`` holds or references is protected: hash, compare, keep what still
+        exists."""
         missing = frozenset(s for s in previous.depends_on() | {previous.step} if not _committed(self._root, s))
         entries = {r.entry for r in records if hashable(r)}
         counts: dict[str, int] = {}

@@ -3,7 +3,7 @@ branch (:meth:`RemoteAside.hide`, on the caller's thread); on the sync thread be
 under their abandoned names (:meth:`RemoteAside.apply`). The two halves are :mod:`persist_core.tiers.remote_aside`'s.
 
 The local side is :class:`~persist_core.timeline.Timeline`: it sets the local checkpoints aside at once and
-tells the upload queue (:meth:`~persist_core.sync.queue.RemoteSync.start_branch`), which tells this.
+tells the upload queue (:meth:`~persist_core.sync.queue.UploadQueue.start_branch`), which tells this.
 """
 
 from __future__ import annotations

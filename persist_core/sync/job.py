@@ -32,6 +32,13 @@ class SyncJob:
     def step(self) -> int:
         return self.manifest.step
 
+    def uploaded(self, upload_s: float, *, latest_step: int) -> None:
+        """Its upload took ``upload_s``: the handle's upload figures (the lag counts from the local commit, and in
+        steps from ``latest_step``, the newest saved)."""
+        self.handle._update(upload_s=upload_s, lag_s=time.monotonic() - self.committed_at,
+                            upload_gbps=self.manifest.nbytes / upload_s / 1e9 if upload_s > 0 else None,
+                            lag_steps=max(0, latest_step - self.step))
+
     def info(self, url: str) -> CheckpointInfo:
         return CheckpointInfo(step=self.step, time=self.manifest.time, nbytes=self.manifest.nbytes,
                               path=f"{url}/{self.local_ckpt.name}", tier="remote")

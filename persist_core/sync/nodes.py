@@ -2,7 +2,7 @@
 the manifest after all of them.
 
 With node-local ``local_dir`` s no process sees every file, so rank 0's upload queue
-(:class:`~persist_core.sync.queue.RemoteSync`) drives the others over a process group of their own (the
+(:class:`~persist_core.sync.queue.UploadQueue`) drives the others over a process group of their own (the
 collectives' ``uploads`` channel: neither the commit's nor the training thread's). Per checkpoint,
 on the sync thread of rank 0 and the :class:`Follower` thread of every other rank::
 

@@ -1,7 +1,7 @@
 """The order uploads go in: the remote as the sync thread knows it (:class:`KnownRemote`), and which queued
 jobs the remote policy would drop and in what order retries go (:class:`UploadOrder`).
 
-:class:`~persist_core.sync.queue.RemoteSync` (the queue and its thread) holds the state; the pieces here hold
+:class:`~persist_core.sync.queue.UploadQueue` (the queue and its thread) holds the state; the pieces here hold
 none of it.
 """
 
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from persist_core.policies.retention import RetentionContext, RetentionPolicy, to_delete
-from persist_core.sync.dependencies import dependencies_first, spared
+from persist_core.sync.references import referenced_first, spared
 from persist_core.sync.job import SyncJob
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.tier import CheckpointInfo
@@ -96,7 +96,7 @@ class KnownRemote:
             return set(self.infos)
 
     def depends_on(self, step: int) -> set[int]:
-        """The steps remote checkpoint ``step`` references (a :class:`Retainer`'s ``dependencies``)."""
+        """The steps remote checkpoint ``step`` references (a :class:`Retainer`'s ``references``)."""
         with self.lock:
             return set(self._depends.get(step, ()))
 
@@ -152,5 +152,5 @@ class UploadOrder:
             log.warning("ordering the retries by keep_remote failed: %s", e)
             doomed = set()
         rest = jobs[:-1]
-        return dependencies_first([jobs[-1], *[j for j in rest if j.step not in doomed],
+        return referenced_first([jobs[-1], *[j for j in rest if j.step not in doomed],
                                    *[j for j in rest if j.step in doomed]])

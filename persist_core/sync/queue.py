@@ -1,9 +1,9 @@
 """The upload queue: one thread uploading committed local checkpoints, oldest first.
 
-It owns "being uploaded": :meth:`RemoteSync.unsynced_steps` is what local retention must keep.
+It owns "being uploaded": :meth:`UploadQueue.unsynced_steps` is what local retention must keep.
 
-Who calls what (through :class:`~persist_core.sync.syncer.Syncer`): the engine's writer thread calls
-:meth:`RemoteSync.submit` after each local commit; ``wait()`` calls :meth:`RemoteSync.drain`; the sync
+Who calls what (through :class:`~persist_core.sync.side.SyncSide`): the engine's writer thread calls
+:meth:`UploadQueue.submit` after each local commit; ``wait()`` calls :meth:`UploadQueue.drain`; the sync
 thread uploads, applies remote retention (over what it knows the remote holds), ends each handle's
 remote phase (or records its failure in the ledger), then calls ``after_upload`` (the engine: local
 retention, since what waited for this upload may go now).
@@ -12,9 +12,9 @@ Start-up happens on the sync thread too, never on the caller's: it lists the rem
 queues what an earlier run left un-synced (``backlog``: what its record names, that the remote lacks). A
 remote that cannot be reached is found out there, like any upload failure.
 
-Outages: a job whose upload fails stays *un-synced* (protected from local retention) and is retried
-on a backoff timer while the job runs, and at once when ``drain`` is called or another upload
-succeeds: the newest checkpoint first, then the backlog, oldest first. Its failure is recorded in
+Outages (:class:`~persist_core.sync.outage.Outage`): a job whose upload fails stays *un-synced* (protected from
+local retention) and is retried on a backoff timer while the job runs, and at once when ``drain`` is called or another
+upload succeeds: the newest checkpoint first, then the backlog, oldest first. Its failure is recorded in
 the ledger once (the handle's own ``wait`` raises it); the engine's ``save`` never raises it.
 Until the remote has been listed once, every local checkpoint counts as un-synced (:attr:`listed`).
 
@@ -22,11 +22,11 @@ Back-pressure: when a new job arrives, queued jobs that have not started and tha
 retention policy would not keep are superseded by it. Milestones (kept by the policy) are never
 superseded; with no remote policy, every checkpoint is kept, so none is. Incremental saves: a job another
 un-synced job references is never superseded, goes up before it, and stays on the remote while it is
-un-synced (:mod:`persist_core.sync.dependencies`).
+un-synced (:mod:`persist_core.sync.references`).
 
-The pieces without the queue's state are elsewhere: the job and what a failure says in
-:mod:`persist_core.sync.job`; the remote as known and the order in :mod:`persist_core.sync.order`; what one
-attempt does in :class:`persist_core.sync.upload.Uploader`; the remote's side of a branch in
+The pieces without the queue's state are elsewhere: the job and what a failure says in :mod:`persist_core.sync.job`;
+the remote as known and the order in :mod:`persist_core.sync.order`; what one attempt does in
+:class:`persist_core.sync.upload.Uploader`; the remote's side of a branch in
 :class:`persist_core.sync.aside.RemoteAside`.
 """
 
@@ -40,18 +40,18 @@ from pathlib import Path
 
 from persist_core.format.manifest import Manifest
 from persist_core.handle import ErrorLedger
-from persist_core.layout import MANIFEST_NAME
 from persist_core.policies.retention import Retainer, RetentionPolicy
 from persist_core.sync.aside import RemoteAside
-from persist_core.sync.dependencies import References
-from persist_core.sync.job import SyncJob, behind, end_superseded, not_uploaded_at_close, wrapped
+from persist_core.sync.references import References
+from persist_core.sync.job import SyncJob, behind, end_superseded, not_uploaded_at_close
 from persist_core.sync.lease import RemoteLease
 from persist_core.sync.nodes import Coordinator
 from persist_core.sync.order import KnownRemote, UploadOrder
+from persist_core.sync.outage import Outage
 from persist_core.sync.upload import Uploader
 from persist_core.tiers.remote import RemoteTier
 
-__all__ = ["Backlog", "RemoteSync", "SyncJob"]
+__all__ = ["Backlog", "UploadQueue", "SyncJob"]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 Backlog = Callable[[set[int]], list[SyncJob]]
 
 
-class RemoteSync:
+class UploadQueue:
     """Uploads jobs in step order on one thread, then applies ``keep_remote`` on the remote.
 
     Args:
@@ -97,29 +97,23 @@ class RemoteSync:
         self._aside = RemoteAside(tier, self._known, abandoned)
         self._uploader = Uploader(tier, known=self._known, lease=lease, aside=self._aside, ledger=ledger,
                                   retainer=Retainer(self._known, keep_remote, protected=self._queued_steps,
-                                                    depended_on=self._refs.kept_remotely,
-                                                    dependencies=self._known.depends_on))
+                                                    referenced=self._refs.kept_remotely,
+                                                    references=self._known.depends_on))
         self._cond = threading.Condition()
         self._queue: list[SyncJob] = []
-        self._failed: dict[int, SyncJob] = {}  # uploads that failed: retried, protected meanwhile
-        self._retry_s = tier.backoff_s
-        self._retry_now = False
-        self.failures = 0  # failed upload attempts, all told
+        self._outage = Outage(tier.url, tier.backoff_s)  # uploads that failed: retried, protected meanwhile
         self._active: SyncJob | None = None  # being uploaded: protected from local retention
         self._busy = True  # the thread is working (start-up, or a job until its outcome is recorded)
         self._refused: dict[int, SyncJob] = {}  # not uploaded because of it: kept (protected), never retried
         self._stopping = False
-        self._down = False  # the last listing or upload failed (its recovery is logged once)
         self._gave_up = False  # close() after remote_timeout_s: nothing more is started
         # a daemon: close() waits for it, except for a request the remote never answers after giving up
         self._thread = threading.Thread(target=self._run, name="persist-sync", daemon=True)
 
     def start(self) -> None:
-        """Start the sync thread (its owner calls this once the callbacks it was given can run: the thread
-        may upload a backlog and call ``after_upload`` at once)."""
+        """Start the sync thread, once the callbacks given can run (it may upload a backlog at once)."""
         self._thread.start()
-        # At interpreter exit (an engine never closed), finish the queued uploads, then stop,
-        # like concurrent.futures' workers do; otherwise the process would never exit.
+        # at interpreter exit (an engine never closed): finish the queued uploads, then stop, as concurrent.futures
         register = getattr(threading, "_register_atexit", None)
         if register is not None:
             register(self._stop)
@@ -134,7 +128,7 @@ class RemoteSync:
     def _unsynced(self) -> dict[int, SyncJob]:
         """The jobs not uploaded yet: queued, uploading, failed or waiting for the other nodes, by step."""
         with self._cond:
-            return {j.step: j for j in [*self._queue, *self._failed.values(), *self._waiting.values(),
+            return {j.step: j for j in [*self._queue, *self._outage.failed.values(), *self._waiting.values(),
                                         *self._refused.values(), *([self._active] if self._active else [])]}
 
     def set_peers(self, peers: Coordinator) -> None:
@@ -169,7 +163,12 @@ class RemoteSync:
     def failing(self) -> bool:
         """The remote is failing now: the last listing or upload failed, or a failed upload waits to be retried."""
         with self._cond:
-            return self._down or bool(self._failed)
+            return self._outage.down or bool(self._outage.failed)
+
+    @property
+    def failures(self) -> int:
+        """Failed upload (and listing) attempts, all told."""
+        return self._outage.failures
 
     def unsynced_bytes(self) -> int:
         return sum(j.manifest.nbytes for j in self._unsynced().values())
@@ -189,7 +188,7 @@ class RemoteSync:
             ConfigError: the remote policy answered the wrong number of times (``job`` stays queued).
         """
         with self._cond:
-            self._failed.pop(job.step, None)
+            self._outage.failed.pop(job.step, None)
             self._queue.extend(self._refs.lacking([job]))
             self._queue.append(job)
             try:
@@ -200,8 +199,8 @@ class RemoteSync:
 
     def _supersede(self) -> list[SyncJob]:
         """Drop queued jobs, except the newest, that the remote policy would not keep (lock held)."""
-        dropped = self._order.superseded(self._queue, self._active, [*self._failed.values(), *self._waiting.values(),
-                                                                    *self._refused.values()])
+        dropped = self._order.superseded(self._queue, self._active, [*self._outage.failed.values(),
+                                                                    *self._waiting.values(), *self._refused.values()])
         self._queue = [j for j in self._queue if j not in dropped]
         return dropped
 
@@ -215,9 +214,8 @@ class RemoteSync:
         are set aside (kept under abandoned names); queued or failed uploads of them are dropped."""
         with self._cond:
             self._aside.branch(at)
-            dropped = [j for j in [*self._queue, *self._failed.values()] if j.step > at]
+            dropped = [j for j in self._queue if j.step > at] + self._outage.drop_after(at)
             self._queue = [j for j in self._queue if j.step <= at]
-            self._failed = {s: j for s, j in self._failed.items() if s <= at}
         end_superseded(dropped, f"not uploaded: set aside locally by the branch from step {at}")
         with self._cond:  # the sync thread takes them off the live branch as soon as it is free (one writer)
             self._aside.ask_hide(at)
@@ -230,9 +228,10 @@ class RemoteSync:
         Returns ``False`` if ``timeout`` ran out first (:meth:`unsynced_steps` says what is left).
         """
         with self._cond:
-            self._retry_now = True
+            self._outage.retry_now = True
             self._cond.notify_all()
-            return self._cond.wait_for(lambda: not self._queue and not self._busy and not self._failed, timeout)
+            return self._cond.wait_for(lambda: not self._queue and not self._busy and not self._outage.failed,
+                                       timeout)
 
     def apply_retention(self) -> None:
         """Apply ``keep_remote`` to the remote now (the sync thread also does after each upload)."""
@@ -251,7 +250,7 @@ class RemoteSync:
         if give_up:
             with self._cond:  # kept with the failed ones: still un-synced (protected, recorded), not retried
                 dropped, self._queue = self._queue, []
-                self._failed.update({j.step: j for j in dropped})
+                self._outage.failed.update({j.step: j for j in dropped})
                 self._gave_up = True
         for job in dropped:
             if not self._uploader.reported(job.step):
@@ -303,8 +302,7 @@ class RemoteSync:
             self._start()
         except Exception as e:  # unreachable, no bucket, no access: the first upload finds out and reports it
             with self._cond:
-                self.failures += 1  # counted like a failed upload: summary()["upload_failures"] shows the outage
-                self._down = True
+                self._outage.listing_failed()
             log.warning("listing %s failed (%s); the next upload tries again, and checkpoints stay local until "
                         "then", self._tier.url, e)
         finally:
@@ -313,8 +311,8 @@ class RemoteSync:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
-                self._cond.wait_for(lambda: self._queue or self._stopping or (self._failed and self._retry_now)
-                                    or self._aside.asked, self._retry_s if self._failed else None)
+                self._cond.wait_for(lambda: self._queue or self._stopping or self._outage.due() or self._aside.asked,
+                                    self._outage.wait_s())
                 hide = self._aside.asked
                 self._busy = hide
             if hide:
@@ -324,7 +322,7 @@ class RemoteSync:
                 if not self._queue:
                     if self._stopping:
                         return  # what failed stays committed locally; the next engine uploads it
-                    if self._failed:
+                    if self._outage.failed:
                         self._requeue_failed()  # the retry timer ran out, or drain() asked
                     if not self._queue:
                         continue
@@ -333,12 +331,8 @@ class RemoteSync:
             self._upload(job)
 
     def _requeue_failed(self) -> None:
-        """Queue the failed uploads again with what is queued (lock held): the newest first, then what the
-        remote policy keeps for good (milestones), then the rest, each oldest first."""
-        self._retry_now = False
-        jobs = [*self._failed.values(), *self._queue]
-        self._failed.clear()
-        self._queue = self._order.ordered(jobs)
+        """Queue the failed uploads again with what is queued (lock held), in :class:`UploadOrder`'s order."""
+        self._queue = self._order.ordered([*self._outage.take(), *self._queue])
         log.info("retrying the upload of steps %s to %s", [j.step for j in self._queue], self._tier.url)
 
     def _upload(self, job: SyncJob) -> None:
@@ -356,26 +350,15 @@ class RemoteSync:
         t0 = time.perf_counter()
         uploaded, announced, error = self._uploader.attempt(job, self.peers, unlisted)
         upload_s = time.perf_counter() - t0
-        vanished = not uploaded and not (job.local_ckpt / MANIFEST_NAME).exists()
-        if vanished:  # nothing to retry: say who lost it instead of a raw FileNotFoundError
-            error = wrapped(f"checkpoint step={job.step} was removed from {job.local_ckpt.parent} by another process "
-                            f"before its upload to {self._tier.url}; it is not retried", error)
+        lost = None if uploaded else self._uploader.lost(job, error)
+        vanished, error = lost is not None, lost or error
         with self._cond:
             self._active = None  # uploaded, or failed and kept (protected) for a retry
-            if vanished:
-                self.failures += 1
-            elif not uploaded:
-                self._failed[job.step] = job
-                self.failures += 1
-                self._down = True
-                self._retry_s = min(self._retry_s * 2, 60.0)
+            if not uploaded:
+                self._outage.upload_failed(job, vanished=vanished)
             else:
-                self._retry_s = self._tier.backoff_s
-                if self._down:
-                    self._down = False
-                    log.warning("%s is reachable again (after %d failed attempts); uploading what waited",
-                                self._tier.url, self.failures)
-                if self._failed and not self._gave_up:  # the remote is back: the newest un-synced next
+                self._outage.uploaded()
+                if self._outage.failed and not self._gave_up:  # the remote is back: the newest un-synced next
                     self._requeue_failed()
         if announced:  # the other ranks learn how it ended (and what is still un-synced)
             try:
@@ -383,9 +366,7 @@ class RemoteSync:
             except Exception as e:
                 error = error or e
         if uploaded:
-            job.handle._update(upload_s=upload_s, lag_s=time.monotonic() - job.committed_at,
-                               upload_gbps=job.manifest.nbytes / upload_s / 1e9 if upload_s > 0 else None,
-                               lag_steps=max(0, self._latest_step() - job.step))
+            job.uploaded(upload_s, latest_step=self._latest_step())
             try:
                 if error is None:
                     self._after_upload(job)
@@ -396,10 +377,9 @@ class RemoteSync:
     def _relist(self) -> BaseException | None:
         """List the remote if the start-up listing failed (an outage), once per upload attempt: nothing is
         uploaded before it is listed. ``None``, or why it still cannot be (the attempt's failure)."""
-        if self._known.listed:
-            return None
         try:
-            self._start()
+            if not self._known.listed:
+                self._start()
         except BaseException as e:  # still down: the attempt reports it, and is retried
             return e
         return None

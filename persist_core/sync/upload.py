@@ -3,7 +3,7 @@
 An attempt, in order: the lease is taken or renewed (another run's live lease: nothing is written); the old
 branch is set aside (:class:`~persist_core.sync.aside.RemoteAside`); the checkpoint goes up (written on several
 nodes: a round with the other ranks, :class:`~persist_core.sync.nodes.Coordinator`, manifest last); remote
-retention runs. The queue (:class:`~persist_core.sync.queue.RemoteSync`) decides what is attempted when and
+retention runs. The queue (:class:`~persist_core.sync.queue.UploadQueue`) decides what is attempted when and
 keeps the jobs; this holds none of them, only which steps' failures were reported already.
 """
 
@@ -15,8 +15,9 @@ from persist_core.errors import DirectoryInUseError
 from persist_core.handle import ErrorLedger
 from persist_core.policies.retention import Retainer
 from persist_core.sync.aside import RemoteAside
-from persist_core.sync.dependencies import check_on_remote
-from persist_core.sync.job import SyncJob, explain
+from persist_core.sync.references import check_on_remote
+from persist_core.layout import MANIFEST_NAME
+from persist_core.sync.job import SyncJob, explain, wrapped
 from persist_core.sync.lease import RemoteLease
 from persist_core.sync.nodes import Coordinator
 from persist_core.sync.order import KnownRemote
@@ -77,6 +78,14 @@ class Uploader:
         except BaseException as e:  # recorded on the handle, raised once by the engine
             return uploaded, announced, e
         return uploaded, announced, None
+
+    def lost(self, job: SyncJob, error: BaseException | None) -> BaseException | None:
+        """After a failed attempt: the error to report if ``job``'s local checkpoint is gone (another process removed
+        it: nothing to retry, said instead of a raw ``FileNotFoundError``), else ``None``."""
+        if (job.local_ckpt / MANIFEST_NAME).exists():
+            return None
+        return wrapped(f"checkpoint step={job.step} was removed from {job.local_ckpt.parent} by another process "
+                       f"before its upload to {self._tier.url}; it is not retried", error)
 
     def apply_retention(self) -> None:
         """Apply remote retention now, where this run holds the lease (or there is none)."""

@@ -94,5 +94,5 @@ def test_compact_keeps_the_changed_entries_in_order_in_place_and_the_file_parses
 def test_the_retainer_spares_what_a_staying_checkpoint_references():
     tier = FakeTier(1, 2, 3, 4, 5)
     deps = {3: {1}, 5: {2}}
-    Retainer(tier, KeepLastN(2), dependencies=lambda s: deps.get(s, set())).apply()
+    Retainer(tier, KeepLastN(2), references=lambda s: deps.get(s, set())).apply()
     assert sorted(tier.steps) == [2, 4, 5]  # 4 and 5 by the policy, 2 as 5 references it; 1 only by 3, which goes

@@ -30,7 +30,7 @@ class FakeTier:
 
 
 @pytest.mark.parametrize(
-    ("policy", "protected", "depended_on", "left"),
+    ("policy", "protected", "referenced", "left"),
     [
         (None, set(), set(), [1, 2, 3, 4, 5]),  # no policy keeps everything
         (KeepLastN(1), set(), set(), [5]),
@@ -41,10 +41,10 @@ class FakeTier:
         (AnyOf(KeepLastN(1), KeepEveryNSteps(2)), set(), {3}, [2, 3, 4, 5]),
     ],
 )
-def test_a_pass_removes_what_the_policy_lets_go_and_nothing_protected_or_depended_on(policy, protected, depended_on,
+def test_a_pass_removes_what_the_policy_lets_go_and_nothing_protected_or_referenced(policy, protected, referenced,
                                                                                       left):
     tier = FakeTier(1, 2, 3, 4, 5)
-    removed = Retainer(tier, policy, protected=lambda: set(protected), depended_on=lambda: set(depended_on)).apply()
+    removed = Retainer(tier, policy, protected=lambda: set(protected), referenced=lambda: set(referenced)).apply()
     assert sorted(tier.steps) == left
     assert [c.step for c in removed] == sorted({1, 2, 3, 4, 5} - set(left))
     assert tier.removed == sorted({1, 2, 3, 4, 5} - set(left), reverse=True)  # the newest first: no dangling reference
@@ -53,7 +53,7 @@ def test_a_pass_removes_what_the_policy_lets_go_and_nothing_protected_or_depende
 def test_the_sets_are_read_at_each_pass():
     tier = FakeTier(1, 2, 3)
     depended: set[int] = {1}
-    retainer = Retainer(tier, KeepLastN(1), depended_on=lambda: set(depended))
+    retainer = Retainer(tier, KeepLastN(1), referenced=lambda: set(depended))
     retainer.apply()
     assert sorted(tier.steps) == [1, 3]
     depended.clear()  # nothing depends on 1 any more: the next pass lets it go

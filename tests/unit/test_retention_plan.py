@@ -51,7 +51,7 @@ REFS = {3: {1}, 4: {2}, 5: {4}}
     ],
 )
 def test_reasons_table(steps, policy, held, refs, reasons):
-    plan = plan_retention(ckpts(*steps), policy, context=CTX, held=held, dependencies=lambda s: set(refs.get(s, ())))
+    plan = plan_retention(ckpts(*steps), policy, context=CTX, held=held, references=lambda s: set(refs.get(s, ())))
     assert [d.step for d in plan.decisions] == sorted(steps)
     assert [d.reason for d in plan.decisions] == reasons
     assert [d.step for d in plan.removals] == sorted((d.step for d in plan.decisions if d.reason is P), reverse=True)
@@ -59,7 +59,7 @@ def test_reasons_table(steps, policy, held, refs, reasons):
 
 def test_a_decision_says_what_the_policy_alone_said_and_who_references_it():
     plan = plan_retention(ckpts(1, 2, 3, 4, 5), KeepLastN(2), context=CTX, held={1: UNS},
-                          dependencies=lambda s: set(REFS.get(s, ())))
+                          references=lambda s: set(REFS.get(s, ())))
     by_step = {d.step: d for d in plan.decisions}
     assert [by_step[s].policy_keeps for s in (1, 2, 3, 4, 5)] == [False, False, False, True, True]
     assert by_step[2].referenced_by == (4,) and by_step[1].referenced_by == ()
@@ -67,16 +67,16 @@ def test_a_decision_says_what_the_policy_alone_said_and_who_references_it():
     assert by_step[3].as_dict()["reason"] == "prune" and by_step[3].removed and not by_step[4].removed
 
 
-def test_dependencies_are_read_only_for_staying_checkpoints_and_only_when_one_would_go():
+def test_references_are_read_only_for_staying_checkpoints_and_only_when_one_would_go():
     read: list[int] = []
 
     def deps(step: int) -> set[int]:
         read.append(step)
         return set(REFS.get(step, ()))
 
-    plan_retention(ckpts(1, 2, 3), KeepLastN(5), context=CTX, dependencies=deps)
+    plan_retention(ckpts(1, 2, 3), KeepLastN(5), context=CTX, references=deps)
     assert read == []  # nothing goes: no manifest read
-    plan_retention(ckpts(1, 2, 3, 4, 5), KeepLastN(1), context=CTX, dependencies=deps)
+    plan_retention(ckpts(1, 2, 3, 4, 5), KeepLastN(1), context=CTX, references=deps)
     assert 1 not in read and 3 not in read and read.count(5) == 1  # what goes is never asked; each step once
 
 
@@ -106,8 +106,8 @@ class FakeTier:
 
 def test_the_retainer_applies_the_plan_it_makes():
     tier = FakeTier(1, 2, 3, 4, 5)
-    retainer = Retainer(tier, KeepLastN(1), protected=lambda: {1}, depended_on=lambda: {3},
-                        dependencies=lambda s: set(REFS.get(s, ())))
+    retainer = Retainer(tier, KeepLastN(1), protected=lambda: {1}, referenced=lambda: {3},
+                        references=lambda s: set(REFS.get(s, ())))
     plan = retainer.plan()
     assert [d.reason for d in plan.decisions] == [UNS, REF, DEP, REF, NEW]
     assert tier.removed == []  # planning removes nothing

@@ -24,7 +24,7 @@ from persist_core import (
     RemoteError,
 )
 from tests.support.states import assert_state_equal
-from persist_core.sync.queue import RemoteSync
+from persist_core.sync.queue import UploadQueue
 from tests.support.fakes import GatedUploads
 from functools import partial
 from tests.support import states
@@ -263,13 +263,13 @@ def test_close_after_the_remote_timed_out_does_not_upload_the_queue_first(tmp_pa
         engine.save(state_for(step), step=step)
     with pytest.raises(RemoteError, match=r"un-synced steps \[1, 2, 3\]"):
         engine.wait()
-    stop = RemoteSync._stop
+    stop = UploadQueue._stop
 
     def stop_then_open(sync):  # the upload under way (step 1) ends once close stopped the queue
         stop(sync)
         gate.gate.set()
 
-    monkeypatch.setattr(RemoteSync, "_stop", stop_then_open)
+    monkeypatch.setattr(UploadQueue, "_stop", stop_then_open)
     with pytest.raises(RemoteError):
         engine.close()  # raised again: still un-synced
     assert gate.started == [1]
@@ -285,7 +285,7 @@ def test_a_nearly_full_disk_with_a_healthy_remote_fails_as_it_would_without_one(
     """A disk with under 10% free and an upload under way (the remote answering): the save is not refused for the
     remote's backlog ("uploads failing: 0 attempts"); the shard's write fails on the full disk, and says so."""
     from persist_core.errors import WriteError
-    from persist_core.sync import syncer
+    from persist_core.sync import side
     from tests.support.fakes import FailingOps
 
     gate = GatedUploads(monkeypatch)
@@ -296,7 +296,7 @@ def test_a_nearly_full_disk_with_a_healthy_remote_fails_as_it_would_without_one(
     if remote:
         assert gate.first_started.wait(60)  # step 1 is uploading: un-synced, nothing failed
     total = shutil.disk_usage(root).total
-    monkeypatch.setattr(syncer.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(total, total, total // 20))
+    monkeypatch.setattr(side.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(total, total, total // 20))
     ops.fail_at = ops.calls + 1  # the disk is full from here
     with pytest.raises(WriteError) as caught:
         engine.save(state_for(2), step=2).wait_local()

@@ -1,4 +1,4 @@
-"""The upload queue (:class:`RemoteSync`) on its own, over a fake remote: the order uploads go in, newer jobs
+"""The upload queue (:class:`UploadQueue`) on its own, over a fake remote: the order uploads go in, newer jobs
 superseding queued ones the remote policy drops, protection of what is not uploaded, and listing an unreachable
 remote once per attempt. Synchronised with events and handles, no sleeps."""
 
@@ -14,7 +14,7 @@ from persist_core import AnyOf, CheckpointInfo, ConfigError, KeepEveryNSteps, Ke
 from persist_core.handle import ErrorLedger, SaveHandle, SaveStats
 from persist_core.layout import MANIFEST_NAME
 from persist_core.sync.job import SyncJob
-from persist_core.sync.queue import RemoteSync
+from persist_core.sync.queue import UploadQueue
 
 
 class FakeRemote:
@@ -73,13 +73,13 @@ class FakeRemote:
 @pytest.fixture
 def make(tmp_path):
     """``make(remote, keep_remote=...) -> (sync, job)``: a started queue, and ``job(step)`` that makes a job."""
-    queues: list[RemoteSync] = []
+    queues: list[UploadQueue] = []
 
     def build(remote: FakeRemote, keep_remote=None, local: dict[int, SyncJob] | None = None,
-              backlog: list[SyncJob] = ()) -> tuple[RemoteSync, object]:
+              backlog: list[SyncJob] = ()) -> tuple[UploadQueue, object]:
         """``local``: the committed local checkpoints a job may reference (uploaded again when the remote lacks
         them); ``backlog``: the jobs an earlier run left."""
-        sync = RemoteSync(remote, keep_remote=keep_remote, ledger=ErrorLedger(), backlog=lambda steps: list(backlog),
+        sync = UploadQueue(remote, keep_remote=keep_remote, ledger=ErrorLedger(), backlog=lambda steps: list(backlog),
                           after_upload=lambda job: None, latest_step=lambda: 0,
                           local_job=lambda step: (local or {}).get(step))
         queues.append(sync)

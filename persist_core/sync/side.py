@@ -1,14 +1,14 @@
-"""This rank's side of "not yet uploaded" (:class:`Syncer`): the one object the pipeline talks to.
+"""This rank's side of "not yet uploaded" (:class:`SyncSide`): the one object the pipeline talks to.
 
 What a rank does depends on where it is: rank 0 with a ``remote_url`` runs the upload queue
-(:class:`~persist_core.sync.queue.RemoteSync`); on several nodes, every other rank follows rank 0's upload
+(:class:`~persist_core.sync.queue.UploadQueue`); on several nodes, every other rank follows rank 0's upload
 rounds (:class:`~persist_core.sync.nodes.Follower`); without a remote, nothing is uploaded. Whichever it is,
-:meth:`Syncer.protected` is what local retention must keep here, and the un-synced record
+:meth:`SyncSide.protected` is what local retention must keep here, and the un-synced record
 (:class:`~persist_core.sync.record.UnsyncedRecord`) is rewritten when that may have changed.
 
-Who calls what: the training thread constructs it, calls :meth:`~Syncer.start` once the pipeline's callbacks
-can run, :meth:`~Syncer.check_backlog` before a save, :meth:`~Syncer.drain` and :meth:`~Syncer.close`; the
-writer thread calls :meth:`~Syncer.committed` after each commit and :meth:`~Syncer.on_nodes` at the first
+Who calls what: the training thread constructs it, calls :meth:`~SyncSide.start` once the pipeline's callbacks
+can run, :meth:`~SyncSide.check_backlog` before a save, :meth:`~SyncSide.drain` and :meth:`~SyncSide.close`; the
+writer thread calls :meth:`~SyncSide.committed` after each commit and :meth:`~SyncSide.on_nodes` at the first
 save; the sync thread calls back ``after_upload``; a follower thread calls back ``retain``.
 """
 
@@ -32,7 +32,7 @@ from persist_core.sync.job import SyncJob
 from persist_core.run_ids import run_id_of
 from persist_core.sync.lease import RemoteLease
 from persist_core.sync.nodes import Coordinator, Follower, uploads_channel
-from persist_core.sync.queue import RemoteSync
+from persist_core.sync.queue import UploadQueue
 from persist_core.sync.record import UnsyncedRecord, read_backlog
 from persist_core.tiers.local import checkpoint_dir, discover, read_manifest
 from persist_core.tiers.remote import RemoteTier
@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # the save flow's type only: the save flow hands to sync, nev
 log = logging.getLogger(__name__)
 
 
-class Syncer:
+class SyncSide:
     """This rank's side of uploads: the queue (rank 0) or the rounds (other nodes), protection, the record.
 
     Args:
@@ -87,7 +87,7 @@ class Syncer:
         self._record = None if tier is None else UnsyncedRecord(
             root, tier.url, self.protected, newest=lambda: max(self._committed_steps(), default=None))
         #: the upload queue (rank 0 with a remote), else ``None``
-        self.queue = None if tier is None or coll.rank != 0 else RemoteSync(
+        self.queue = None if tier is None or coll.rank != 0 else UploadQueue(
             tier, keep_remote=keep_remote, ledger=ledger, backlog=self._backlog, after_upload=after_upload,
             latest_step=latest_step, lease=RemoteLease(tier, run_id_of(root, run_id),
                                                        ttl_s=remote_lease_s()),
@@ -201,7 +201,7 @@ class Syncer:
                        handle=SaveHandle(SaveStats(step=step, nbytes=manifest.nbytes)))
 
     def backlog(self) -> dict[str, float | int | None]:
-        """How far behind the remote is (see :meth:`RemoteSync.backlog`); empty where this rank has no queue."""
+        """How far behind the remote is (see :meth:`UploadQueue.backlog`); empty where this rank has no queue."""
         return {} if self.queue is None else self.queue.backlog()
 
     def prune(self) -> None:

@@ -2,10 +2,10 @@
 
 A checkpoint that another references (its manifest's ``depends_on()``) must be on the remote before the manifest of
 the one referencing it goes up, and must stay there while that one does. So, in the queue
-(:class:`~persist_core.sync.queue.RemoteSync`):
+(:class:`~persist_core.sync.queue.UploadQueue`):
 
 * a queued job that another un-synced job references is never superseded (:func:`spared`);
-* a job goes after the queued jobs it references (:func:`dependencies_first`);
+* a job goes after the queued jobs it references (:func:`referenced_first`);
 * a job whose referenced checkpoints are neither on the remote nor queued gets them queued first, uploaded again from
   the local disk (:func:`missing`: the remote lost one, or a start-up backlog names only the dependent);
 * an upload whose referenced checkpoints are still not on the remote fails before anything is written
@@ -25,7 +25,7 @@ from persist_core.errors import RemoteError
 from persist_core.format.manifest import Manifest
 from persist_core.sync.job import SyncJob
 
-__all__ = ["References", "check_on_remote", "dependencies_first", "missing", "referenced_by", "spared"]
+__all__ = ["References", "check_on_remote", "referenced_first", "missing", "referenced_by", "spared"]
 
 
 def _depends(job: SyncJob) -> set[int]:
@@ -50,7 +50,7 @@ def spared(dropped: list[SyncJob], others: list[SyncJob]) -> list[SyncJob]:
             del gone[step]
 
 
-def dependencies_first(jobs: list[SyncJob]) -> list[SyncJob]:
+def referenced_first(jobs: list[SyncJob]) -> list[SyncJob]:
     """``jobs`` in the same order, except that each one comes after the jobs among them it references."""
     by_step = {j.step: j for j in jobs}
     out: list[SyncJob] = []
