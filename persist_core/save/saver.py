@@ -83,13 +83,7 @@ class Saver:
         """Stage ``state`` as ``step`` and hand it on (``lineage``: recorded in its manifest); see
         :meth:`CheckpointEngine.save`."""
         t0, decided_at = time.perf_counter(), self._history.now()
-        self._overlap.fence()  # the previous guarded save's copy goes to the writer first: saves stay in order
-        self._ledger.raise_first()
-        step = _knobs.check_step(step)
-        _knobs.check_metadata(metadata)
-        self._check_step(step, resumed_at)
-        if self._snapshots is not None:
-            self._snapshots.branch(step)
+        step = self._begin(step, metadata, resumed_at)
         replace = step == resumed_at  # the step resumed from, saved again (Lightning does, with accumulation)
         if self._snapshots is not None:
             self._snapshots.wait()  # the previous snapshot is committed before this one may take a slot
@@ -137,6 +131,21 @@ class Saver:
                   handle.stats.staging_s)
         return handle
 
+    def _begin(self, step: int, metadata: dict[str, Any] | None, resumed_at: int | None) -> int:
+        """The prologue a save and a snapshot share, before either plans or stages: the previous guarded copy handed
+        on (saves stay in order), a background failure raised once, the step and metadata checked, the run's
+        timeline asked (a step past an older one resumed from starts the branch; with several ranks, a collective
+        call the first time), then the memory tier told (its records of newer steps are the branch gone back from).
+        The step, checked."""
+        self._overlap.fence()
+        self._ledger.raise_first()
+        step = _knobs.check_step(step)
+        _knobs.check_metadata(metadata)
+        self._check_step(step, resumed_at)
+        if self._snapshots is not None:
+            self._snapshots.branch(step)
+        return step
+
     def _unchanged(self, base: Manifest, copies: list, step: int) -> Unstaged | None:
         """Incremental, one process: the host tensors the newest committed checkpoint holds, hashed where they lie and
         left out of the copy (:meth:`~persist_core.save.dedup.Incremental.before_copy`)."""
@@ -160,12 +169,7 @@ class Saver:
         whatever the other ranks hold); a ``DTensor`` leaf, its whole local part (a snapshot of rank ``part``,
         loaded into sharded targets)."""
         assert self._snapshots is not None
-        self._overlap.fence()
-        self._ledger.raise_first()
-        step = _knobs.check_step(step)
-        _knobs.check_metadata(metadata)
-        self._check_step(step, resumed_at)  # a snapshot past an older step resumed from starts the branch, as a save
-        self._snapshots.branch(step)
+        step = self._begin(step, metadata, resumed_at)
         one = self.disk_is_snapshot
         plan = plan_rank(state, rank=0, world_size=1, torch_loadable=self._torch_loadable and one,
                          replica_check=self._replica_check, seed=step,
