@@ -19,7 +19,8 @@ _LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
 
 
 def _locks_of(engine: CheckpointEngine) -> list:
-    """Every lock and condition the engine and its parts hold (one level into each part)."""
+    """Every lock and condition the engine and its parts hold (one level into each part: the facade's own and those
+    of ``engine._parts``, what the engine is made of, and the writer)."""
     found: dict[int, object] = {}
 
     def visit(obj: object) -> None:
@@ -30,7 +31,7 @@ def _locks_of(engine: CheckpointEngine) -> list:
                 found.setdefault(id(value), value)
 
     visit(engine)
-    for part in list(vars(engine).values()):
+    for part in [*vars(engine).values(), *vars(engine._parts).values(), engine._parts.pipeline.writer]:
         if hasattr(part, "__dict__") and type(part).__module__.startswith("persist_core"):
             visit(part)
     return list(found.values())
