@@ -71,7 +71,7 @@ class Pipeline:
         local = LocalTier(root)
         planned = self.incremental.planned if self.incremental is not None else set
         self.local = Retainer(local, config.keep_local, protected=lambda: self.sync.protected(),
-                              referenced=lambda: planned() | local.abandoned_depend_on(),
+                              referenced=lambda: planned() | local.abandoned_referenced(),
                               references=local.depends_on)
         #: set-aside branches are kept, but one warning says when they hold more than the live branch
         self.abandoned = AbandonedWatch(local, str(root))

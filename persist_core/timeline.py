@@ -10,7 +10,7 @@ uploaded beside another run's checkpoints.
 
 The engine asks :meth:`Timeline.check` before every save (caller's thread). Setting aside is one
 durable rename per local checkpoint (:meth:`LocalTier.set_aside`), done at once, and a request to
-the upload queue (:meth:`RemoteSync.start_branch`), whose :class:`~persist_core.sync.aside.RemoteAside`
+the upload queue (:meth:`UploadQueue.start_branch`), whose :class:`~persist_core.sync.aside.RemoteAside`
 moves the remote's newer checkpoints before its next upload (sync thread). Set-aside checkpoints are kept, listed as abandoned,
 never pruned and never the latest: retention and ``load()`` see only the live branch.
 """
@@ -27,7 +27,7 @@ from persist_core.tiers.local import LocalTier
 
 
 class Uploads(Protocol):
-    """What the timeline needs of the upload queue (:class:`~persist_core.sync.queue.RemoteSync`)."""
+    """What the timeline needs of the upload queue (:class:`~persist_core.sync.queue.UploadQueue`)."""
 
     def known_steps(self) -> set[int]: ...
 

@@ -86,7 +86,7 @@ def _remove_abandoned(loc: Location, *, dry_run: bool, say: Callable[[str], Any]
     checkpoint references: a live checkpoint's references name live, older checkpoints by step (resolved under their
     live names), a branch sets aside only steps newer than the one it resumed from, and every save after it
     references the live branch. What a set-aside checkpoint references is live (kept from retention while it is:
-    :meth:`LocalTier.abandoned_depend_on`), and no longer held once it goes.
+    :meth:`LocalTier.abandoned_referenced`), and no longer held once it goes.
     """
     found = loc.tier.abandoned()
     for info in sorted(found, key=lambda c: -c.step):  # the newest first: references point back only
@@ -184,7 +184,7 @@ def gc(ctx: click.Context, location: str, keep_last: int | None, keep_every_n_st
     good = None if verify_all or no_verify else _newest_verified(loc, counted, say)  # --verify: every counted one does
     if good is not None and good != counted[-1]:  # (the newest is kept as the newest)
         held.setdefault(good, RetentionReason.NEWEST_VERIFIED)
-    retainer = Retainer(loc.tier, policy, held=lambda: held, dependencies=partial(_depends_on, loc))
+    retainer = Retainer(loc.tier, policy, held=lambda: held, references=partial(_depends_on, loc))
     plan = retainer.plan(listed)
     verb = "would remove" if dry_run else "removed"
 

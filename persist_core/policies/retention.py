@@ -236,7 +236,6 @@ class Retainer:
             read at each pass; kept whatever the policy says while they are (:attr:`~RetentionReason.DEPENDED_ON`).
         references: ``references(step)``: the checkpoints committed checkpoint ``step`` references (its
             manifest's ``depends_on()``); a checkpoint that one kept references is kept, counted by no policy.
-            (``dependencies``: its former name, still taken: ``persist gc``'s call.)
         held: more steps kept whatever the policy says, each with its guard, read at each pass (``persist gc``: the
             newest checkpoint that verifies).
     """
@@ -244,13 +243,12 @@ class Retainer:
     def __init__(self, tier: Tier, policy: RetentionPolicy | None, protected: Callable[[], set[int]] = set,
                  referenced: Callable[[], set[int]] = set,
                  references: Callable[[int], set[int]] | None = None,
-                 held: Callable[[], Mapping[int, RetentionReason]] = dict,
-                 dependencies: Callable[[int], set[int]] | None = None) -> None:
+                 held: Callable[[], Mapping[int, RetentionReason]] = dict) -> None:
         self.tier = tier
         self.policy = policy
         self._protected = protected
         self._referenced = referenced
-        self._references = references if references is not None else dependencies
+        self._references = references
         self._held = held
         self._lock = threading.Lock()
 

@@ -291,7 +291,7 @@ class LocalTier:
         fsync_dir(self.root)
         log.info("[step=%d] set aside in %s: the run resumed from step %d and saved past it", step, self.root, at)
 
-    def abandoned_depend_on(self) -> set[int]:
+    def abandoned_referenced(self) -> set[int]:
         """The live checkpoints that the set-aside ones reference (incremental saves): kept while they are."""
         return {dep for _, _, m, _ in self.abandoned_manifests() for dep in m.depends_on()}
 
