@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         baselines.append(block(loop, steps, args.every, 1, None)[0])
         result.baseline_s = baselines[-2:]
         results.append(result)
-        progress(row(result, *floor_seconds(floors, nbytes))  # what a run cut short still shows
+        progress(table(HEADER, [row(result, *floor_seconds(floors, nbytes))])[-1]  # what a run cut short still shows
                  + f" block {result.block_s:.2f} s, baseline {statistics.mean(result.baseline_s):.2f} s")
     restores = restore(methods, {r.method.key: r for r in results}, loop, args.repeat)
     shutil.rmtree(args.dir, ignore_errors=True)
