@@ -34,7 +34,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from accelerate_persist import PersistHook  # noqa: E402
-from benchmarks._common import copy_floor, fsync_tree, tensors  # noqa: E402
+from benchmarks._common import copy_floor, fsync_tree, print_table, tensors  # noqa: E402
 
 
 def setup(layers: int, width: int):
@@ -104,11 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("copy_ floor", floor_s, None), ("Accelerate save_state", statistics.median(plain_stall),
                                              statistics.median(plain_durable)),
             ("save_state with PersistHook", statistics.median(hook_stall[1:]), statistics.median(hook_durable[1:]))]
-    print("\n| method | stall (ms) | stall / floor | save→durable (s) | GB/s to durable |")
-    print("|---|---:|---:|---:|---:|")
-    for name, stall, durable in rows:
-        print(f"| {name} | {stall * 1e3:.0f} | {stall / floor_s:.2f}x | "
-              f"{'-' if durable is None else f'{durable:.2f}'} | {'-' if durable is None else f'{nbytes / durable / 1e9:.2f}'} |")
+    print_table(["method", "stall (ms)", "stall / floor", "save→durable (s)", "GB/s to durable"],
+                [[name, f"{stall * 1e3:.0f}", f"{stall / floor_s:.2f}x", None if durable is None else f"{durable:.2f}",
+                  None if durable is None else f"{nbytes / durable / 1e9:.2f}"] for name, stall, durable in rows])
     hook_s, plain_s = rows[2][1], rows[1][1]
     print(f"\nhook stall / floor = {hook_s / floor_s:.2f}x (bar <= 1.5x); Accelerate's stall / hook's = "
           f"{plain_s / hook_s:.1f}x (bar >= 5x)")

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import alternate, cpu_model, nbytes, training_state  # noqa: E402
+from benchmarks._common import alternate, cpu_model, nbytes, print_table, training_state  # noqa: E402
 from persist_core import CheckpointEngine, Continuous, KeepLastN  # noqa: E402
 
 
@@ -75,14 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     bare = [r[0] for r in results["no saves"]]
     print(f"CPU-bound steps: 4 x Linear({args.width}) + Adam ({nbytes(training_state(model, opt)) / 1e9:.2f} GB saved), {torch.get_num_threads()} "
           f"intra-op threads, saving continuously, {args.rounds} rounds of {args.block} steps")
-    print(f"{'':>12} {'step':>8} {'/ no saves':>11} {'saves/block':>12} {'C per save':>11}")
-    cost = {}
+    cost, cells = {}, []
     for kind in kinds:
         step_s = med(r[0] for r in results[kind])
         per = [(r[0] - b) * args.block / r[1] for r, b in zip(results[kind], bare) if r[1]]
         cost[kind] = med(per) if per else None
-        print(f"{kind:>12} {step_s * 1e3:>6.1f}ms {step_s / med(bare):>10.3f}x {med(r[1] for r in results[kind]):>12.1f} "
-              + (f"{cost[kind] * 1e3:>9.1f}ms" if cost[kind] is not None else f"{'-':>11}"))
+        cells.append([kind, f"{step_s * 1e3:.1f} ms", f"{step_s / med(bare):.3f}x", f"{med(r[1] for r in results[kind]):.1f}",
+                      None if cost[kind] is None else f"{cost[kind] * 1e3:.1f} ms"])
+    print_table(["", "step", "/ no saves", "saves/block", "C per save"], cells)
     if cost["guarded"] and cost["not guarded"]:
         print(f"C guarded / not guarded: {cost['guarded'] / cost['not guarded']:.2f}x (above 1: on this host the overlap "
               "costs more than the copy it hides)")

@@ -64,9 +64,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common.jobs import resumable_job, under_failures  # noqa: E402
+from benchmarks._common import jobs  # noqa: E402
+from benchmarks._common.kills import under_failures  # noqa: E402
 from benchmarks._common.models import alternate, mean_interval, median  # noqa: E402
-from persist_core import Continuous, EveryNSteps, MemoryTier, OptimalInterval  # noqa: E402
+from benchmarks._common.tables import table  # noqa: E402
 
 #: glibc's malloc told never to hand freed memory back to the kernel (``--steady-malloc``, the default). With its
 #: defaults a CPU-bound job's process lands, at random, in one of two modes for its whole life: tens of MB freed
@@ -77,29 +78,14 @@ from persist_core import Continuous, EveryNSteps, MemoryTier, OptimalInterval  #
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(16 << 30)}
 
 
-def child(local_dir: str, policy_text: str, width: int, setting: str, step_ms: float, guard: bool = True,
-          memory_dir: str | None = None) -> None:
-    """One training process (``benchmarks._common.jobs``), its save policy from ``policy_text`` (``Memory(n)``:
-    the memory tier every ``n`` steps in ``memory_dir`` and no disk saves)."""
-    memory = re.fullmatch(r"Memory\((\d+)\)", policy_text)
-    if memory:
-        resumable_job(local_dir, None, width, setting, step_ms, guard,
-                      memory=MemoryTier(every_n_steps=int(memory.group(1)), memory_dir=memory_dir))
-        return
-    policy = eval(policy_text, {"Continuous": Continuous, "EveryNSteps": EveryNSteps, "OptimalInterval": OptimalInterval})
-    resumable_job(local_dir, policy, width, setting, step_ms, guard)
-
-
 def run_policy(policy: str, args: argparse.Namespace, setting: str, failures: list[float], local: Path) -> dict:
     """One job under ``policy`` (``Memory(n)``: the memory tier every n steps, no disk saves) for ``--horizon``
-    seconds of wall time, SIGKILLed at the absolute times ``failures`` (:func:`benchmarks._common.jobs.
+    seconds of wall time, SIGKILLed at the absolute times ``failures`` (:func:`benchmarks._common.kills.
     under_failures`)."""
     memory_dir = Path(args.memory_root) / local.name if policy.startswith("Memory(") else None
-    command = [sys.executable, __file__, "--child", str(local), "--policy", policy,
-               "--width", str(args.accel_width if setting == "accel" else args.width), "--setting", setting,
-               "--step-ms", str(args.step_ms), "--guard", str(int(setting == "accel" or args.cpu_guard))]
-    if memory_dir is not None:
-        command += ["--memory-dir", str(memory_dir)]
+    command = jobs.command(local, policy, width=args.accel_width if setting == "accel" else args.width,
+                           setting=setting, step_ms=args.step_ms, guard=setting == "accel" or args.cpu_guard,
+                           memory_dir=memory_dir)
     env = {**os.environ, **(STEADY_MALLOC if args.steady_malloc else {}), **({"OMP_NUM_THREADS": "1"} if args.smoke else {})}
     return under_failures(command, env, local=local, memory_dir=memory_dir, horizon_s=args.horizon,
                           failures=failures, smoke=args.smoke)
@@ -199,13 +185,13 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
         restart_s = median([x for rs in runs.values() for r in rs for x in r["restarts"]]) or 0.0
         n_fail = [sum(1 for f in s if f < args.horizon) for s in sequences]
         predicted = {}
-        table = [f"MTBF {mtbf:g} s — {sum(n_fail)} failures in {args.seeds} x {args.horizon:g} s (the same for every "
-                 f"policy). Young/Daly: sqrt(2 C MTBF) = {best:.2f} s = {best / cal['step_s']:.1f} steps; continuous "
-                 f"(a save every D = {cal['D']:.3f} s, at most one a step) is the best interval only when that is "
-                 f"<= D: {'yes' if best <= max(cal['D'], cal['step_s']) else 'no'}", "",
-                 "| policy | goodput (steps/s) | restart-normalized | Young/Daly predicts | work lost / failure "
-                 "| P50 interval | P50 interval / D | stalled | slower while writing | fence waits |",
-                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        report = [f"MTBF {mtbf:g} s — {sum(n_fail)} failures in {args.seeds} x {args.horizon:g} s (the same for every "
+                  f"policy). Young/Daly: sqrt(2 C MTBF) = {best:.2f} s = {best / cal['step_s']:.1f} steps; continuous "
+                  f"(a save every D = {cal['D']:.3f} s, at most one a step) is the best interval only when that is "
+                  f"<= D: {'yes' if best <= max(cal['D'], cal['step_s']) else 'no'}", ""]
+        header = ["policy", "goodput (steps/s)", "restart-normalized", "Young/Daly predicts", "work lost / failure",
+                  "P50 interval", "P50 interval / D", "stalled", "slower while writing", "fence waits"]
+        cells = []
         rows = {}
         for name, _ in policies:
             rs = runs[name]
@@ -228,12 +214,13 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
                 "slow": median([x.get("write_slowdown") for x in summaries]),
                 "fence": median([r["summary"]["fence_s"] for r in rs if r["summary"]])}
             ratio = "-" if not row["p50"] or not row["save"] else f"{row['p50'] / row['save']:.2f}x"
-            table.append(f"| {name} | {row['goodput']:.2f} | {statistics.mean(row['norm']):.2f} | "
-                         f"{predicted[name]:.2f} | {row['lost']:.1f} steps | "
-                         f"{'-' if row['p50'] is None else format(row['p50'], '.2f') + ' s'} | {ratio} | "
-                         f"{'-' if row['stalled'] is None else format(row['stalled'], '.1%')} | "
-                         f"{'-' if row['slow'] is None else format(row['slow'], '.0%')} | "
-                         f"{'-' if row['fence'] is None else format(row['fence'], '.2f') + ' s'} |")
+            cells.append([name, f"{row['goodput']:.2f}", f"{statistics.mean(row['norm']):.2f}",
+                          f"{predicted[name]:.2f}", f"{row['lost']:.1f} steps",
+                          None if row["p50"] is None else f"{row['p50']:.2f} s", ratio,
+                          None if row["stalled"] is None else f"{row['stalled']:.1%}",
+                          None if row["slow"] is None else f"{row['slow']:.0%}",
+                          None if row["fence"] is None else f"{row['fence']:.2f} s"])
+        report += table(header, cells)
         fixed_names = [n for n, _ in policies[: len(grid)]]
 
         # the best fixed interval tried: the one with the best (restart-normalized) goodput over the cell's
@@ -267,12 +254,12 @@ def run_setting(setting: str, args: argparse.Namespace, out: Path, mtbfs: list[f
                 + ("" if h is None else f"; against the fixed interval best on the other sequences (no selection "
                                         f"bias) {h:.3f}x") + ")"
                 for kind, ((ratio, k), h) in versions.items()]
-        table += ["", "goodput, restart-normalized: " + "; ".join(said)
+        report += ["", "goodput, restart-normalized: " + "; ".join(said)
                   + ("" if names["continuous"] is None else
                      f"; continuous: P50 interval / save duration {'-' if p50 is None else format(p50, '.2f') + 'x'}"),
                   ""]
-        print("\n".join(table), flush=True)
-        lines += table
+        print("\n".join(report), flush=True)
+        lines += report
     return lines, verdicts
 
 
@@ -302,11 +289,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default="bench-out")
     parser.add_argument("--memory-root", default="/dev/shm/torch-persist-goodput",
                         help="a tmpfs for the memory tier's jobs")
-    parser.add_argument("--memory-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--policy", help=argparse.SUPPRESS)
-    parser.add_argument("--setting", help=argparse.SUPPRESS)
-    parser.add_argument("--guard", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--cpu-guard", action=argparse.BooleanOptionalAction, default=False,
                         help="guard the optimizer in the cpu setting, as in the accel one (default: --no-cpu-guard, "
                              "save() copies everything before it returns, which costs this host's CPU-bound steps less "
@@ -316,9 +298,6 @@ def main(argv: list[str] | None = None) -> int:
                              "--no-steady-malloc: glibc's defaults, under which a CPU-bound process's steps are "
                              "fast or slow at random for its whole life on this VM")
     args = parser.parse_args(argv)
-    if args.child:
-        child(args.child, args.policy, args.width, args.setting, args.step_ms, bool(args.guard), args.memory_dir)
-        return 0
     args.policies = [p.strip() for p in args.policies.split(",")]
     unknown = set(args.policies) - {"fixed", "continuous", "optimal", "memory"}
     if unknown:

@@ -65,7 +65,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import copy_floor, differences, disk_gbps, drop_cached, leaves, median, tree_map  # noqa: E402
+from benchmarks._common import copy_floor, differences, disk_gbps, drop_cached, leaves, median, table  # noqa: E402
+from benchmarks._common import tree_map  # noqa: E402
 from benchmarks._common.savers import Method, Save, State, all_methods  # noqa: E402
 
 
@@ -219,20 +220,24 @@ def floor_seconds(floors: dict[str, Any], nbytes: int) -> tuple[float, float]:
     return d2h, nbytes / 1e9 / floors["disk_gbps"]
 
 
-def row(r: Result, d2h: float, disk_s: float) -> str:
+HEADER = ["method", "saves", "C per save (ms)", "C / D2H floor", "loop slowdown", "blocking (ms)",
+          "blocking / D2H floor", "update waited (ms)", "save→durable (s)", "durable / disk floor", "drain (s)", "snapshot"]
+
+
+def row(r: Result, d2h: float, disk_s: float) -> list[str]:
     """The table's row for one method (``d2h``, ``disk_s``: the floors' seconds)."""
     if r.error is not None:
-        return f"| {r.method.name} | failed: {r.error} |||||||||||"
+        return [r.method.name, f"failed: {r.error}"] + [""] * (len(HEADER) - 2)
     base = statistics.mean(r.baseline_s)
     n = len(r.saves)
     c = (r.block_s - base) / n if n else None
     blocking = median([s.blocking_s for s in r.saves])
     waited = median([s.waited_s for s in r.saves])
     durable = median([s.durable_s for s in r.saves if s.durable_s is not None])
-    return (f"| {r.method.name} | {n} | {fmt(c, 1e3)} | {fmt(c and c / d2h, digits=2, suffix='x')} "
-            f"| {(r.block_s / base - 1) * 100:+.1f}% | {fmt(blocking, 1e3, 1)} "
-            f"| {fmt(blocking and blocking / d2h, digits=2, suffix='x')} | {fmt(waited, 1e3, 1)} | {fmt(durable, digits=2)} "
-            f"| {fmt(durable and durable / disk_s, digits=2, suffix='x')} | {r.drain_s:.2f} | {r.snapshot} |")
+    return [r.method.name, str(n), fmt(c, 1e3), fmt(c and c / d2h, digits=2, suffix="x"),
+            f"{(r.block_s / base - 1) * 100:+.1f}%", fmt(blocking, 1e3, 1),
+            fmt(blocking and blocking / d2h, digits=2, suffix="x"), fmt(waited, 1e3, 1), fmt(durable, digits=2),
+            fmt(durable and durable / disk_s, digits=2, suffix="x"), f"{r.drain_s:.2f}", r.snapshot]
 
 
 def report(args: argparse.Namespace, loop: Loop, nbytes: int, ntensors: int, floors: dict[str, float | None],
@@ -256,11 +261,8 @@ def report(args: argparse.Namespace, loop: Loop, nbytes: int, ntensors: int, flo
         + f"{floors['pageable'] * 1e3:.1f} ms ({gbps(floors['pageable']):.1f} GB/s); the disk's durable write "
         + ", ".join(f"{k} {v:.2f} GB/s" for k, v in floors["disks"].items()) + f" ({seconds(disk_s)}).",
         "",
-        ("| method | saves | C per save (ms) | C / D2H floor | loop slowdown | blocking (ms) | blocking / D2H floor "
-         "| update waited (ms) | save→durable (s) | durable / disk floor | drain (s) | snapshot |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    lines += [row(r, d2h, disk_s) for r in results]
+    lines += table(HEADER, [row(r, d2h, disk_s) for r in results], align="l" + "r" * (len(HEADER) - 2) + "l")
     lines += ["", "C: (block - baseline) / saves, the baseline the mean of the blocks without saves before and after; "
               "blocking: the save call; update waited: the next optimizer step's wait for the save's background copy "
               "(the guard's fence, DCP's staging); Lightning's worker and torch.save fsync their file. DCP's "
@@ -269,9 +271,9 @@ def report(args: argparse.Namespace, loop: Loop, nbytes: int, ntensors: int, flo
                  else "a fresh one per save (torch < 2.13, pytorch #183413).")]
     if restores:
         reference = dict(restores).get("torch.load")
-        lines += ["", f"| cold restore to {dev.type} | s | GB/s | / torch.load |", "|---|---:|---:|---:|"]
-        for label, s in restores:
-            lines.append(f"| {label} | {s:.2f} | {gbps(s):.2f} | {fmt(reference and s / reference, digits=2, suffix='x')} |")
+        lines += [""] + table([f"cold restore to {dev.type}", "s", "GB/s", "/ torch.load"],
+                              [[label, f"{s:.2f}", f"{gbps(s):.2f}", fmt(reference and s / reference, digits=2, suffix="x")]
+                               for label, s in restores])
     return lines
 
 
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         baselines.append(block(loop, steps, args.every, 1, None)[0])
         result.baseline_s = baselines[-2:]
         results.append(result)
-        progress(row(result, *floor_seconds(floors, nbytes))  # what a run cut short still shows
+        progress(table(HEADER, [row(result, *floor_seconds(floors, nbytes))])[-1]  # what a run cut short still shows
                  + f" block {result.block_s:.2f} s, baseline {statistics.mean(result.baseline_s):.2f} s")
     restores = restore(methods, {r.method.key: r for r in results}, loop, args.repeat)
     shutil.rmtree(args.dir, ignore_errors=True)

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from benchmarks._common import disk_gbps, floor_copy
+    from benchmarks._common import disk_gbps, floor_copy, print_table
 
     model = build(args.hidden, args.layers)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
@@ -146,15 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     floor, durable = statistics.median(copy_s), size / statistics.median(disk) / 1e9
     print(f"floors: copy_ of the state {floor * 1000:.0f} ms; the disk writes it durably in {durable * 1000:.0f} ms "
           f"({statistics.median(disk):.2f} GB/s)")
-    print("\n| configuration | stall per save | stall / copy floor | save→durable | durable / disk |")
-    print("|---|---|---|---|---|")
     trainer = statistics.median(r["stall_s"] for r in results["trainer"])
-    print(f"| Trainer's own checkpoint-N | {trainer * 1000:.0f} ms | {trainer / floor:.1f}x | not durable (no fsync) "
-          f"| - |")
     stall = statistics.median(r["stall_s"] for r in results["persist"])
     commit = statistics.median(r["commit_s"] for r in results["persist"])
-    print(f"| PersistTrainerCallback | {stall * 1000:.0f} ms | {stall / floor:.1f}x | {(stall + commit):.2f} s | "
-          f"{(stall + commit) / durable:.2f}x |")
+    print_table(["configuration", "stall per save", "stall / copy floor", "save→durable", "durable / disk"],
+                [["Trainer's own checkpoint-N", f"{trainer * 1000:.0f} ms", f"{trainer / floor:.1f}x",
+                  "not durable (no fsync)", None],
+                 ["PersistTrainerCallback", f"{stall * 1000:.0f} ms", f"{stall / floor:.1f}x", f"{(stall + commit):.2f} s",
+                  f"{(stall + commit) / durable:.2f}x"]])
     return 0
 
 

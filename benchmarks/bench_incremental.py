@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import MB, copy_floor, differences  # noqa: E402
+from benchmarks._common import MB, copy_floor, differences, table  # noqa: E402
 from persist_core import CheckpointEngine, CheckpointReader, KeepLastN  # noqa: E402
 
 
@@ -188,16 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         f"change each step ({100 * (1 - floor / total):.1f}% frozen); {args.steps} saves, full_every={args.full_every}, "
         "medians over the saves after the first",
         "",
-        "| run | first save (MB) | written per save (MB) | / floor | stall (ms) | save→committed (s) | load last (s) "
-        "| bit-exact |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for name, r in (("incremental off", full), ("incremental=True", inc)):
-        lines.append(f"| {name} | {r['first'] / 1e6:.1f} | {r['written'] / 1e6:.2f} (max {r['max_written'] / 1e6:.1f}) "
-                     f"| {r['written'] / (floor + r['manifest']):.2f}x | {r['stall'] * 1e3:.0f} | {r['commit']:.3f} "
-                     f"| {r['load']:.2f} | {'yes' if r['exact'] else 'NO'} |")
+    lines += table(
+        ["run", "first save (MB)", "written per save (MB)", "/ floor", "stall (ms)", "save→committed (s)",
+         "load last (s)", "bit-exact"],
+        [[name, f"{r['first'] / 1e6:.1f}", f"{r['written'] / 1e6:.2f} (max {r['max_written'] / 1e6:.1f})",
+          f"{r['written'] / (floor + r['manifest']):.2f}x", f"{r['stall'] * 1e3:.0f}", f"{r['commit']:.3f}",
+          f"{r['load']:.2f}", "yes" if r["exact"] else "NO"] for name, r in (("incremental off", full),
+                                                                             ("incremental=True", inc))]
+        + [["floor (changed bytes + manifest)", "", f"{(floor + inc['manifest']) / 1e6:.2f}", "1.00x", "", "", "", ""]],
+        align="lrrrrrrl")
     lines += [
-        f"| floor (changed bytes + manifest) | | {(floor + inc['manifest']) / 1e6:.2f} | 1.00x | | | | |",
         "",
         f"save→committed, incremental / off: {inc['commit'] / full['commit']:.2f}x "
         f"({full['commit'] / inc['commit']:.1f}x faster); kept at the end: off {full['kept']}, incremental {inc['kept']}",
@@ -211,16 +212,18 @@ def main(argv: list[str] | None = None) -> int:
             "With a file:// remote (keep_remote=KeepLastN(2)), medians over the saves after the first; restore: a fresh "
             "machine's whole load of the last step from the remote (median of 3)",
             "",
-            "| run | first upload (MB) | uploaded per save (MB) | / floor | upload (s) | save→durable on the remote (s) "
-            "| fresh-machine restore (s) | bit-exact |",
-            "|---|---:|---:|---:|---:|---:|---:|---|",
         ]
-        for name, r in (("remote, incremental off", off), ("remote, incremental=True", on)):
-            lines.append(f"| {name} | {r['first'] / 1e6:.1f} | {r['uploaded'] / 1e6:.2f} (max "
-                         f"{r['max_uploaded'] / 1e6:.1f}) | {r['uploaded'] / (floor + inc['manifest']):.2f}x "
-                         f"| {r['upload']:.3f} | {r['durable']:.3f} | {r['restore']:.2f} | {'yes' if r['exact'] else 'NO'} |")
+        lines += table(
+            ["run", "first upload (MB)", "uploaded per save (MB)", "/ floor", "upload (s)",
+             "save→durable on the remote (s)", "fresh-machine restore (s)", "bit-exact"],
+            [[name, f"{r['first'] / 1e6:.1f}", f"{r['uploaded'] / 1e6:.2f} (max {r['max_uploaded'] / 1e6:.1f})",
+              f"{r['uploaded'] / (floor + inc['manifest']):.2f}x", f"{r['upload']:.3f}", f"{r['durable']:.3f}",
+              f"{r['restore']:.2f}", "yes" if r["exact"] else "NO"]
+             for name, r in (("remote, incremental off", off), ("remote, incremental=True", on))]
+            + [["floor (changed bytes + manifest)", "", f"{(floor + inc['manifest']) / 1e6:.2f}", "1.00x", "", "", "",
+                ""]],
+            align="lrrrrrrl")
         lines += [
-            f"| floor (changed bytes + manifest) | | {(floor + inc['manifest']) / 1e6:.2f} | 1.00x | | | | |",
             "",
             f"save→durable on the remote, incremental / off: {on['durable'] / off['durable']:.2f}x "
             f"({off['durable'] / on['durable']:.1f}x faster); upload {off['upload'] / on['upload']:.1f}x faster; "

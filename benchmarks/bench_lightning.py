@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Lightning loop, 4 x Linear({args.width}) + Adam (state {state_gb:.2f} GB), batch {args.batch}, "
           f"{args.steps} steps, checkpoint every step (save_top_k=2); {args.rounds} rounds, interleaved")
     sys.path.insert(0, str(ROOT))
-    from benchmarks._common import disk_gbps
+    from benchmarks._common import disk_gbps, print_table
 
     results: dict[str, list[dict]] = {m: [] for m in MODES}
     disk: list[float] = []
@@ -154,15 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"floor: the disk writes the state durably in {durable_s * 1000:.0f} ms ({statistics.median(disk):.2f} GB/s, "
           f"rounds {', '.join(f'{g:.2f}' for g in disk)} GB/s); a step without checkpoints takes "
           f"{base['step_s'] * 1000:.0f} ms; so a step that checkpoints takes at least {floor_s * 1000:.0f} ms")
-    print("\n| configuration | step time | overhead | step / floor | fit wall time | peak RSS | RSS vs none | "
-          ".ckpt files left |")
-    print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for mode in MODES:
         med = {k: statistics.median(r[k] for r in results[mode]) for k in ("step_s", "fit_s", "rss_gb")}
         files = sorted({len(r["files"]) for r in results[mode]})
-        print(f"| {mode} | {med['step_s'] * 1000:.0f} ms | {(med['step_s'] / base['step_s'] - 1) * 100:+.0f}% | "
-              f"{med['step_s'] / floor_s:.2f}x | {med['fit_s']:.1f} s | {med['rss_gb']:.2f} GB | {med['rss_gb'] / base['rss_gb']:.2f}x | "
-              f"{'/'.join(map(str, files)) if mode != 'none' else '-'} |")
+        rows.append([mode, f"{med['step_s'] * 1000:.0f} ms", f"{(med['step_s'] / base['step_s'] - 1) * 100:+.0f}%",
+                     f"{med['step_s'] / floor_s:.2f}x", f"{med['fit_s']:.1f} s", f"{med['rss_gb']:.2f} GB",
+                     f"{med['rss_gb'] / base['rss_gb']:.2f}x", "/".join(map(str, files)) if mode != "none" else None])
+    print_table(["configuration", "step time", "overhead", "step / floor", "fit wall time", "peak RSS", "RSS vs none",
+                 ".ckpt files left"], rows)
     p = {k: statistics.median(r[k] for r in results["persist"]) for k in ("wait_s", "staging_s", "stall_s", "write_s")}
     rest = statistics.median(r["step_s"] for r in results["persist"]) - base["step_s"] - p["stall_s"]
     print(f"\npersist, per checkpointing step: {base['step_s'] * 1000:.0f} ms of training + {p['stall_s'] * 1000:.0f} ms "

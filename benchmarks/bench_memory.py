@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import mmap
 import os
 import random
@@ -40,58 +39,27 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-from benchmarks._common import jobs  # noqa: E402
-from benchmarks._common.jobs import resume  # noqa: E402
-from benchmarks._common import MB, accel_model, drop_cached, files_under, nbytes, tensors, training_state  # noqa: E402
-from persist_core import (CheckpointEngine, CheckpointReader, Continuous,  # noqa: E402
-                          KeepLastN, MemoryTier)
+from benchmarks._common import MB, accel_model, drop_cached, files_under, jobs, kills, nbytes, tensors  # noqa: E402
+from benchmarks._common import training_state  # noqa: E402
+from benchmarks._common.tables import print_table  # noqa: E402
+from persist_core import CheckpointEngine, CheckpointReader, MemoryTier  # noqa: E402
 
 
-def job(local_dir: str, memory_dir: str | None, width: int, step_ms: float) -> None:
-    """The killed job: resume from the freshest source, then train and ``maybe_save`` every step until killed;
-    one JSON line per event (``start`` with the step resumed from and the seconds since the process began loading,
-    ``step``)."""
-    t0 = time.perf_counter()
-    model, opt = accel_model(width, stepped=False)
-    memory = None if memory_dir is None else MemoryTier(every_n_steps=1, memory_dir=memory_dir)
-    engine = CheckpointEngine(local_dir, memory=memory, save_policy=Continuous(), preemption=None,
-                              keep_local=KeepLastN(2))
-    start = resume(engine, model, opt)
-    if memory is None:
-        engine.guard(opt)  # as the goodput benchmark runs today's continuous saving
-    print(json.dumps({"event": "start", "step": start, "load_s": time.perf_counter() - t0}), flush=True)
-    step = start
-    while True:
-        step += 1
-        time.sleep(step_ms / 1000)
-        opt.step()
-        engine.maybe_save(lambda: training_state(model, opt, step=step), step=step)
-        print(json.dumps({"event": "step", "step": step}), flush=True)
-
-
-def kill_trial(local_dir: Path, memory_dir: Path | None, width: int, step_ms: float, kill_after: int) -> dict:
-    """The job, SIGKILLed ``kill_after`` steps past its start (:func:`benchmarks._common.jobs.kill_trial`)."""
-    args = [sys.executable, __file__, "--job", str(local_dir), "--width", str(width), "--step-ms", str(step_ms)]
-    if memory_dir is not None:
-        args += ["--job-memory", str(memory_dir)]
-    return jobs.kill_trial(args, kill_after, cwd=ROOT)
-
-
-def kill_series(kind: str, base: Path, memory_root: Path, args: argparse.Namespace, rng: random.Random) -> list[int]:
-    """``args.trials`` kills in a row on one machine (``--disk-trials`` for the disk-only baseline); the steps each
-    lost (the next start resumes from ...)."""
+def kill_series(kind: str, base: Path, memory_root: Path, args: argparse.Namespace,
+                rng: random.Random) -> list[int]:
+    """``args.trials`` kills in a row on one machine (``--disk-trials`` for the disk-only baseline) of the job
+    (:mod:`benchmarks._common.jobs`: the memory tier every step and disk ``Continuous()``, unguarded; or disk
+    ``Continuous()`` alone, guarded, as the goodput benchmark runs it), by :func:`benchmarks._common.kills.
+    kill_series`; the steps each lost."""
     trials = args.disk_trials if kind == "disk" and args.disk_trials is not None else args.trials
     local_dir = base / f"kill-{kind}"
     memory_dir = memory_root / f"kill-{kind}" if kind == "memory" else None
     shutil.rmtree(local_dir, ignore_errors=True)
-    lost, loads = [], []
-    previous = None
-    for _ in range(trials + 1):  # the first run starts from nothing; each later start says what was lost
-        trial = kill_trial(local_dir, memory_dir, args.width, args.step_ms, rng.randint(args.kill_min, args.kill_max))
-        if previous is not None:
-            lost.append(previous["last"] - trial["resumed"])
-            loads.append(trial["load_s"])
-        previous = trial
+    command = jobs.command(local_dir, "Memory(1)+Continuous()" if memory_dir else "Continuous()", width=args.width,
+                           setting="accel", step_ms=args.step_ms, guard=memory_dir is None, memory_dir=memory_dir)
+    series = kills.kill_series([command], trials, lambda: rng.randint(args.kill_min, args.kill_max))
+    lost = [k.lost for k in series]
+    loads = [k.restart.starts[0]["load_s"] for k in series]
     shutil.rmtree(local_dir, ignore_errors=True)
     if memory_dir is not None:
         shutil.rmtree(memory_dir, ignore_errors=True)
@@ -201,20 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-dir", default=None, help="a tmpfs (default /dev/shm/torch-persist-bench)")
     parser.add_argument("--dir", default="bench-out")
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--job", help=argparse.SUPPRESS)
-    parser.add_argument("--job-memory", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.job:
-        job(args.job, args.job_memory, args.width, args.step_ms)
-        return 0
     if args.smoke:
         args.width, args.step_ms, args.steps, args.trials, args.kill_min, args.kill_max, args.repeat = \
             64, 5.0, 6, 1, 2, 4, 1
     base = Path(args.dir).absolute() / "memory"
     base.mkdir(parents=True, exist_ok=True)
-    shm = Path("/dev/shm")
-    memory_root = Path(args.memory_dir or (shm / "torch-persist-bench" if shm.is_dir() else base / "shm"))
-    memory_root.mkdir(parents=True, exist_ok=True)
+    memory_root = kills.tmpfs_dir(args.memory_dir, "torch-persist-bench", base / "shm")
     model, opt = accel_model(args.width)
     size = nbytes(training_state(model, opt, step=0))
     print(f"state {size / MB:.0f} MB (4 x Linear({args.width}) + SGD momentum), step {args.step_ms:.0f} ms of device "
@@ -231,14 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     lost = {kind: kill_series(kind, base, memory_root, args, rng) for kind in ("memory", "disk")}
 
     loads = restart_loads(base, memory_root, args)
-    print("\n| | steps lost per kill: P50 | max | <= 1 step lost |\n|---|---:|---:|---:|")
-    for kind, label in (("memory", "memory tier (every step) + disk Continuous()"), ("disk", "disk only, Continuous()")):
-        values = lost[kind]
-        ok = sum(v <= 1 for v in values) / len(values)
-        print(f"| {label} | {statistics.median(values):.0f} | {max(values)} | {ok:.0%} of {len(values)} |")
-    print("\n| load of the state from | seconds |\n|---|---:|")
-    for where, seconds in loads.items():
-        print(f"| {where} | {seconds:.3f} |")
+    labels = {"memory": "memory tier (every step) + disk Continuous()", "disk": "disk only, Continuous()"}
+    print_table(["", "steps lost per kill: P50", "max", "<= 1 step lost"],
+                [[labels[kind], f"{statistics.median(v):.0f}", max(v), f"{sum(x <= 1 for x in v) / len(v):.0%} of {len(v)}"]
+                 for kind, v in lost.items()])
+    print_table(["load of the state from", "seconds"], [[where, f"{seconds:.3f}"] for where, seconds in loads.items()])
     print(f"\nC per step {snap / floor:.2f}x the floor (bar <= 1.25x), guarded {guarded / floor:.2f}x; memory tier: "
           f"{sum(v <= 1 for v in lost['memory'])} of {len(lost['memory'])} kills lost <= 1 step (bar >= 99%)")
     shutil.rmtree(memory_root / "c", ignore_errors=True)

@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import MB, accel_model, nbytes, training_state  # noqa: E402
-from benchmarks._common.jobs import kill_trial  # noqa: E402
+from benchmarks._common import MB, accel_model, kills, nbytes, training_state  # noqa: E402
+from benchmarks._common.tables import print_table  # noqa: E402
 
 ADAPTERS = ("lightning", "accelerate")
 KINDS = ("memory", "disk")
@@ -118,13 +118,8 @@ def series(adapter: str, kind: str, base: Path, memory_root: Path, args: argpars
     shutil.rmtree(local_dir, ignore_errors=True)
     command = [sys.executable, __file__, "--job", adapter, "--job-dir", str(local_dir), "--width", str(args.width),
                "--step-ms", str(args.step_ms)] + ([] if memory_dir is None else ["--job-memory", str(memory_dir)])
-    lost, loads, previous = [], [], None
-    for _ in range(args.trials + 1):  # the first run starts from nothing; each later start says what was lost
-        trial = kill_trial(command, rng.randint(args.kill_min, args.kill_max), cwd=ROOT)
-        if previous is not None:
-            lost.append(previous["last"] - trial["resumed"])
-            loads.append(trial["load_s"])
-        previous = trial
+    series = kills.kill_series([command], args.trials, lambda: rng.randint(args.kill_min, args.kill_max))
+    lost, loads = [k.lost for k in series], [k.restart.starts[0]["load_s"] for k in series]
     shutil.rmtree(local_dir, ignore_errors=True)
     if memory_dir is not None:
         shutil.rmtree(memory_dir, ignore_errors=True)
@@ -155,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         args.width, args.step_ms, args.trials, args.kill_min, args.kill_max = 64, 5.0, 1, 2, 3
     base = Path(args.dir).absolute() / "memory-adapters"
     base.mkdir(parents=True, exist_ok=True)
-    shm = Path("/dev/shm")
-    memory_root = Path(args.memory_dir or (shm / "torch-persist-bench" if shm.is_dir() else base / "shm"))
-    memory_root.mkdir(parents=True, exist_ok=True)
+    memory_root = kills.tmpfs_dir(args.memory_dir, "torch-persist-bench", base / "shm")
     model, opt = accel_model(args.width)
     print(f"state {nbytes(training_state(model, opt)) / MB:.0f} MB (4 x Linear({args.width}) + SGD momentum), step "
           f"{args.step_ms:.0f} ms of device time; {args.trials} kills each, {args.kill_min}-{args.kill_max} steps "
@@ -166,13 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     kinds = KINDS[:1] if args.smoke else KINDS
     adapters = ADAPTERS[1:] if args.smoke else ADAPTERS  # the smoke: Accelerate (tests/adapters run Lightning's)
     results = {(a, k): series(a, k, base, memory_root, args, rng) for a in adapters for k in kinds}
-    print("\n| adapter | saving | steps lost per kill: P50 | max | <= 1 step lost | restart to first step (P50) |")
-    print("|---|---|---:|---:|---:|---:|")
-    for (adapter, kind), (lost, loads) in results.items():
-        label = "memory tier (every step) + disk Continuous()" if kind == "memory" else "disk only, Continuous()"
-        ok = sum(v <= 1 for v in lost)
-        print(f"| {adapter} | {label} | {statistics.median(lost):.0f} | {max(lost)} | {ok} of {len(lost)} | "
-              f"{statistics.median(loads):.1f} s |")
+    labels = {"memory": "memory tier (every step) + disk Continuous()", "disk": "disk only, Continuous()"}
+    print_table(["adapter", "saving", "steps lost per kill: P50", "max", "<= 1 step lost", "restart to first step (P50)"],
+                [[adapter, labels[kind], f"{statistics.median(lost):.0f}", max(lost),
+                  f"{sum(v <= 1 for v in lost)} of {len(lost)}", f"{statistics.median(loads):.1f} s"]
+                 for (adapter, kind), (lost, loads) in results.items()], align="llrrrr")
     held = all(v <= 1 for (a, k), (lost, _) in results.items() if k == "memory" for v in lost)
     print(f"\nmemory tier through the adapters: every kill lost <= 1 step: {held} (bar >= 99%)")
     return 0

@@ -26,7 +26,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,17 +34,21 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._common.kills import kill_series  # noqa: E402
+from benchmarks._common.tables import print_table  # noqa: E402
+
 WORLD, NODES = 4, 2
 LOST = 1  # the node lost in every trial
 
 
-def _say(line: str) -> None:
-    os.write(1, (line + "\n").encode())  # one write: a line is never split
+def _say(**event: object) -> None:
+    os.write(1, (json.dumps(event) + "\n").encode())  # one write: a line is never split
 
 
-def child(rank: int, port: int, base: Path, shm: Path, mib: int, step_ms: float, disk_every: int, steps: int) -> None:
-    """One rank: resume, say ``resumed <step> <source> <equal> <load s>``, take ``steps`` steps (``step <n>`` after
-    each), then wait to be killed; ``steps=0``: exit after the resume."""
+def child(rank: int, port: int, base: Path, shm: Path, mib: int, step_ms: float, disk_every: int) -> None:
+    """One rank: resume, say so (the ``start`` event of :mod:`benchmarks._common.kills`, with the source it read,
+    whether its state is that step's bit for bit, and the load's seconds), then train until killed (a ``step`` event
+    after each step)."""
     import torch
     import torch.distributed as dist
 
@@ -74,75 +77,38 @@ def child(rank: int, port: int, base: Path, shm: Path, mib: int, step_ms: float,
         state["model"]["w"].copy_(loaded["model"]["w"])
         state["opt"]["m"].copy_(loaded["opt"]["m"])
         state["step"] = loaded["step"]
-        said = f"{loaded['step']} {engine.reader.loaded_source} {expected(loaded['step'], loaded['rng'])}"
+        said = {"step": loaded["step"], "source": engine.reader.loaded_source,
+                "exact": expected(loaded["step"], loaded["rng"])}
     except CheckpointNotFoundError:
-        said = "0 none True"
-    _say(f"resumed {said} {time.perf_counter() - t0:.3f}")
-    if steps == 0:
-        engine.close()
-        dist.barrier()
-        dist.destroy_process_group()
-        return
-    for _ in range(steps):
+        said = {"step": 0, "source": "none", "exact": True}
+    _say(event="start", **said, load_s=time.perf_counter() - t0)
+    while True:
         time.sleep(step_ms / 1e3)  # the device computes; the host is free
         state["model"]["w"].add_(1.0)
         state["opt"]["m"].add_(2.0)
         state["step"] += 1
         engine.maybe_save(lambda: state, state["step"])
-        _say(f"step {state['step']}")
-    _say("done")
-    sys.stdin.read()  # until killed
-    os._exit(0)
+        _say(event="step", step=state["step"])
 
 
-class Job:
-    """The 4 ranks, each a process of its own with a pipe of its own."""
+def _commands(args: argparse.Namespace, base: Path, shm: Path) -> list[list[str]]:
+    """The 4 ranks of one start of the job, on a fresh port."""
+    from tests.support.moto_server import free_port
 
-    def __init__(self, args: argparse.Namespace, base: Path, shm: Path, steps: int) -> None:
-        from tests.support.moto_server import free_port
-
-        port = free_port()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        self.t0 = time.perf_counter()
-        self.procs = [subprocess.Popen(
-            [sys.executable, __file__, "--child", str(r), "--port", str(port), "--dir", str(base), "--shm", str(shm),
-             "--mib", str(args.mib), "--step-ms", str(args.step_ms), "--disk-every", str(args.disk_every),
-             "--steps", str(steps)], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    port = free_port()
+    return [[sys.executable, __file__, "--child", str(r), "--port", str(port), "--dir", str(base), "--shm", str(shm),
+             "--mib", str(args.mib), "--step-ms", str(args.step_ms), "--disk-every", str(args.disk_every)]
             for r in range(WORLD)]
 
-    def resumed(self) -> list[tuple[int, str, bool, float]]:
-        out = []
-        for r, p in enumerate(self.procs):
-            line = p.stdout.readline().split()
-            if not line or line[0] != "resumed":
-                raise SystemExit(f"rank {r} said {line!r} instead of resuming; its exit code: {p.wait()}")
-            out.append((int(line[1]), line[2], line[3] == "True", float(line[4])))
-        self.started_s = time.perf_counter() - self.t0  # start to every rank resumed
-        return out
 
-    def kill_at(self, step: int) -> int:
-        """SIGKILL every rank once rank 0 finished ``step``; the newest step any rank finished."""
-        for line in self.procs[0].stdout:
-            if line.split() in (["step", str(step)], ["done"]):
-                break
-        for p in self.procs:
-            p.kill()
-        reached = 0
-        for p in self.procs:
-            p.wait()
-            for line in p.stdout:  # what each said before it died
-                if line.startswith("step "):
-                    reached = max(reached, int(line.split()[1]))
-            p.stdout.close()
-            p.stdin.close()
-        return reached
-
-    def exit(self) -> None:
-        for r, p in enumerate(self.procs):
-            if p.wait(timeout=120) != 0:
-                raise SystemExit(f"rank {r} of the last restore exited {p.returncode}")
-            p.stdout.close()
-            p.stdin.close()
+def _lose_node(base: Path, shm: Path) -> dict[str, int]:
+    """After the kill: what node 0 holds of node 1's ranks and what the remote holds, then node 1 lost (its disk
+    and its host memory wiped)."""
+    bound = min(_held(shm, r) for r in range(WORLD // NODES * LOST, WORLD // NODES * (LOST + 1)))
+    remote = _remote_newest(base)
+    shutil.rmtree(base / f"node{LOST}")
+    shutil.rmtree(shm / f"node{LOST}", ignore_errors=True)
+    return {"bound": bound, "remote": remote}
 
 
 def _held(shm: Path, rank: int) -> int:
@@ -170,11 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
-        child(args.child, args.port, Path(args.dir), Path(args.shm), args.mib, args.step_ms, args.disk_every,
-              args.steps)
+        child(args.child, args.port, Path(args.dir), Path(args.shm), args.mib, args.step_ms, args.disk_every)
         return 0
     if args.smoke:
         args.trials, args.mib, args.step_ms = 1, 1, 5.0
@@ -183,42 +147,29 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     rng = random.Random(args.seed)
-    rows = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     try:
-        job = Job(args, base, shm, steps=10**6)
-        start = job.resumed()
-        for trial in range(args.trials):
-            at = start[0][0] + rng.randint(5, 25)
-            reached = job.kill_at(at)
-            bound = min(_held(shm, r) for r in range(WORLD // NODES * LOST, WORLD // NODES * (LOST + 1)))
-            remote = _remote_newest(base)
-            shutil.rmtree(base / f"node{LOST}")  # node 1 lost: its disk and its host memory
-            shutil.rmtree(shm / f"node{LOST}", ignore_errors=True)
-            last = trial == args.trials - 1
-            job = Job(args, base, shm, steps=0 if last else 10**6)
-            resumed = job.resumed()
-            steps = {s for s, *_ in resumed}
-            rows.append({"reached": reached, "bound": bound, "remote": remote, "resumed": min(steps),
-                         "agreed": len(steps) == 1, "sources": [src for _, src, _, _ in resumed],
-                         "exact": all(eq for *_, eq, _ in resumed), "load_s": max(t for *_, t in resumed),
-                         "started_s": job.started_s})
-            start = resumed
-        job.exit()
+        series = kill_series(lambda: _commands(args, base, shm), args.trials, lambda: rng.randint(5, 25), env=env,
+                             between=lambda killed: _lose_node(base, shm))
     finally:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+    rows = []
+    for kill in series:
+        steps = {s["step"] for s in kill.restart.starts}
+        rows.append({"reached": kill.killed.last, **kill.noted, "resumed": kill.restart.resumed,
+                     "agreed": len(steps) == 1, "sources": [s["source"] for s in kill.restart.starts],
+                     "exact": all(s["exact"] for s in kill.restart.starts),
+                     "load_s": max(s["load_s"] for s in kill.restart.starts), "started_s": kill.restart.started_s})
     print(f"A lost node: {WORLD} gloo ranks as {NODES} nodes, {args.mib} MiB a rank, {args.step_ms:g} ms of device "
           f"time a step, a snapshot every step, a disk save and upload every {args.disk_every}; node {LOST} lost "
           f"{args.trials} times (every process SIGKILLed, node {LOST}'s disk and memory wiped)")
-    print()
-    print("| trial | reached | newest partner copy | resumed | lost | since the partner copy | sources (ranks 0-3) "
-          "| bit-exact | from the remote alone: lost | load (s) | start to resumed (s) |")
-    print("|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|")
-    for i, r in enumerate(rows):
-        print(f"| {i + 1} | {r['reached']} | {r['bound']} | {r['resumed']}{'' if r['agreed'] else ' (ranks disagree)'}"
-              f" | {r['reached'] - r['resumed']} | {r['reached'] - r['bound']} | {', '.join(r['sources'])} "
-              f"| {'yes' if r['exact'] else 'NO'} | {r['reached'] - r['remote']} | {r['load_s']:.2f} "
-              f"| {r['started_s']:.1f} |")
+    print_table(["trial", "reached", "newest partner copy", "resumed", "lost", "since the partner copy",
+                 "sources (ranks 0-3)", "bit-exact", "from the remote alone: lost", "load (s)", "start to resumed (s)"],
+                [[i + 1, r["reached"], r["bound"], f"{r['resumed']}{'' if r['agreed'] else ' (ranks disagree)'}",
+                  r["reached"] - r["resumed"], r["reached"] - r["bound"], ", ".join(r["sources"]),
+                  "yes" if r["exact"] else "NO", r["reached"] - r["remote"], f"{r['load_s']:.2f}",
+                  f"{r['started_s']:.1f}"] for i, r in enumerate(rows)], align="rrrrrrllrrr")
     within = sum(r["reached"] - r["resumed"] <= r["reached"] - r["bound"] and r["agreed"] for r in rows)
     no_remote = sum("remote" not in r["sources"] for r in rows)
     exact = sum(r["exact"] for r in rows)

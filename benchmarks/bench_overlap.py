@@ -53,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import crc32c  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
-    CHUNK, THREADS, RawWrites, accel_model, alternate, copy_floor, cpu_model, open_for_writes, tensors, write_pass)
+    CHUNK, THREADS, RawWrites, accel_model, alternate, copy_floor, cpu_model, open_for_writes, print_table, tensors,
+    write_pass)
 from persist_core import CheckpointEngine  # noqa: E402
 from persist_core.fileio import CHECKSUM_BLOCK_BYTES, YIELD_PIECE_BYTES, OsFileOps  # noqa: E402
 
@@ -146,17 +147,17 @@ def accel(args: argparse.Namespace) -> None:
     print(f"\naccelerator-like step ({args.step_ms:g} ms device time + the in-place update of 4 x "
           f"Linear({args.accel_width}), {gb:.2f} GB with momentum), saving continuously, blocks of {args.block} "
           f"steps x {args.accel_rounds} rounds")
-    print(f"{'':>22} {'step':>8} {'update':>8} {'saves/block':>12} {'C per save':>11} {'a pwrite at its start':>22}")
-    cost = {}
+    cost, cells = {}, []
     for kind in kinds:
         step, update = med(r[0] for r in results[kind]), med(r[1] for r in results[kind])
         saves = med(r[2] for r in results[kind])
         per = [(r[0] - b[0]) * args.block / r[2] for r, b in zip(results[kind], results["no saves"]) if r[2]]
         cost[kind] = med(per) if per else None
         began = in_flight[kind]
-        print(f"{kind:>22} {step * 1e3:>6.1f}ms {update * 1e3:>6.1f}ms {saves:>12.1f} "
-              + (f"{cost[kind] * 1e3:>9.1f}ms" if cost[kind] is not None else f"{'-':>11}")
-              + (f" {sum(began) / len(began):>21.0%}" if began else ""))
+        cells.append([kind, f"{step * 1e3:.1f} ms", f"{update * 1e3:.1f} ms", f"{saves:.1f}",
+                      None if cost[kind] is None else f"{cost[kind] * 1e3:.1f} ms",
+                      f"{sum(began) / len(began):.0%}" if began else None])
+    print_table(["", "step", "update", "saves/block", "C per save", "a pwrite at its start"], cells)
     untouched, after = med(fresh[1:]), med(r[1] for r in results["no saves"])
     print(f"the update with no saves: {untouched * 1e3:.1f} ms before any engine saved, {after * 1e3:.1f} ms in the "
           f"no-saves blocks between saving ones ({after / untouched:.2f}x: above 1, saving leaves training slower)")
@@ -305,10 +306,10 @@ def cpu_step(args: argparse.Namespace) -> None:
                 guard.remove()
         rows[guarded] = (statistics.median(stalls), statistics.median(steps), statistics.median(fences))
     print(f"state {nbytes / 1e9:.2f} GB; copy floor {floor * 1e3:.0f} ms; a step with no save {bare * 1e3:.0f} ms")
-    print(f"{'save':>10} {'stall':>9} {'/ floor':>8} {'next step':>10} {'/ bare step':>12} {'fence wait':>11}")
-    for guarded, (stall, took, fence) in rows.items():
-        print(f"{'guarded' if guarded else 'plain':>10} {stall * 1e3:>7.0f}ms {stall / floor:>7.2f}x {took * 1e3:>8.0f}ms "
-              f"{took / bare:>11.2f}x {fence * 1e3:>9.0f}ms")
+    print_table(["save", "stall", "/ floor", "next step", "/ bare step", "fence wait"],
+                [["guarded" if guarded else "plain", f"{stall * 1e3:.0f} ms", f"{stall / floor:.2f}x",
+                  f"{took * 1e3:.0f} ms", f"{took / bare:.2f}x", f"{fence * 1e3:.0f} ms"]
+                 for guarded, (stall, took, fence) in rows.items()])
     print(f"stall with the guard / without: {rows[True][0] / rows[False][0]:.3f}x")
 
 

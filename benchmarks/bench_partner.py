@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._common.tables import print_table  # noqa: E402
+
 
 def _child(rank: int, port: int, base: str, shm: str, mib: int, reps: int) -> None:
     import torch
@@ -105,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(shm, ignore_errors=True)
     gb = result["bytes"] / 1e9
     floor, copy = statistics.median(result["floor"]), statistics.median(result["copies"])
-    print(f"| what ({args.mib} MiB, median of {args.reps}) | s | GB/s |")
-    print("|---|---|---|")
-    print(f"| raw gloo send (the floor) | {floor:.3f} | {gb / floor:.2f} |")
-    print(f"| partner copy: read the slot, 64 MiB chunks, write, verify, record, ack | {copy:.3f} | {gb / copy:.2f} |")
+    print_table([f"what ({args.mib} MiB, median of {args.reps})", "s", "GB/s"],
+                [["raw gloo send (the floor)", f"{floor:.3f}", f"{gb / floor:.2f}"],
+                 ["partner copy: read the slot, 64 MiB chunks, write, verify, record, ack", f"{copy:.3f}",
+                  f"{gb / copy:.2f}"]])
     print(f"partner copy / floor: {copy / floor:.2f}x")
     return 0
 

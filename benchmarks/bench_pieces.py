@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import RawWrites, accel_model, alternate  # noqa: E402
+from benchmarks._common import RawWrites, accel_model, alternate, print_table  # noqa: E402
 from persist_core.fileio import YIELD_PIECE_BYTES  # noqa: E402
 
 
@@ -78,12 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"the update of 4 x Linear({args.accel_width}) ({nbytes / 1e9:.2f} GB with momentum) after {args.step_ms:g} ms "
           f"of device time, with 4 threads writing the same bytes raw, held off during it; {args.rounds} rounds of "
           f"{args.block} steps")
-    print(f"{'pwrite':>8} {'update / no writes':>19} {'written':>10} {'/ 32 MiB pwrites':>17}")
     ref = med(speed[32 << 20]) if 32 << 20 in speed else None
-    for s in sizes:
-        mark = "  <- fileio.YIELD_PIECE_BYTES" if s == YIELD_PIECE_BYTES else ""
-        rel = f"{med(speed[s]) / ref:>16.2f}x" if ref else f"{'-':>17}"
-        print(f"{s >> 20:>5} MiB {med(slowdown[s]):>18.3f}x {med(speed[s]) / 1e9:>7.2f} GB/s {rel}{mark}")
+    print_table(["pwrite", "update / no writes", "written", "/ 32 MiB pwrites", ""],
+                [[f"{s >> 20} MiB", f"{med(slowdown[s]):.3f}x", f"{med(speed[s]) / 1e9:.2f} GB/s",
+                  f"{med(speed[s]) / ref:.2f}x" if ref else None, "<- fileio.YIELD_PIECE_BYTES" if s == YIELD_PIECE_BYTES else ""]
+                 for s in sizes], align="rrrrl")
     return 0
 
 

@@ -101,13 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     tensors = results["this checkout"][0]["tensors"]
     print(f"A guarded save of {tensors} tensors ({args.layers} blocks, AdamW), median of the last "
           f"{args.saves - args.saves // 3} of {args.saves} saves per process, medians of {args.rounds} processes each")
-    print(f"{'':16}{'stall (ms)':>12}{'us/tensor':>11}{'state_dict() (ms)':>19}{'stall / state_dict()':>22}")
-    base = None
+    sys.path.insert(0, str(ROOT))
+    from benchmarks._common.tables import print_table
+
+    base, cells = None, []
     for name, rows in results.items():
         stall = statistics.median(x["stall_s"] for x in rows)
         build = statistics.median(x["build_s"] for x in rows)
-        print(f"{name:16}{stall * 1e3:12.2f}{stall / tensors * 1e6:11.2f}{build * 1e3:19.2f}{stall / build:22.2f}")
+        cells.append([name, f"{stall * 1e3:.2f}", f"{stall / tensors * 1e6:.2f}", f"{build * 1e3:.2f}",
+                      f"{stall / build:.2f}"])
         base = stall if name == "baseline" else base
+    print_table(["code", "stall (ms)", "us/tensor", "state_dict() (ms)", "stall / state_dict()"], cells)
     if base:
         mine = statistics.median(x["stall_s"] for x in results["this checkout"])
         print(f"this checkout / baseline: {mine / base:.2f}x")

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._common.models import alternate  # noqa: E402
+from benchmarks._common.tables import print_table  # noqa: E402
 
 
 def child(work: str, width: int, step_ms: float, steps: int, variant: str) -> dict:
@@ -139,12 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     gb = results["warm"][0]["nbytes"] / 1e9
     print(f"\nA restarted job: load a {gb:.2f} GB checkpoint, then {args.steps} guarded saves, one per "
           f"{args.step_ms:g} ms step (medians of {args.rounds} rounds, fresh processes, alternating)")
-    print(f"{'':34}{'warm (default)':>16}{'cold (before)':>16}{'warm / cold':>13}")
-    for key, label in (("load_s", "load + load_state_dict (s)"), ("first_copy_s", "first save's copy (s)"),
-                       ("fence_s", f"updates waited, {args.steps} steps (s)"),
-                       ("total_s", "load to the last update (s)")):
-        w, c = med("warm", key), med("cold", key)
-        print(f"{label:34}{w:16.3f}{c:16.3f}{(w / c if c else float('nan')):13.2f}")
+    labels = (("load_s", "load + load_state_dict (s)"), ("first_copy_s", "first save's copy (s)"),
+              ("fence_s", f"updates waited, {args.steps} steps (s)"), ("total_s", "load to the last update (s)"))
+    print_table(["", "warm (default)", "cold (before)", "warm / cold"],
+                [[label, f"{med('warm', key):.3f}", f"{med('cold', key):.3f}",
+                  f"{med('warm', key) / med('cold', key):.2f}" if med("cold", key) else None] for key, label in labels])
     floor = statistics.median(x["floor_s"] for v in results.values() for x in v)
     print(f"copy floor (a copy into touched memory): {floor:.3f} s; first save's copy / floor: warm "
           f"{med('warm', 'first_copy_s') / floor:.2f}x, cold {med('cold', 'first_copy_s') / floor:.2f}x")

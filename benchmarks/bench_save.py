@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import copy_floor, disk_gbps, floor_copy, fsync_tree, median, nbytes  # noqa: E402
+from benchmarks._common import copy_floor, disk_gbps, floor_copy, fsync_tree, median, nbytes, table  # noqa: E402
 from persist_core import CheckpointEngine  # noqa: E402
 
 
@@ -225,13 +225,11 @@ def cpu_section(args: argparse.Namespace, out: Path) -> list[str]:
         f"floor: copy_ into preallocated memory {floor * 1e3:.0f} ms ({size / floor / 1e9:.1f} GB/s)",
         "disk: parallel pwrite+fsync " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in disk.items()),
         "",
-        "| method | stall (ms) | stall / floor | save→durable (s) | GB/s | GB/s / disk |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
-    for name, stall, total in rows:
-        gbps = size / total / 1e9
-        lines.append(f"| {name} | {stall * 1e3:.0f} | {stall / floor:.2f}x | {total:.2f} | {gbps:.2f} | {gbps / best_disk:.2f}x |")
-    return lines
+    return lines + table(["method", "stall (ms)", "stall / floor", "save→durable (s)", "GB/s", "GB/s / disk"],
+                         [[name, f"{stall * 1e3:.0f}", f"{stall / floor:.2f}x", f"{total:.2f}",
+                           f"{size / total / 1e9:.2f}", f"{size / total / 1e9 / best_disk:.2f}x"]
+                          for name, stall, total in rows])
 
 
 if __name__ == "__main__":

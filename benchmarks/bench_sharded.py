@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import disk_seconds, tensors  # noqa: E402
+from benchmarks._common import disk_seconds, print_table, tensors  # noqa: E402
 
 
 def _exit() -> None:
@@ -219,26 +219,23 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(f["bytes"] for f in save)
     worst = {k: max(f[k] for f in save) for k in ("ours_stall", "dcp_async_stall", "floor", "ours_durable", "disk")}
     print(f"FSDP2 state of {total / 1e9:.2f} GB (model + Adam) on 2 gloo ranks; medians of {args.repeat} runs")
-    print(f"{'rank':>4} {'own bytes':>10} {'copy floor':>10} {'disk':>8} | {'our stall':>10} {'x floor':>8} "
-          f"{'DCP async stall':>16} {'ours / DCP':>10} | {'our durable':>11} {'disk / ours':>11} {'dcp.save':>9} "
-          f"{'DCP async':>10}")
-    for r, f in enumerate(save):
-        print(f"{r:>4} {f['bytes'] / 1e9:>9.2f}G {f['floor']:>9.3f}s {f['disk']:>7.2f}s | {f['ours_stall']:>9.3f}s "
-              f"{f['ours_stall'] / f['floor']:>7.2f}x {f['dcp_async_stall']:>15.3f}s "
-              f"{f['ours_stall'] / f['dcp_async_stall']:>9.2f}x | {f['ours_durable']:>10.3f}s "
-              f"{f['disk'] / f['ours_durable']:>10.2f}x {f['dcp_save']:>8.3f}s {f['dcp_async_durable']:>9.3f}s")
+    print_table(["rank", "own bytes", "copy floor", "disk", "our stall", "/ copy floor", "DCP async stall",
+                 "ours / DCP", "our save→durable", "/ disk", "dcp.save", "DCP async durable"],
+                [[r, f"{f['bytes'] / 1e9:.2f} GB", f"{f['floor']:.3f} s", f"{f['disk']:.2f} s",
+                  f"{f['ours_stall']:.3f} s", f"{f['ours_stall'] / f['floor']:.2f}x", f"{f['dcp_async_stall']:.3f} s",
+                  f"{f['ours_stall'] / f['dcp_async_stall']:.2f}x", f"{f['ours_durable']:.3f} s",
+                  f"{f['disk'] / f['ours_durable']:.2f}x", f"{f['dcp_save']:.3f} s", f"{f['dcp_async_durable']:.3f} s"]
+                 for r, f in enumerate(save)], align="r" * 12)
     print(f"the step waits for the slowest rank: our stall {worst['ours_stall']:.3f}s = "
           f"{worst['ours_stall'] / worst['floor']:.2f}x the copy floor, "
           f"{worst['ours_stall'] / worst['dcp_async_stall']:.2f}x DCP async_save's {worst['dcp_async_stall']:.3f}s; "
           f"save->durable {worst['ours_durable']:.3f}s, the disk {worst['disk']:.3f}s "
           f"({worst['disk'] / worst['ours_durable']:.2f}x)")
-    print("resharded load into fresh FSDP2 targets (files in the page cache for both)")
-    print(f"{'2 ->':>5} {'rank':>4} {'ours':>8} {'dcp.load':>9} {'DCP / ours':>10} {'needed':>9} {'read':>9} "
-          f"{'read / needed':>13}")
-    for world, figs in loads.items():
-        for r, f in enumerate(figs):
-            print(f"{world:>5} {r:>4} {f['ours']:>7.3f}s {f['dcp']:>8.3f}s {f['dcp'] / f['ours']:>9.2f}x "
-                  f"{f['needed'] / 1e6:>8.1f}M {f['read'] / 1e6:>8.1f}M {f['read'] / max(1, f['needed']):>12.3f}x")
+    print_table(["2 → N", "rank", "ours", "dcp.load", "DCP / ours", "bytes needed", "bytes read", "read / needed"],
+                [[world, r, f"{f['ours']:.3f} s", f"{f['dcp']:.3f} s", f"{f['dcp'] / f['ours']:.2f}x",
+                  f"{f['needed'] / 1e6:.1f} MB", f"{f['read'] / 1e6:.1f} MB", f"{f['read'] / max(1, f['needed']):.3f}x"]
+                 for world, figs in loads.items() for r, f in enumerate(figs)], align="r" * 8,
+                title="resharded load into fresh FSDP2 targets (files in the page cache for both)")
     return 0
 
 

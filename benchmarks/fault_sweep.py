@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common.tables import print_table  # noqa: E402
 from tests.support.faults import GOLDEN, Tally, flip_trials, kill_trial, outage_trial  # noqa: E402
 from tests.support.moto_server import CREDENTIALS, FaultyProxy, moto_server  # noqa: E402
 
@@ -68,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
             proxy.close()
         rows.append(("remote outages and connection resets", outages, time.perf_counter() - t0))
 
-    print(f"{'trial':55s} {'faults':>7s} {'lost':>5s} {'wrong':>6s} {'leaks':>6s} {'time':>7s}")
     total = Tally()
-    for name, tally, secs in rows:
+    for _, tally, _ in rows:
         total.add(tally)
-        print(f"{name:55s} {tally.faults:7d} {tally.lost:5d} {tally.wrong:6d} {tally.leaks:6d} {secs:6.1f}s")
+    print_table(["trial", "faults injected", "checkpoints lost", "wrong values loaded", "temporaries left", "time"],
+                [[name, tally.faults, tally.lost, tally.wrong, tally.leaks, f"{secs:.1f} s"] for name, tally, secs in rows])
     for note in total.notes[:20]:
         print("  !", note)
     ok = total.lost == total.wrong == total.leaks == 0

@@ -1,7 +1,8 @@
 """What the benchmarks share: the floors every checkpoint is compared against (``floors``), the models they train
-and the chores around a state (``models``), re-exported here; and, imported from their modules (they import the
-engine): the ways to checkpoint a loop, ours and the peers' (``savers``), and a job that resumes and saves until it
-is killed (``jobs``).
+and the chores around a state (``models``), the one table printer (``tables``: every result table is printed by
+it, as markdown), re-exported here; and, imported from their modules (they import the engine): the ways to
+checkpoint a loop, ours and the peers' (``savers``), a job that resumes and saves until it is killed (``jobs``),
+and the one kill-trial driver that kills it, restarts it and counts the steps each kill lost (``kills``).
 
 Each benchmark puts the repository root on ``sys.path`` and imports from ``benchmarks._common``. Everything here
 uses ``persist_core``'s public names only.
@@ -22,6 +23,7 @@ from benchmarks._common.floors import (
     open_for_writes,
     write_pass,
 )
+from benchmarks._common.tables import print_table, table
 from benchmarks._common.models import (
     accel_model,
     alternate,
@@ -55,6 +57,8 @@ __all__ = [
     "median",
     "nbytes",
     "open_for_writes",
+    "print_table",
+    "table",
     "tensors",
     "training_state",
     "tree_map",
