@@ -9,17 +9,15 @@ uploads and removes, loads read.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
 
 from persist_core import _knobs
-from persist_core.tiers import remote_aside
+from persist_core.tiers import remote_aside, remote_download
 from persist_core.tiers._retry import causes, retry
 from persist_core.tiers._s3 import S3Transfer
 from persist_core.errors import ConfigError, CorruptCheckpointError, RemoteError
@@ -28,7 +26,6 @@ from persist_core.layout import (
     checkpoint_dirname,
     parse_checkpoint_dirname,
 )
-from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.tiers.tier import CheckpointInfo
 from persist_core.tiers.codec import Codec, EncryptionKeyError
@@ -316,56 +313,12 @@ class RemoteTier:
 
     def verify(self, step: int, progress: Callable[[int], None] | None = None) -> list[str]:
         """Read every file of remote checkpoint ``step`` (ranged, parallel), each chunk against its crc32c; the
-        problems found (a missing or short file, a chunk that does not match)."""
-        try:
-            manifest = self.read_manifest(step)
-        except CorruptCheckpointError as e:
-            return [str(e)]
-        prefix = self._path(checkpoint_dirname(step))
-        problems: list[str] = []
-
-        def check(source: str, f: FileEntry, first: int, stop: int) -> None:
-            start, end = first * f.chunk_bytes, min(stop * f.chunk_bytes, f.size)
-            try:
-                data = self._read_logical(step, f, first, stop)
-                f.check(data, first, where=f"{self.url}/{checkpoint_dirname(step)}/{f.name}")
-            except CorruptCheckpointError as e:
-                problems.append(str(e))
-            if progress is not None:
-                progress(end - start)
-
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="persist-verify") as pool:
-            futures = [pool.submit(check, f"{prefix}/{f.name}", f, first, stop)
-                       for f in manifest.files for first, stop in f.spans(_knobs.remote_read_bytes())]
-            for fut in futures:
-                fut.result()
-        return sorted(problems)
+        problems found (a missing or short file, a chunk that does not match, a block that does not decode)."""
+        return remote_download.verify(self, step, progress)
 
     def download(self, step: int, tmp: Path, progress: Callable[[int], None] | None = None) -> Manifest:
-        """Download ``step`` into the empty directory ``tmp`` with parallel ranged reads, each chunk checked as it
-        arrives, the manifest written last (the caller renames ``tmp`` into place); its manifest. Raises
-        ``CorruptCheckpointError`` for a chunk that does not match, ``RemoteError`` when the remote cannot be read.
-        """
-        manifest = self.read_manifest(step)
-        prefix = self._path(checkpoint_dirname(step))
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="persist-download") as pool:
-            for f in manifest.files:
-                source = f"{prefix}/{f.name}"
-                fd = os.open(tmp / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                try:
-                    futures = [pool.submit(self._fetch_span, step, fd, f, first, stop, progress)
-                               for first, stop in f.spans(_knobs.remote_read_bytes())]
-                    wait(futures)
-                    for fut in futures:
-                        fut.result()
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-        (tmp / MANIFEST_NAME).write_bytes(manifest.to_bytes())
-        with open(tmp / MANIFEST_NAME, "rb+") as fh:
-            os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        return manifest
+        """Download ``step`` into the empty directory ``tmp`` (:func:`.remote_download.download`); its manifest."""
+        return remote_download.download(self, step, tmp, progress)
 
     def read_range(self, step: int, f: FileEntry, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of file ``f`` of checkpoint ``step`` (not verified: a header, read to plan).
@@ -375,7 +328,7 @@ class RemoteTier:
         """
         if self.stored.envelope(step) is not None:  # the blocks that hold the range, decoded
             first, stop = f.blocks(start, min(end, f.size))
-            return self._read_logical(step, f, first, stop)[start - first * f.chunk_bytes:min(end, f.size) -
+            return self.read_logical(step, f, first, stop)[start - first * f.chunk_bytes:min(end, f.size) -
                                                                    first * f.chunk_bytes]
         source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
         return self.retry(f"reading {source}", lambda: self._read_range(source, start, min(end, f.size)))
@@ -390,7 +343,7 @@ class RemoteTier:
         """
         start = first * f.chunk_bytes
         end = start + sum(len(v) for v in views)
-        data = memoryview(self._read_logical(step, f, first, -(-end // f.chunk_bytes)))
+        data = memoryview(self.read_logical(step, f, first, -(-end // f.chunk_bytes)))
         if len(data) != end - start:
             raise CorruptCheckpointError(f"{self.url}/{checkpoint_dirname(step)}/{f.name}: {len(data)} bytes from "
                                          f"byte {start}, {end - start} asked; the remote copy is short")
@@ -401,7 +354,7 @@ class RemoteTier:
         if verify:
             f.check_views(views, first, where=f"{self.url}/{checkpoint_dirname(step)}/{f.name}")
 
-    def _read_logical(self, step: int, f: FileEntry, first: int, stop: int) -> bytes:
+    def read_logical(self, step: int, f: FileEntry, first: int, stop: int) -> bytes:
         """The bytes of blocks ``[first, stop)`` of file ``f`` of ``step`` as the local tier holds them (one ranged
         read; decoded when the remote stores them encoded), not verified."""
         source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
@@ -411,16 +364,3 @@ class RemoteTier:
             return self.retry(f"reading {source}", lambda: self._read_range(source, start, end))
         return self.stored.read(step, f, first, stop, lambda start, end: self.retry(
             f"reading {source}", lambda: self._read_range(source, start, end)), where=f"{self.url}/{source}")
-
-    def _fetch_span(self, step: int, fd: int, f: FileEntry, first: int, stop: int,
-                    progress: Callable[[int], None] | None = None) -> None:
-        source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
-        start = first * f.chunk_bytes
-        data = self._read_logical(step, f, first, stop)
-        f.check(data, first, where=f"{source} (the remote copy)")
-        view = memoryview(data)
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], start + done)
-        if progress is not None:
-            progress(len(view))
