@@ -32,6 +32,7 @@ from persist_core.policies.retention import RetentionPolicy, check_policy
 from persist_core.policies.save import SavePolicy, check_save_policy
 from persist_core.preemption import PreemptionNotice, check_grace
 from persist_core.memory.option import MemoryTier, check_memory, memory_tier
+from persist_core.tiers.codec import Codec, SecretKey, check_compression
 
 T = TypeVar("T", bound=type)
 
@@ -111,6 +112,13 @@ class Config:
         "after a load, ``verify_resume(state)`` compares the state with what was saved: ``\"warn\"`` "
         "(a ``ResumeMismatchWarning`` naming each differing key), ``\"raise\"`` (``ResumeMismatchError``) or "
         "``\"off\"``."))
+    remote_compression: str | None = _option(None, (
+        "``\"zstd\"``: the remote's copy of each checksum block is compressed losslessly (floating dtypes split "
+        "into byte planes first; needs ``torch-persist[compress]``); the local tier stays raw. ``None``: as on disk."))
+    remote_encryption_key: SecretKey | None = _option(None, accepts=bytes | Callable[[], bytes] | None, doc=(
+        "32 bytes, or a callable returning them: the remote's blocks, manifests and lease are encrypted and "
+        "authenticated on this machine (AES-256-GCM; needs ``torch-persist[encrypt]``). Never logged, pickled or "
+        "written; every load from that remote needs it."))
     verify_resume_ignore: tuple[str, ...] = _option((), accepts=tuple[str, ...] | list[str], doc=(
         "glob patterns of key paths (as ``persist inspect`` names them, e.g. ``optim/param_groups/*/lr``) that "
         "``verify_resume`` skips: intended changes after a resume."))
@@ -159,6 +167,18 @@ class Config:
         resolved("verify_resume_ignore", tuple(self.verify_resume_ignore))
         if self.remote_url is not None:
             _knobs.check_backend(self.remote_url)
+        check_compression(self.remote_compression)
+        if self.remote_encryption_key is not None:
+            resolved("remote_encryption_key", SecretKey(self.remote_encryption_key))
+        if (self.remote_compression or self.remote_encryption_key) and self.remote_url is None:
+            raise ConfigError("remote_compression / remote_encryption_key were given without remote_url; they apply to "
+                              "the remote tier only: pass remote_url='s3://bucket/run' too, or drop them")
+        if self.remote_encryption_key is not None:
+            Codec(None, self.remote_encryption_key)  # the package is installed
+
+    def codec(self) -> Codec:
+        """What the remote tier does to the bytes it stores (:mod:`persist_core.tiers.codec`)."""
+        return Codec(self.remote_compression, self.remote_encryption_key)
 
     @classmethod
     def from_keywords(cls, local_dir: str | os.PathLike[str], **keywords: Any) -> Config:
@@ -243,7 +263,8 @@ SUGAR = (
 
 _ADAPTERS = ("remote_url", "storage_options", "keep_last", "keep_every_n_steps", "keep_every_n_seconds", "retention",
              "verify", "max_pending", "preemption_grace_s", "remote_timeout_s", "start_over", "memory_every_n_steps",
-             "memory_dir", "incremental", "full_every", "verify_resume", "verify_resume_ignore")
+             "memory_dir", "incremental", "full_every", "verify_resume", "verify_resume_ignore",
+             "remote_compression", "remote_encryption_key")
 #: which options each entry point takes as keywords, besides ``local_dir`` (its first argument) and its own
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "CheckpointEngine": tuple(f.name for f in dataclasses.fields(Config) if f.name != "local_dir"),

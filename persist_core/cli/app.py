@@ -20,6 +20,7 @@ from persist_core.layout import MANIFEST_NAME, NODE_PROBE_PREFIX, is_url, parse_
 from persist_core.ownership import owner_of, remove_dead
 from persist_core.format.manifest import Manifest
 from persist_core.tiers import CheckpointInfo, LocalTier, RemoteTier, Tier
+from persist_core.tiers.codec import Codec, SecretKey
 
 
 class CommandError(click.ClickException):
@@ -33,7 +34,7 @@ class Location:
 
     def __init__(self, location: str, storage_options: dict[str, Any] | None) -> None:
         self.name = location
-        self.remote = RemoteTier(location, storage_options) if is_url(location) else None
+        self.remote = RemoteTier(location, storage_options, codec=codec()) if is_url(location) else None
         self.root = None if self.remote else Path(location.removeprefix("file://")).expanduser().absolute()
         if self.root is not None and not self.root.is_dir():
             raise click.UsageError(f"{location} is not a directory (nor a URL such as s3://bucket/run)")
@@ -186,7 +187,8 @@ def one_line(error: Exception) -> str:
     return f"{type(error).__name__}{': ' + text if text else ''} (--debug shows the traceback)"
 
 
-_GLOBAL_VALUED = ("--storage-options", "--endpoint-url", "--profile", "--region")
+_GLOBAL_VALUED = ("--storage-options", "--endpoint-url", "--profile", "--region", "--encryption-key-env",
+                  "--compression")
 _GLOBAL_FLAGS = ("--debug",)
 
 
@@ -219,10 +221,14 @@ def globals_first(args: list[str]) -> list[str]:
                                                     "--endpoint-url")
 @click.option("--profile", default=None, help="S3: the AWS profile whose credentials to use, as aws --profile")
 @click.option("--region", default=None, help="S3: the region, as aws --region")
+@click.option("--encryption-key-env", default=None, metavar="NAME",
+              help="the environment variable holding the remote's remote_encryption_key (64 hex digits)")
+@click.option("--compression", type=click.Choice(["zstd", "none"]), default=None,
+              help="what push, sync and cp write to a remote: zstd-compressed blocks (remote_compression)")
 @click.option("--debug", is_flag=True, help="show tracebacks")
 @click.pass_context
 def main(ctx: click.Context, storage_options: str | None, endpoint_url: str | None, profile: str | None,
-         region: str | None, debug: bool) -> None:
+         region: str | None, encryption_key_env: str | None, compression: str | None, debug: bool) -> None:
     """See, verify, move and prune torch-persist checkpoints on a local directory or any fsspec URL.
 
     Global options may come before or after the command.
@@ -254,6 +260,37 @@ def main(ctx: click.Context, storage_options: str | None, endpoint_url: str | No
         if profile:
             options["profile"] = profile
     ctx.obj = options
+    ctx.meta[_CODEC] = Codec(None if compression in (None, "none") else compression,
+                             None if encryption_key_env is None else SecretKey(_key_from_env(encryption_key_env)))
+
+
+_CODEC = "persist.codec"
+
+
+def _key_from_env(name: str) -> Any:
+    """A callable reading the key from ``name`` (64 hex digits) when first needed; a usage error if it is unset."""
+    value = os.environ.get(name)
+    if not value:
+        raise click.UsageError(f"--encryption-key-env {name}: the environment variable {name} is not set (it must "
+                               "hold the remote_encryption_key as 64 hex digits)")
+    try:
+        key = bytes.fromhex(value.strip())
+    except ValueError:
+        raise click.UsageError(f"--encryption-key-env {name}: {name} is not hex (64 hex digits; its value is not "
+                               "shown)") from None
+    return lambda: key
+
+
+def codec() -> Codec:
+    """The codec the global options ask for (what the remote tiers the command opens read and write with)."""
+    ctx = click.get_current_context(silent=True)
+    found = None if ctx is None else ctx.find_root().meta.get(_CODEC)
+    return found if found is not None else Codec()
+
+
+def encryption_key() -> SecretKey | None:
+    """The key ``--encryption-key-env`` named, for a :class:`~persist_core.CheckpointReader`."""
+    return codec().key
 
 
 def open_location(ctx: click.Context, location: str) -> Location:

@@ -15,7 +15,7 @@ from persist_core.layout import FULL, KINDS, kind_subdir, parse_checkpoint_dirna
 from persist_core.sidefiles import is_link
 from persist_core.tiers import RemoteTier
 from persist_core.cli.memory import memory_rows
-from persist_core.cli.app import human_size, is_url, main, open_location
+from persist_core.cli.app import codec, human_size, is_url, main, open_location
 
 
 def _local_sub_tier(location: str, sub: str) -> bool:
@@ -47,12 +47,15 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None,
             loc = open_location(ctx, f"{location.rstrip('/')}/{sub}")
         else:
             continue
-        for info, m in loc.tier.listing():  # one listing, each manifest read once
-            rows.append({"step": info.step, "kind": kind, "time": info.time, "bytes": info.nbytes,
-                         "files": len(m.files), "ranks": m.world_size, "path": info.path,
-                         "milestone": bool(milestones) and info.step % milestones == 0, "abandoned": False})
+        listing = loc.remote.listing(sealed=True) if loc.remote is not None else loc.tier.listing()
+        for info, m in listing:  # one listing, each manifest read once; without the key: step, size, "encrypted"
+            rows.append({"step": info.step, "kind": kind, "time": info.time if m else None, "bytes": info.nbytes,
+                         "files": len(m.files) if m else None, "ranks": m.world_size if m else None,
+                         "path": info.path, "milestone": bool(milestones) and info.step % milestones == 0,
+                         "abandoned": False, **({} if m else {"encrypted": True})})
         for info in loc.tier.abandoned():  # kept, never the latest: a resume from an older step branched
-            rows.append({"step": info.step, "kind": kind, "time": info.time, "bytes": info.nbytes, "files": None,
+            rows.append({"step": info.step, "kind": kind, "time": info.time if info.time == info.time else None,
+                         "bytes": info.nbytes, "files": None,
                          "ranks": None, "path": info.path, "milestone": False, "abandoned": True})
     rows += memory_rows(location, memory_dir)  # a local directory's run's snapshots in memory (kind "memory")
     order = (*KINDS, "memory", "memory-partner")
@@ -80,8 +83,8 @@ def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None,
     now = time.time()
     for r in rows:
         table.add_row(str(r["step"]), *((r["kind"],) if kinds else ()),
-                      time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"])),
-                      f"{(now - r['time']) / 3600:.1f} h", human_size(r["bytes"]), str(r["files"] or ""),
+                      time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["time"])) if r["time"] is not None
+                      else "encrypted", f"{(now - r['time']) / 3600:.1f} h" if r["time"] is not None else "", human_size(r["bytes"]), str(r["files"] or ""),
                       str(r["ranks"] or ""), "yes" if r["milestone"] else "",
                       "abandoned" if r.get("abandoned") else r.get("process", "live"))
     Console().print(table)
@@ -266,7 +269,7 @@ def _runs_below(ctx: click.Context, location: str, depth: int = 2, limit: int = 
         where = f"{location.rstrip('/')}/{rel}" if rel else location
         try:
             if is_url(where):
-                tier = RemoteTier(where, ctx.obj)
+                tier = RemoteTier(where, ctx.obj, codec=codec())
                 names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in tier.fs.ls(tier.root, detail=False))
             else:
                 names = sorted(e.name for e in os.scandir(where.removeprefix("file://")) if e.is_dir())

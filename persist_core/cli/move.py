@@ -16,7 +16,8 @@ from persist_core.layout import checkpoint_dirname
 from persist_core.load.reader import CheckpointReader
 from persist_core.tiers import RemoteTier
 from persist_core.tiers.local import committed_steps, discover, read_manifest
-from persist_core.cli.app import CommandError, Location, distinct, is_url, main, open_location, progress, took
+from persist_core.cli.app import (CommandError, Location, codec, distinct, encryption_key, is_url, main, open_location,
+                                  progress, took)
 
 
 def _exporters() -> dict[str, Any]:
@@ -47,7 +48,7 @@ def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: 
     manifest, t0 = loc.manifest(s), time.perf_counter()
     here = set(committed_steps(Path(local_dir))) if os.path.isdir(local_dir) else set()
     nbytes = manifest.nbytes + sum(loc.manifest(ref).nbytes for ref in manifest.depends_on() - here)
-    with CheckpointReader(local_dir, remote_url=url, storage_options=ctx.obj) as reader:
+    with CheckpointReader(local_dir, remote_url=url, storage_options=ctx.obj, remote_encryption_key=encryption_key()) as reader:
         with progress(nbytes, f"pull step {s}", quiet or as_json) as advance:
             path = reader.fetch(s, advance)
     elapsed = time.perf_counter() - t0
@@ -76,7 +77,7 @@ def push(ctx: click.Context, local_dir: str, url: str, quiet: bool, as_json: boo
     if local.root is None or "://" not in url:
         raise click.UsageError(f"push takes a local directory, then a remote URL (s3://bucket/run, "
                                f"file:///mnt/share/run); got {local_dir!r} and {url!r}")
-    remote = RemoteTier(url, ctx.obj)  # file:// too: a remote on a mounted share, as the engine's remote_url
+    remote = RemoteTier(url, ctx.obj, codec=codec())  # file:// too: a remote on a mounted share, as the engine's remote_url
     have = set(remote.committed_steps())
     todo = [(info, m) for info, m in discover(local.root) if info.step not in have]  # oldest first: references first
     lacking = {info.step: sorted(m.depends_on() - have - {i.step for i, _ in todo}) for info, m in todo}
@@ -165,9 +166,9 @@ def _copy_steps(ctx: click.Context, src: Location, target: str, steps: list[int]
         if not is_url(target):
             os.makedirs(target.removeprefix("file://"), exist_ok=True)
             into = stack.enter_context(CheckpointReader(target.removeprefix("file://"), remote_url=source_url,
-                                                        storage_options=ctx.obj))
+                                                        storage_options=ctx.obj, remote_encryption_key=encryption_key()))
         else:
-            dst = RemoteTier(target, ctx.obj)
+            dst = RemoteTier(target, ctx.obj, codec=codec())
             stack.callback(dst.close)
         for s_ in steps:
             t0 = time.perf_counter()
@@ -192,7 +193,7 @@ def _upload_step(ctx: click.Context, src: Location, dst: RemoteTier, step: int, 
     with contextlib.ExitStack() as stack:
         if src.remote is not None:  # remote -> remote: through a verified local copy
             scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="persist-cp-"))
-            reader = stack.enter_context(CheckpointReader(scratch, remote_url=src.name, storage_options=ctx.obj))
+            reader = stack.enter_context(CheckpointReader(scratch, remote_url=src.name, storage_options=ctx.obj, remote_encryption_key=encryption_key()))
             ckpt = reader.fetch(step)
         else:
             assert src.root is not None
@@ -273,7 +274,8 @@ def export(ctx: click.Context, location: str, step: int | None, target: str, fmt
     cache = Path(target).absolute().parent / f".{Path(target).name}.download" if loc.remote else loc.root
     try:
         with CheckpointReader(cache, remote_url=location if loc.remote else None,
-                              storage_options=ctx.obj if loc.remote else None) as reader:
+                              storage_options=ctx.obj if loc.remote else None,
+                              remote_encryption_key=encryption_key()) as reader:
             state = reader.load(s, weights_only=not unsafe_pickle)
     finally:  # a failed read (a corrupt chunk, a refused pickle) leaves no download behind either
         if loc.remote:

@@ -37,6 +37,7 @@ from persist_core.load.remote import RemoteRestore, set_aside_here
 from persist_core.load.sources import MemoryOption, MemorySource, Pulled
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_manifest
+from persist_core.tiers.codec import Codec, SecretKey
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class CheckpointReader:
         local_dir: the local tier (created if missing; downloads land here).
         remote_url: an fsspec URL of the remote tier, or ``None``.
         storage_options: passed to fsspec as-is.
+        remote_encryption_key: the key the remote was written with (32 bytes or a callable), if it is encrypted.
         verify: check crc32c checksums on load (default True).
         tier: an already open :class:`RemoteTier` to share (the engine passes its own).
         on_loaded: called with the manifest of each checkpoint a :meth:`load` returns (the engine warms
@@ -80,6 +82,7 @@ class CheckpointReader:
         tier: RemoteTier | None = None,
         on_loaded: Callable[[Manifest], None] | None = None,
         memory: MemoryOption | MemorySource | None = None,
+        remote_encryption_key: Any = None,
     ) -> None:
         self._root = Path(os.fspath(_knobs.check_local_dir(local_dir)).removeprefix("file://")).expanduser().absolute()
         if tier is None:
@@ -90,7 +93,9 @@ class CheckpointReader:
             raise ConfigError(f"local_dir={str(self._root)!r} cannot be created ({e.strerror or e}); pass a usable directory") from e
         self._verify = _knobs.check_bool("verify", verify)
         self._owns_tier = tier is None and remote_url is not None
-        self._tier = tier if tier is not None else (RemoteTier(remote_url, storage_options) if remote_url else None)
+        self._tier = tier if tier is not None else (RemoteTier(
+            remote_url, storage_options, codec=Codec(None, remote_encryption_key and SecretKey(remote_encryption_key)))
+            if remote_url else None)
         self._pool = ThreadPoolExecutor(_knobs.write_threads(), thread_name_prefix="persist-read")
         self._restore = RemoteRestore(self._root, self._tier, self._pool) if self._tier is not None else None
         self.loaded_step: int | None = None  # the step the last successful load() returned (a resume point)

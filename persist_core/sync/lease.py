@@ -75,9 +75,8 @@ class RemoteLease:
         self._token: str | None = None
 
     def _read(self) -> dict[str, Any] | None:
-        fs = self._tier.fs
         try:
-            raw = self._tier.retry("reading the lease", lambda: fs.cat_file(self._path))
+            raw = self._tier.retry("reading the lease", lambda: self._tier.stored.read_record(self._path))
         except Exception as e:  # a missing lease object, however the store says it
             if any(isinstance(c, FileNotFoundError) for c in causes(e)):
                 return None
@@ -129,7 +128,7 @@ class RemoteLease:
         body = json.dumps(mine).encode()
         root = self._tier.root
         self._tier.retry("creating the remote root", lambda: self._tier.fs.makedirs(root, exist_ok=True))
-        self._tier.retry("writing the lease", lambda: self._tier.fs.pipe_file(self._path, body))
+        self._tier.retry("writing the lease", lambda: self._tier.stored.write_record(self._path, body))
         self._tier.fs.invalidate_cache(self._path)
         back = self._read()
         if back is None or back.get("token") != mine["token"]:  # another writer took it in the same moment

@@ -9,17 +9,15 @@ uploads and removes, loads read.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
 
 from persist_core import _knobs
-from persist_core.tiers import remote_aside
+from persist_core.tiers import remote_aside, remote_download
 from persist_core.tiers._retry import causes, retry
 from persist_core.tiers._s3 import S3Transfer
 from persist_core.errors import ConfigError, CorruptCheckpointError, RemoteError
@@ -28,9 +26,10 @@ from persist_core.layout import (
     checkpoint_dirname,
     parse_checkpoint_dirname,
 )
-from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.tiers.tier import CheckpointInfo
+from persist_core.tiers.codec import Codec, EncryptionKeyError
+from persist_core.tiers.codec import stored
 from persist_core.turn import NO_TURN, Turn
 from persist_core.tiers._fsspec import Yielding, with_timeouts
 
@@ -55,7 +54,8 @@ class RemoteTier:
         ConfigError: unknown protocol or missing fsspec backend; the message names the URL and the fix.
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, turn: Turn = NO_TURN) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, turn: Turn = NO_TURN,
+                 codec: Codec | None = None) -> None:
         self.url = _knobs.check_remote_url(url).rstrip("/")
         storage_options = _knobs.check_storage_options(storage_options)
         try:
@@ -78,6 +78,7 @@ class RemoteTier:
         self.retries = _knobs.remote_retries()
         self.backoff_s = _knobs.remote_backoff_s()
         self._turn = turn  # waited for before each piece an upload sends: they hold off while an update runs
+        self.stored = stored.Stored(self, codec or Codec())  # what the codec makes of what goes up and comes down
         self._s3: S3Transfer | None = None
         if self._is_s3:
             try:
@@ -93,6 +94,7 @@ class RemoteTier:
 
     def close(self) -> None:
         """Release transfer threads."""
+        self.stored.close()
         if self._s3 is not None:
             self._s3.close()
 
@@ -159,29 +161,37 @@ class RemoteTier:
         """:meth:`read_manifest`, the object sizes taken from ``sizes`` (a listing made already) if given."""
         prefix = self._path(checkpoint_dirname(step))
         raw = self.retry(f"reading {prefix}/{MANIFEST_NAME}", lambda: self.fs.cat_file(f"{prefix}/{MANIFEST_NAME}"))
-        manifest = Manifest.from_bytes(raw, where=f"{self.url}/{checkpoint_dirname(step)}/{MANIFEST_NAME}", step=step)
+        manifest = self.stored.manifest(raw, where=f"{self.url}/{checkpoint_dirname(step)}/{MANIFEST_NAME}", step=step)
         if sizes is None:
             self.fs.invalidate_cache(prefix)
             listing = self.retry(f"listing {prefix}", lambda: self.fs.ls(prefix, detail=True))
             sizes = {entry["name"].rstrip("/").split("/")[-1]: entry.get("size") for entry in listing}
         for f in manifest.files:
-            if sizes.get(f.name) != f.size:
+            size = self.stored.size(step, f)
+            if sizes.get(f.name) != size:
                 raise CorruptCheckpointError(
-                    f"{self.url}/{checkpoint_dirname(step)}/{f.name} has size {sizes.get(f.name)}; the manifest says {f.size}"
+                    f"{self.url}/{checkpoint_dirname(step)}/{f.name} has size {sizes.get(f.name)}; the manifest says {size}"
                 )
         return manifest
 
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints whose manifest and sizes check, oldest first."""
-        return [info for info, _ in self.listing()]
+        return [info for info, _ in self.listing(sealed=True)]
 
-    def listing(self) -> list[tuple[CheckpointInfo, Manifest]]:
+    def listing(self, *, sealed: bool = False) -> list[tuple[CheckpointInfo, Manifest]]:
         """Committed checkpoints whose manifest and sizes check, with their manifests, oldest first: one
-        recursive listing (every object's size) and one read per manifest."""
-        found = []
+        recursive listing (every object's size) and one read per manifest. ``sealed``: an encrypted remote read
+        without the key lists each checkpoint's step, size and "encrypted" (its manifest ``None``) instead of raising
+        :class:`~persist_core.tiers.codec.EncryptionKeyError`."""
+        found: list[tuple[CheckpointInfo, Any]] = []
         for step, sizes in sorted(self._objects().items()):
             try:
                 m = self._read_manifest(step, sizes)
+            except EncryptionKeyError:
+                if not sealed or self.stored.codec.key is not None:
+                    raise
+                found.append((self.stored.sealed_info(step, f"{self.url}/{checkpoint_dirname(step)}"), None))
+                continue
             except CorruptCheckpointError as e:
                 log.warning("skipping remote step %d: %s", step, e)
                 continue
@@ -206,6 +216,7 @@ class RemoteTier:
         prefix = self._path(checkpoint_dirname(manifest.step))
         self.upload_files(local_ckpt, manifest.step, manifest.held() if files is None else files)
         raw = (local_ckpt / MANIFEST_NAME).read_bytes() if manifest.node is None else manifest.placed(None).to_bytes()
+        raw = self.stored.wrap(manifest, raw, where=prefix)
         self.retry(f"committing {prefix}", lambda: self.fs.pipe_file(f"{prefix}/{MANIFEST_NAME}", raw))
 
     def upload_files(self, local_ckpt: Path, step: int, files: tuple[FileEntry, ...]) -> None:
@@ -219,10 +230,12 @@ class RemoteTier:
             self.retry(f"creating {prefix}", lambda: self.fs.makedirs(prefix, exist_ok=True))
         for f in files:
             target = f"{prefix}/{f.name}"
-            self.retry(f"uploading {target}", lambda f=f, target=target: self._put(local_ckpt / f.name, target))
-            size = self.retry(f"checking {target}", lambda target=target: self._size(target))
-            if size != f.size:
-                raise RemoteError(f"uploaded {target} has {size} bytes, expected {f.size}; the upload will be redone")
+            with self.stored.encoded(local_ckpt, step, f) as (source, expected):
+                self.retry(f"uploading {target}", lambda source=source, target=target: self._put(source, target))
+                size = self.retry(f"checking {target}", lambda target=target: self._size(target))
+            if size != expected:
+                raise RemoteError(f"uploaded {target} has {size} bytes, expected {expected}; the upload will be redone")
+            self.stored.uploaded(step, f, prefix)
 
     def _size(self, path: str) -> int:
         """The size the remote itself gives (an upload's check): never from a listing another thread cached
@@ -264,6 +277,8 @@ class RemoteTier:
         in pieces (a backend without a copy); a file system that wants directories gets the target's first."""
         if "file" in self._protocols:
             self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        if self.stored.rewraps(path, target):  # a manifest set aside: its envelope says so, authenticated
+            return
         try:
             self.fs.copy(path, target)
         except NotImplementedError:
@@ -298,56 +313,12 @@ class RemoteTier:
 
     def verify(self, step: int, progress: Callable[[int], None] | None = None) -> list[str]:
         """Read every file of remote checkpoint ``step`` (ranged, parallel), each chunk against its crc32c; the
-        problems found (a missing or short file, a chunk that does not match)."""
-        try:
-            manifest = self.read_manifest(step)
-        except CorruptCheckpointError as e:
-            return [str(e)]
-        prefix = self._path(checkpoint_dirname(step))
-        problems: list[str] = []
-
-        def check(source: str, f: FileEntry, first: int, stop: int) -> None:
-            start, end = first * f.chunk_bytes, min(stop * f.chunk_bytes, f.size)
-            data = self.retry(f"reading {source}", lambda: self._read_range(source, start, end))
-            try:
-                f.check(data, first, where=f"{self.url}/{checkpoint_dirname(step)}/{f.name}")
-            except CorruptCheckpointError as e:
-                problems.append(str(e))
-            if progress is not None:
-                progress(end - start)
-
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="persist-verify") as pool:
-            futures = [pool.submit(check, f"{prefix}/{f.name}", f, first, stop)
-                       for f in manifest.files for first, stop in f.spans(_knobs.remote_read_bytes())]
-            for fut in futures:
-                fut.result()
-        return sorted(problems)
+        problems found (a missing or short file, a chunk that does not match, a block that does not decode)."""
+        return remote_download.verify(self, step, progress)
 
     def download(self, step: int, tmp: Path, progress: Callable[[int], None] | None = None) -> Manifest:
-        """Download ``step`` into the empty directory ``tmp`` with parallel ranged reads, each chunk checked as it
-        arrives, the manifest written last (the caller renames ``tmp`` into place); its manifest. Raises
-        ``CorruptCheckpointError`` for a chunk that does not match, ``RemoteError`` when the remote cannot be read.
-        """
-        manifest = self.read_manifest(step)
-        prefix = self._path(checkpoint_dirname(step))
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="persist-download") as pool:
-            for f in manifest.files:
-                source = f"{prefix}/{f.name}"
-                fd = os.open(tmp / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                try:
-                    futures = [pool.submit(self._fetch_span, source, fd, f, first, stop, progress)
-                               for first, stop in f.spans(_knobs.remote_read_bytes())]
-                    wait(futures)
-                    for fut in futures:
-                        fut.result()
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-        (tmp / MANIFEST_NAME).write_bytes(manifest.to_bytes())
-        with open(tmp / MANIFEST_NAME, "rb+") as fh:
-            os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        return manifest
+        """Download ``step`` into the empty directory ``tmp`` (:func:`.remote_download.download`); its manifest."""
+        return remote_download.download(self, step, tmp, progress)
 
     def read_range(self, step: int, f: FileEntry, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of file ``f`` of checkpoint ``step`` (not verified: a header, read to plan).
@@ -355,6 +326,10 @@ class RemoteTier:
         Raises:
             RemoteError: the remote could not be read.
         """
+        if self.stored.envelope(step) is not None:  # the blocks that hold the range, decoded
+            first, stop = f.blocks(start, min(end, f.size))
+            return self.read_logical(step, f, first, stop)[start - first * f.chunk_bytes:min(end, f.size) -
+                                                                   first * f.chunk_bytes]
         source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
         return self.retry(f"reading {source}", lambda: self._read_range(source, start, min(end, f.size)))
 
@@ -366,10 +341,9 @@ class RemoteTier:
             CorruptCheckpointError: a block does not match its checksum.
             RemoteError: the remote could not be read.
         """
-        source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
         start = first * f.chunk_bytes
         end = start + sum(len(v) for v in views)
-        data = memoryview(self.retry(f"reading {source}", lambda: self._read_range(source, start, end)))
+        data = memoryview(self.read_logical(step, f, first, -(-end // f.chunk_bytes)))
         if len(data) != end - start:
             raise CorruptCheckpointError(f"{self.url}/{checkpoint_dirname(step)}/{f.name}: {len(data)} bytes from "
                                          f"byte {start}, {end - start} asked; the remote copy is short")
@@ -380,14 +354,13 @@ class RemoteTier:
         if verify:
             f.check_views(views, first, where=f"{self.url}/{checkpoint_dirname(step)}/{f.name}")
 
-    def _fetch_span(self, source: str, fd: int, f: FileEntry, first: int, stop: int,
-                    progress: Callable[[int], None] | None = None) -> None:
-        start, end = first * f.chunk_bytes, min(stop * f.chunk_bytes, f.size)
-        data = self.retry(f"reading {source}", lambda: self._read_range(source, start, end))
-        f.check(data, first, where=f"{source} (the remote copy)")
-        view = memoryview(data)
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], start + done)
-        if progress is not None:
-            progress(len(view))
+    def read_logical(self, step: int, f: FileEntry, first: int, stop: int) -> bytes:
+        """The bytes of blocks ``[first, stop)`` of file ``f`` of ``step`` as the local tier holds them (one ranged
+        read; decoded when the remote stores them encoded), not verified."""
+        source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
+        env = self.stored.envelope(step)
+        if env is None:
+            start, end = first * f.chunk_bytes, min(stop * f.chunk_bytes, f.size)
+            return self.retry(f"reading {source}", lambda: self._read_range(source, start, end))
+        return self.stored.read(step, f, first, stop, lambda start, end: self.retry(
+            f"reading {source}", lambda: self._read_range(source, start, end)), where=f"{self.url}/{source}")

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from persist_core.errors import CorruptCheckpointError
-from persist_core.format.manifest import Manifest
 from persist_core.layout import (ASIDE_MANIFEST_NAME, MANIFEST_NAME, abandoned_dirname, checkpoint_dirname,
                                  parse_abandoned_dirname)
+from persist_core.tiers.codec import EncryptionKeyError
 from persist_core.tiers.tier import CheckpointInfo
 
 T = TypeVar("T")
@@ -34,6 +34,7 @@ class RemoteTier(Protocol):
     url: str
     root: str
     fs: Any
+    stored: Any  # its codec side (tiers/codec/stored.py): reads an envelope, set aside or live
 
     def path_of(self, name: str) -> str: ...
 
@@ -117,7 +118,10 @@ def abandoned(tier: RemoteTier) -> list[CheckpointInfo]:
             continue
         try:
             raw = tier.retry(f"reading {path}", lambda path=path: tier.fs.cat_file(path))
-            m = Manifest.from_bytes(raw, where=path, step=parsed[0])
+            m = tier.stored.manifest(raw, where=path, step=parsed[0], live=False)
+        except EncryptionKeyError:  # no key: its step, size and "encrypted"
+            found.append(tier.stored.sealed_info(parsed[0], f"{tier.url}/{parts[-2]}"))
+            continue
         except CorruptCheckpointError as e:
             log.warning("skipping %s: %s", path, e)
             continue
