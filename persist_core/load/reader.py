@@ -1,8 +1,7 @@
 """``CheckpointReader``: list and load committed checkpoints of a local tier and its remote.
 
-A load goes list -> choose -> read -> verify -> assemble: the reader lists what each source holds and
-picks the step and the source in the restore-source order (:mod:`~persist_core.load.choose`), then reads
-it by verified runs of blocks (:mod:`~persist_core.assembly.blocks`, the ranges from
+A load goes list -> choose -> read -> verify -> assemble: the reader lists what each source holds and picks
+the step and the source in the restore-source order (:mod:`~persist_core.load.choose`), then reads it by verified runs of blocks (:mod:`~persist_core.assembly.blocks`, the ranges from
 :mod:`~persist_core.assembly.plan`) into the state (:mod:`~persist_core.assembly.assemble`); a checkpoint only the
 remote holds is streamed (:mod:`~persist_core.load.remote`).
 
@@ -62,8 +61,7 @@ class CheckpointReader:
         remote_encryption_key: the key the remote was written with (32 bytes or a callable), if it is encrypted.
         verify: check crc32c checksums on load (default True).
         tier: an already open :class:`RemoteTier` to share (the engine passes its own).
-        on_loaded: called with the manifest of each checkpoint a :meth:`load` returns (the engine warms
-            its staging buffers for saves of that size).
+        on_loaded: called with the manifest of each :meth:`load` returns (the engine warms its staging buffers).
         memory: the run's :class:`~persist_core.MemoryTier` (its snapshots are read first when they are the
             freshest; the run is the one ``local_dir`` keeps the id of), or the snapshots themselves (the engine's:
             a :class:`~persist_core.load.sources.MemorySource`).
@@ -93,9 +91,8 @@ class CheckpointReader:
             raise ConfigError(f"local_dir={str(self._root)!r} cannot be created ({e.strerror or e}); pass a usable directory") from e
         self._verify = _knobs.check_bool("verify", verify)
         self._owns_tier = tier is None and remote_url is not None
-        self._tier = tier if tier is not None else (RemoteTier(
-            remote_url, storage_options, codec=Codec(None, remote_encryption_key and SecretKey(remote_encryption_key)))
-            if remote_url else None)
+        key = remote_encryption_key and SecretKey(remote_encryption_key)
+        self._tier = tier or (RemoteTier(remote_url, storage_options, codec=Codec(None, key)) if remote_url else None)
         self._pool = ThreadPoolExecutor(_knobs.write_threads(), thread_name_prefix="persist-read")
         self._restore = RemoteRestore(self._root, self._tier, self._pool) if self._tier is not None else None
         self.loaded_step: int | None = None  # the step the last successful load() returned (a resume point)
