@@ -61,7 +61,7 @@ class CheckpointReader:
         remote_encryption_key: the key the remote was written with (32 bytes or a callable), if it is encrypted.
         verify: check crc32c checksums on load (default True).
         tier: an already open :class:`RemoteTier` to share (the engine passes its own).
-        on_loaded: called with the manifest of each :meth:`load` returns (the engine warms its staging buffers).
+        on_loaded: called with the manifest each :meth:`load` returns (the engine warms its staging buffers).
         memory: the run's :class:`~persist_core.MemoryTier` (its snapshots are read first when they are the
             freshest; the run is the one ``local_dir`` keeps the id of), or the snapshots themselves (the engine's:
             a :class:`~persist_core.load.sources.MemorySource`).
