@@ -8,14 +8,14 @@ verify_resume`), under the keys the callback saves it with (``_checkpoint``), at
   epoch's dataloader's ``set_epoch``, which the Trainer calls in between, checks it there. Within an epoch the
   Trainer restores it after skipping the trained batches, just before ``on_step_begin``: checked there. Not checked
   with ``ignore_data_skip=True`` (the Trainer does not restore it mid-epoch then).
-* ``model``, ``optimizer``, ``scheduler`` and ``trainer_state`` at the first ``on_step_begin`` (after the Trainer's
-  restore and every callback's ``on_train_begin`` / ``on_epoch_begin``).
+* ``model``, ``optimizer``, ``scheduler``, ``scaler`` (the ``GradScaler`` of an fp16 run) and ``trainer_state`` at the
+  first ``on_step_begin`` (after the Trainer's restore and every callback's ``on_train_begin`` / ``on_epoch_begin``).
 
 ``trainer_state`` is one value, the JSON the Trainer writes; the fields the Trainer sets from its arguments rather
 than from the checkpoint (:data:`RECOMPUTED`) and the recorded ``TrainerControl`` (the flags of the moment) are taken
 from the saved JSON before the comparison, and the fields that differ are logged by name. ``config`` (the Trainer
-does not load it) is not compared; the callback's checkpoint holds no ``GradScaler`` state. Keys torch adds to an
-optimizer's ``param_groups`` on load are not a mismatch (:data:`NEW_OK`).
+does not load it) is not compared. Keys torch adds to an optimizer's ``param_groups`` on load are not a mismatch
+(:data:`NEW_OK`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 __all__ = ["AT_STEP", "NEW_OK", "RECOMPUTED", "ResumeCheck"]
 
 #: the top-level keys compared at the first step after the resume
-AT_STEP = ("model", "optimizer", "scheduler", "trainer_state")
+AT_STEP = ("model", "optimizer", "scheduler", "scaler", "trainer_state")
 #: key paths (globs) the live state may have that the checkpoint lacks: keys torch adds to param_groups on load
 NEW_OK = ("optimizer/param_groups/*",)
 #: TrainerState fields the Trainer sets from its arguments and the process (``init_training_references``), not from

@@ -23,7 +23,7 @@ from persist_core.session import PersistSession
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AT_FORWARD", "AT_RESTORE", "NEW_OK", "ResumeCheck"]
+__all__ = ["AT_FORWARD", "AT_RESTORE", "NEW_OK", "ResumeCheck", "not_restored"]
 
 #: the top-level keys of the saved state compared right after the restore
 AT_RESTORE = ("per_process", "dataloaders")
@@ -47,8 +47,13 @@ class ResumeCheck:
         now, the rest at the first forward. Another number of processes than now: the per-process states are not
         compared (each process took one of them, or process 0's)."""
         self.remove()
-        resharded = saved_processes != self._accelerator.num_processes
-        self._verify(AT_RESTORE, optimizer_steps, ignore=("per_process/*",) if resharded else ())
+        now = self._accelerator.num_processes
+        ignore: tuple[str, ...] = ()
+        if saved_processes != now:  # the processes both runs have are compared; the rest is said, never a mismatch
+            ignore = tuple(f"per_process/{i}/*" for i in range(min(saved_processes, now), max(saved_processes, now)))
+            if self._accelerator.process_index == 0:
+                log.warning("%s", not_restored(saved_processes, now))
+        self._verify(AT_RESTORE, optimizer_steps, ignore=ignore)
         models = self._accelerator._models
         if not models:
             self._verify(AT_FORWARD, optimizer_steps)
@@ -69,6 +74,25 @@ class ResumeCheck:
     def _verify(self, keys: tuple[str, ...], optimizer_steps: int, ignore: tuple[str, ...] = ()) -> list[str]:
         live = _state.capture(self._accelerator, optimizer_steps=optimizer_steps)
         if ignore:
-            log.info("per-process states (RNG, step) not verified (resharded: another number of processes)")
+            log.info("%s not verified (resharded: another number of processes)",
+                     ", ".join(g.removesuffix("/*") for g in ignore))
         return self._session.verify_resume({k: live[k] for k in keys}, ignore=ignore, new_ok=NEW_OK,
                                                   partial=True)
+
+
+def not_restored(saved: int, now: int) -> str:
+    """What a restore on ``now`` processes of a checkpoint ``saved`` processes wrote could not restore as saved
+    (:func:`accelerate_persist._state.apply`: process ``i`` takes process ``i``'s RNG states and step, a process the
+    checkpoint has none for takes process 0's)."""
+    head = f"resumed on {now} process(es) from a checkpoint {saved} process(es) wrote: "
+    if now < saved:
+        lost = f"the RNG states and step of process(es) {_span(now, saved)} are restored on no process"
+    else:
+        lost = (f"process(es) {_span(saved, now)} took process 0's RNG states and step (the checkpoint has none of "
+                "theirs): their random streams repeat process 0's")
+    return (head + lost + "; the dataloaders' positions are restored as the saved processes left them, so the "
+            f"samples each process sees from here differ from a run on {saved} process(es)")
+
+
+def _span(first: int, end: int) -> str:
+    return str(first) if end - first == 1 else f"{first}..{end - 1}"

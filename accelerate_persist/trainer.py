@@ -4,7 +4,7 @@ The Trainer runs on Accelerate but never calls ``save_state``: at each ``save_st
 writes ``output_dir/checkpoint-N/`` synchronously. This callback takes those saves over: when the
 Trainer decides to save (``control.should_save``, set by its own flow callback at ``on_step_end`` /
 ``on_epoch_end``), the callback clears the flag — the Trainer then writes nothing — and saves the
-same state (model, optimizer, scheduler, RNG states, ``trainer_state.json``) through the engine:
+same state (model, optimizer, scheduler, GradScaler, RNG states, ``trainer_state.json``) through the engine:
 asynchronous, verified, synced to ``remote_url``, retained.
 
 The save is taken where the Trainer's own would be: the Trainer logs the step and evaluates after
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 # the Trainer's own file names (transformers.trainer)
 _WEIGHTS, _CONFIG, _OPTIMIZER, _SCHEDULER = "model.safetensors", "config.json", "optimizer.pt", "scheduler.pt"
-_RNG, _STATE = "rng_state.pth", "trainer_state.json"
+_RNG, _STATE, _SCALER = "rng_state.pth", "trainer_state.json", "scaler.pt"
 
 
 @keyword_options("PersistTrainerCallback")  # **keywords: the options of persist_core.config.ENTRY_POINTS
@@ -196,7 +196,7 @@ class PersistTrainerCallback(TrainerCallback):
         Downloads it first when ``local_dir`` has none (a fresh machine), verifies every chunk, and
         writes ``local_dir/.trainer/checkpoint-N`` with exactly the files the Trainer reads: the
         weights, ``config.json``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` and
-        ``trainer_state.json``. Pass it to ``trainer.train(resume_from_checkpoint=...)``.
+        ``trainer_state.json``, and ``scaler.pt`` when the run had a ``GradScaler`` (fp16). Pass it to ``trainer.train(resume_from_checkpoint=...)``.
         """
         reader = self._session.reader
         info = reader.latest()
@@ -222,6 +222,7 @@ _SAVED_BY = {"saved_by": "accelerate_persist.PersistTrainerCallback"}
 def _checkpoint(state: Any, control: Any, kwargs: dict[str, Any], *, saving: bool) -> dict[str, Any]:
     """What the Trainer's own save of ``state``'s step writes (``saving``: recorded as a save, as the Trainer's)."""
     model = kwargs["model"]
+    scaler = getattr(kwargs["optimizer"], "scaler", None)  # fp16: Accelerate's GradScaler, on the prepared optimizer
     stateful = dict(state.stateful_callbacks or {})
     recorded = control.state()
     recorded["args"]["should_save"] = saving  # as the Trainer records it in its own save (it is saving)
@@ -234,6 +235,7 @@ def _checkpoint(state: Any, control: Any, kwargs: dict[str, Any], *, saving: boo
         "scheduler": kwargs["lr_scheduler"].state_dict() if kwargs.get("lr_scheduler") is not None else None,
         "rng": rng_state(),
         "trainer_state": trainer_state,
+        "scaler": None if scaler is None else scaler.state_dict(),
     }
 
 
@@ -258,6 +260,8 @@ def _materialize(checkpoint: dict[str, Any], out: Path) -> None:
     if checkpoint.get("scheduler") is not None:
         torch.save(checkpoint["scheduler"], tmp / _SCHEDULER)
     torch.save(checkpoint["rng"], tmp / _RNG)
+    if checkpoint.get("scaler") is not None:  # the Trainer's _load_scaler reads it (checkpoints before it: none)
+        torch.save(checkpoint["scaler"], tmp / _SCALER)
     (tmp / _STATE).write_text(checkpoint["trainer_state"])
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)

@@ -12,6 +12,9 @@ import logging
 import subprocess
 import sys
 import threading
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +77,8 @@ class Lineage:
         threading.Thread(target=lambda: self._commit.append(git_commit()), name="persist-lineage", daemon=True).start()
         self._resumed: dict[str, Any] | None = None
         self._branch: int | None = None
+        if run_id is not None:
+            _LIVE[run_id] = self  # what this process's memory snapshots of the run record (snapshot_lineage)
 
     @classmethod
     def of(cls, root: Path, given: str | None, *, world_size: int) -> Lineage:
@@ -98,3 +103,118 @@ class Lineage:
             return {"run": self._run_id, "resumed_from": None if self._resumed is None else dict(self._resumed),
                     "branch_from": self._branch, "world_size": self._world_size, "versions": dict(self._versions),
                     "git_commit": self._commit[0] if self._commit else None}
+
+
+#: the newest engine's lineage of each run in this process (weakly held: gone with its engine)
+_LIVE: weakref.WeakValueDictionary[str, Lineage] = weakref.WeakValueDictionary()
+
+
+def snapshot_lineage(run_id: str) -> dict[str, Any] | None:
+    """The lineage a memory snapshot of run ``run_id`` records (the memory tier builds its manifests apart from the
+    engine's saves): the newest live engine's of that run in this process, or ``None``."""
+    lineage = _LIVE.get(run_id)
+    return None if lineage is None else lineage.record()
+
+
+# ---------------------------------------------------------------- a run as its tree (``persist log``)
+
+
+@dataclass
+class Segment:
+    """One stretch of a run: the checkpoints whose lineage says the same run resumed from the same step (a fresh
+    start: from none), in step order; ``set_aside``: those of them a later resume that went back set aside
+    (``abandoned``); ``children``: the stretches that resumed from one of its steps."""
+
+    run: str | None
+    resumed_from: dict[str, Any] | None
+    branch_from: int | None
+    steps: list[int] = field(default_factory=list)
+    set_aside: list[int] = field(default_factory=list)
+    children: list[Segment] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "resumed_from": self.resumed_from, "branch_from": self.branch_from,
+                "steps": self.steps, "set_aside": self.set_aside, "children": [c.to_json() for c in self.children]}
+
+
+#: the key of checkpoints without lineage (format version before 7): one segment of their own
+_UNKNOWN = ("?",)
+
+
+def run_tree(checkpoints: Iterable[tuple[int, float, dict[str, Any] | None, bool]]) -> list[Segment]:
+    """A run's checkpoints ``(step, time saved, lineage, set aside)`` as the tree of its resumes and branches: the
+    roots (a fresh start, checkpoints without lineage, a resume from a step no longer here), each with the segments
+    that resumed from one of its checkpoints below it, oldest first. Pure."""
+    segments: dict[tuple[Any, ...], Segment] = {}
+    for step, when, lin, aside in sorted(checkpoints, key=lambda c: (c[0], c[1])):
+        if lin is None:
+            key = _UNKNOWN
+            seg = segments.get(key) or Segment(run=None, resumed_from={"unknown": True}, branch_from=None)
+        else:
+            origin = lin.get("resumed_from")
+            key = (lin.get("run"), None if origin is None else (origin.get("step"), origin.get("run")),
+                   lin.get("branch_from"))
+            seg = segments.get(key) or Segment(run=lin.get("run"), resumed_from=origin,
+                                               branch_from=lin.get("branch_from"))
+        segments[key] = seg
+        seg.steps.append(step)
+        seg.times.append(when)
+        if aside:
+            seg.set_aside.append(step)
+    roots: list[Segment] = []
+    for key, seg in sorted(segments.items(), key=lambda kv: min(kv[1].times)):
+        parent = None if key == _UNKNOWN or seg.resumed_from is None else _parent(seg, segments.values())
+        (roots if parent is None else parent.children).append(seg)
+    return roots
+
+
+def _parent(seg: Segment, segments: Iterable[Segment]) -> Segment | None:
+    """The segment holding the checkpoint ``seg`` resumed from (of the run it names, when it names one): the newest
+    of that step saved before ``seg``'s first; else (the resumed run saved that step again) the one before it."""
+    assert seg.resumed_from is not None
+    step, run = seg.resumed_from.get("step"), seg.resumed_from.get("run")
+    if not isinstance(step, int):
+        return None
+    first = min(seg.times)
+    best, best_key = None, (-1, 0.0)
+    for other in segments:
+        if other is seg or not (run is None or other.run in (run, None)):
+            continue
+        for s, t in zip(other.steps, other.times):
+            if s <= step and t <= first and (s, t) > best_key:
+                best, best_key = other, (s, t)
+    return best
+
+
+def tree_lines(roots: list[Segment]) -> list[str]:
+    """The tree as text, one line per segment, children indented under their parent."""
+    lines: list[str] = []
+
+    def walk(seg: Segment, lead: str, branch: str) -> None:
+        lines.append(f"{lead}{branch}{_describe(seg)}")
+        below = lead + ("   " if branch == "└─ " else "│  " if branch else "")
+        for i, child in enumerate(seg.children):
+            walk(child, below, "└─ " if i == len(seg.children) - 1 else "├─ ")
+
+    for root in roots:
+        walk(root, "", "")
+    return lines
+
+
+def _describe(seg: Segment) -> str:
+    steps = seg.steps
+    span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]} ({len(steps)} checkpoints)"
+    if seg.resumed_from is None:
+        origin = "fresh start"
+    elif seg.resumed_from.get("unknown"):
+        origin = "no lineage recorded (format version before 7)"
+    else:
+        origin = f"resumed from step {seg.resumed_from.get('step')}"
+        if seg.resumed_from.get("run") not in (None, seg.run):
+            origin += f" of run {seg.resumed_from.get('run')}"
+    if seg.branch_from is not None:
+        origin += f", a branch (went back to step {seg.branch_from})"
+    aside = f"; set aside: {', '.join(map(str, seg.set_aside))}" if seg.set_aside else ""
+    run = f" [run {seg.run}]" if seg.run is not None else ""
+    return f"{span}: {origin}{run}{aside}"

@@ -44,6 +44,7 @@ SMOKES = {
     "bench_node_loss": (None, "lost <= the steps since the last partner copy: 1 of 1"),
     "fault_sweep": ("moto", "OK: "),
     "lightning_kill_trials": ("lightning", "1 of 1 trials left a last.ckpt that loads and resumes"),
+    "bench_resume_bugs": ("accelerate", "2 of 2 bugs named"),
 }
 
 GPU_METHODS = [

@@ -1,4 +1,4 @@
-"""What is there: ``persist ls``, ``inspect`` and ``du``."""
+"""What is there: ``persist ls``, ``log``, ``inspect`` and ``du``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from persist_core.layout import FULL, KINDS, kind_subdir, parse_checkpoint_dirna
 from persist_core.sidefiles import is_link
 from persist_core.tiers import RemoteTier
 from persist_core.cli.memory import memory_rows
-from persist_core.cli.app import codec, human_size, is_url, main, open_location
+from persist_core.cli.app import CommandError, codec, human_size, is_url, main, open_location
 
 
 def _local_sub_tier(location: str, sub: str) -> bool:
@@ -30,14 +30,19 @@ def _local_sub_tier(location: str, sub: str) -> bool:
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per checkpoint, for scripts")
 @click.option("--milestones", type=click.IntRange(min=1), default=None, help="mark steps that are multiples of N")
 @click.option("--memory-dir", default=None, help="where the run's memory snapshots are (default /dev/shm/torch-persist-<uid>)")
+@click.option("--lineage", is_flag=True, help="the run as its tree of resumes and branches (as `persist log`)")
 @click.pass_context
-def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None, memory_dir: str | None) -> None:
+def ls(ctx: click.Context, location: str, as_json: bool, milestones: int | None, memory_dir: str | None,
+       lineage: bool) -> None:
     """Committed checkpoints: step, time, size, files (sizes checked; `verify` reads every byte).
 
     \b
     Example:
       persist ls s3://bucket/run-7 --json
     """
+    if lineage:
+        ctx.invoke(log_, location=location, as_json=as_json)
+        return
     rows = []
     for kind in KINDS:  # full ones in LOCATION, weights-only ones in LOCATION/weights-only
         sub = kind_subdir(kind)
@@ -208,6 +213,50 @@ def _summed_below(rows: list[dict[str, Any]], depth: int) -> list[dict[str, Any]
         group["dtype"] = f"subtree ({group['count']} entries)"
     for group in groups.values():
         del group["count"]
+    return out
+
+
+@main.command("log")
+@click.argument("location")
+@click.option("--json", "as_json", is_flag=True, help="the tree as JSON, for scripts")
+@click.pass_context
+def log_(ctx: click.Context, location: str, as_json: bool) -> None:
+    """A run as its tree of resumes and branches, from its checkpoints' lineage: each stretch of checkpoints one
+    start or resume wrote, below the checkpoint it resumed from; set-aside checkpoints (a resume that went back)
+    included. `persist ls LOCATION --lineage` is the same.
+
+    \b
+    Example:
+      persist log /nvme/ckpt
+    """
+    from persist_core.lineage import run_tree, tree_lines
+
+    loc = open_location(ctx, location)
+    found = [(info.step, m.time, m.lineage, False) for info, m in loc.tier.listing()]
+    found += [(m.step, m.time, m.lineage, True) for m in _set_aside_manifests(loc)]
+    roots = run_tree(found)
+    if as_json:
+        click.echo(json.dumps([r.to_json() for r in roots]))
+        return
+    if not roots:
+        raise CommandError(f"no checkpoints in {location}")
+    click.echo(f"{location}: {len(found)} checkpoint(s), {len(roots)} root(s)")
+    for line in tree_lines(roots):
+        click.echo(line)
+
+
+def _set_aside_manifests(loc: Any) -> list[Any]:
+    """The manifests of the checkpoints set aside in ``loc`` (a branch), local or remote."""
+    if loc.remote is None:
+        return [m for _, _, m, _ in loc.tier.abandoned_manifests()]
+    from persist_core.format.manifest import Manifest
+    from persist_core.layout import MANIFEST_NAME
+
+    out = []
+    for info in loc.tier.abandoned():
+        name = info.path.rstrip("/").rsplit("/", 1)[-1]
+        raw = loc.remote.fs.cat_file(f"{loc.remote.path_of(name)}/{MANIFEST_NAME}")
+        out.append(Manifest.from_bytes(raw, where=info.path, step=info.step))
     return out
 
 

@@ -42,6 +42,22 @@ class Verdict:
     tensors: int = 0
     values: int = 0
     not_verified: dict[str, list[str]] = field(default_factory=dict)
+    saved_world_size: int = 1
+    per_rank_resharded: list[str] = field(default_factory=list)
+
+    def not_restored(self, *, rank: int, world_size: int) -> str | None:
+        """What per-rank state (``PerRank`` leaves: RNG states, data positions) a resume on ``world_size`` ranks of
+        a checkpoint ``saved_world_size`` ranks wrote could not restore, as this ``rank`` says it; ``None``: all."""
+        paths = self.per_rank_resharded
+        if not paths:
+            return None
+        head = (f"resumed on {world_size} rank(s) from a checkpoint {self.saved_world_size} rank(s) wrote: per-rank "
+                f"state not restored as saved ({', '.join(paths[:10])}{' ...' if len(paths) > 10 else ''})")
+        if rank >= self.saved_world_size:
+            return f"{head}: this rank got None (the checkpoint holds no value of rank {rank})"
+        if rank == 0 and world_size < self.saved_world_size:
+            return f"{head}: the values of ranks {_span(world_size, self.saved_world_size)} are restored on no rank"
+        return None
 
     def message(self) -> str:
         """The differences, grouped by top-level key (``optim: lr of 2 of 6 param groups``), each named."""
@@ -79,7 +95,9 @@ def compare(manifest: Manifest, state: Any, *, world_size: int, ignore: Sequence
     flat = flatten(state)
     live = _leaves(flat.tree)
     verdict = Verdict(step=manifest.step)
-    resharded = manifest.world_size != world_size
+    saved_ws = (manifest.lineage or {}).get("world_size") or manifest.world_size  # a memory snapshot's: the run's
+    resharded = saved_ws != world_size
+    object.__setattr__(verdict, "saved_world_size", saved_ws)
 
     tops = {p.split("/", 1)[0] for p in live} if partial else None
 
@@ -107,6 +125,8 @@ def compare(manifest: Manifest, state: Any, *, world_size: int, ignore: Sequence
         kind_old, kind_new = next(iter(old)), next(iter(new))
         if kind_old == "per_rank":  # the state holds the value a load returned, not the PerRank wrapper
             unverified("resharded" if resharded else "per-rank value", path)
+            if resharded:
+                verdict.per_rank_resharded.append(path)
         elif kind_old == "tensor" and kind_new == "tensor":
             rec, (_, t) = manifest.tensors[old["tensor"]], flat.tensors[new["tensor"]]
             if rec.sharded or is_dtensor(t):
@@ -155,6 +175,9 @@ def verify_resume(manifest: Manifest | None, state: Any, *, mode: str, ignore: S
         return []
     for reason, paths in verdict.not_verified.items():
         log.info("%s %d key(s) not verified (%s): %s", prefix, len(paths), reason, ", ".join(paths[:10]))
+    lost = verdict.not_restored(rank=rank, world_size=world_size)
+    if lost is not None:
+        log.warning("%s %s", prefix, lost)
     if not verdict.differ:
         log.info("%s resume verified: %d tensors and %d values equal step %d", prefix, verdict.tensors,
                  verdict.values, manifest.step)
@@ -164,6 +187,11 @@ def verify_resume(manifest: Manifest | None, state: Any, *, mode: str, ignore: S
         raise ResumeMismatchError(verdict.message(), keys)
     warnings.warn(verdict.message(), ResumeMismatchWarning, stacklevel=3)
     return keys
+
+
+def _span(first: int, end: int) -> str:
+    """Ranks ``first`` to ``end - 1``, as words."""
+    return str(first) if end - first == 1 else f"{first}..{end - 1}"
 
 
 def _counted(v: Verdict, tensors: int, values: int) -> Verdict:

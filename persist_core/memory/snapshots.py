@@ -29,6 +29,7 @@ import crc32c
 
 from persist_core.fileio import CHECKSUM_ALGORITHM, checksum_block
 from persist_core.format.manifest import FileEntry, Manifest
+from persist_core.lineage import snapshot_lineage
 from persist_core.memory.partner import NO_COPY_STEPS, CopySteps
 from persist_core.memory.slots import SlotAllocator
 from persist_core.memory.option import MemoryTier
@@ -177,7 +178,9 @@ class Snapshots:
                 raise RuntimeError("its copy did not finish")
             entry = FileEntry(name=filename, rank=self._rank, size=nbytes, checksum=CHECKSUM_ALGORITHM,
                               chunk_bytes=self._block, chunks=tuple(crc))
-            manifest = dataclasses.replace(base, files=(entry,))
+            # its lineage: a disk save's (staged for both), else the run's engine's (issue 55)
+            lineage = base.lineage or snapshot_lineage(self.store.root.parent.name)
+            manifest = dataclasses.replace(base, files=(entry,), lineage=lineage)
             self.store.commit(path, manifest)
             self.store.drop_newer(base.step)  # the run went back to an older step: the newer ones are a branch
         except BaseException as e:  # the previous snapshot stays the newest
