@@ -138,7 +138,8 @@ class RemoteRestore:
             if f.name in others:
                 return others[f.name]
             return read_shard(f, head=lambda n: tier.read_range(step, f, 0, n), fill=fill, pool=requests,
-                              verify=opts.verify, where=f"{name}/{f.name}", span_bytes=_knobs.remote_read_bytes())
+                              verify=opts.verify, where=f"{name}/{f.name}",
+                              span_bytes=_knobs.remote_span_bytes(f.size, tier.concurrency))
 
         try:  # as many requests in flight as the tier's uploads and downloads have
             with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="persist-stream") as requests:

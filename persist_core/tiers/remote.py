@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from persist_core import _knobs
-from persist_core.tiers import remote_aside
+from persist_core.tiers import remote_aside, store_checksums
 from persist_core.tiers._retry import causes, retry
 from persist_core.tiers._s3 import S3Transfer
 from persist_core.errors import ConfigError, CorruptCheckpointError, RemoteError
@@ -32,7 +32,7 @@ from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.tiers.tier import CheckpointInfo
 from persist_core.turn import NO_TURN, Turn
-from persist_core.tiers._fsspec import Yielding, with_timeouts
+from persist_core.tiers._fsspec import Yielding, read_into, with_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class RemoteTier:
         ConfigError: unknown protocol or missing fsspec backend; the message names the URL and the fix.
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, turn: Turn = NO_TURN) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, turn: Turn = NO_TURN,
+                 concurrency: int | None = None) -> None:
         self.url = _knobs.check_remote_url(url).rstrip("/")
         storage_options = _knobs.check_storage_options(storage_options)
         try:
@@ -74,7 +75,7 @@ class RemoteTier:
         self._protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self._is_s3 = "s3" in self._protocols
         self.part_bytes = _knobs.remote_part_bytes()
-        self.concurrency = _knobs.remote_concurrency()
+        self.concurrency = _knobs.remote_concurrency() if concurrency is None else concurrency
         self.retries = _knobs.remote_retries()
         self.backoff_s = _knobs.remote_backoff_s()
         self._turn = turn  # waited for before each piece an upload sends: they hold off while an update runs
@@ -205,6 +206,7 @@ class RemoteTier:
         """
         prefix = self._path(checkpoint_dirname(manifest.step))
         self.upload_files(local_ckpt, manifest.step, manifest.held() if files is None else files)
+        store_checksums.record(self, self._s3, manifest.step, manifest.files)  # before the commit (its module)
         raw = (local_ckpt / MANIFEST_NAME).read_bytes() if manifest.node is None else manifest.placed(None).to_bytes()
         self.retry(f"committing {prefix}", lambda: self.fs.pipe_file(f"{prefix}/{MANIFEST_NAME}", raw))
 
@@ -241,10 +243,19 @@ class RemoteTier:
         else:
             self.fs.put_file(str(local), target, callback=Yielding(self._turn.wait))
 
+    def store_checksums(self, step: int) -> store_checksums.Compared:
+        """The store's checksums of ``step``'s objects now (HEAD requests) against those recorded at upload."""
+        return store_checksums.compare(self, self._s3, step)
+
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         if self._s3 is not None:
             return self._s3.read_range(path, start, end)
         return self.fs.cat_file(path, start=start, end=end)
+
+    def _read_into(self, path: str, start: int, views: list[memoryview]) -> int:
+        if self._s3 is not None:  # from the socket into the views
+            return self._s3.read_into(path, start, views)
+        return read_into(self.fs, path, start, views)
 
     def set_aside(self, step: int, at: int) -> None:
         """Set checkpoint ``step`` aside under its abandoned name (:func:`~persist_core.tiers.remote_aside.set_aside`:
@@ -318,7 +329,8 @@ class RemoteTier:
 
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="persist-verify") as pool:
             futures = [pool.submit(check, f"{prefix}/{f.name}", f, first, stop)
-                       for f in manifest.files for first, stop in f.spans(_knobs.remote_read_bytes())]
+                       for f in manifest.files
+                       for first, stop in f.spans(_knobs.remote_span_bytes(f.size, self.concurrency))]
             for fut in futures:
                 fut.result()
         return sorted(problems)
@@ -336,7 +348,7 @@ class RemoteTier:
                 fd = os.open(tmp / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 try:
                     futures = [pool.submit(self._fetch_span, source, fd, f, first, stop, progress)
-                               for first, stop in f.spans(_knobs.remote_read_bytes())]
+                               for first, stop in f.spans(_knobs.remote_span_bytes(f.size, self.concurrency))]
                     wait(futures)
                     for fut in futures:
                         fut.result()
@@ -369,14 +381,10 @@ class RemoteTier:
         source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
         start = first * f.chunk_bytes
         end = start + sum(len(v) for v in views)
-        data = memoryview(self.retry(f"reading {source}", lambda: self._read_range(source, start, end)))
-        if len(data) != end - start:
-            raise CorruptCheckpointError(f"{self.url}/{checkpoint_dirname(step)}/{f.name}: {len(data)} bytes from "
+        got = self.retry(f"reading {source}", lambda: self._read_into(source, start, views))
+        if got != end - start:
+            raise CorruptCheckpointError(f"{self.url}/{checkpoint_dirname(step)}/{f.name}: {got} bytes from "
                                          f"byte {start}, {end - start} asked; the remote copy is short")
-        pos = 0
-        for view in views:
-            view[:] = data[pos : pos + len(view)]
-            pos += len(view)
         if verify:
             f.check_views(views, first, where=f"{self.url}/{checkpoint_dirname(step)}/{f.name}")
 
