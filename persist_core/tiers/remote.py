@@ -327,10 +327,10 @@ class RemoteTier:
             if progress is not None:
                 progress(end - start)
 
+        span = _knobs.remote_span_bytes(sum(f.size for f in manifest.files), self.concurrency)
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="persist-verify") as pool:
             futures = [pool.submit(check, f"{prefix}/{f.name}", f, first, stop)
-                       for f in manifest.files
-                       for first, stop in f.spans(_knobs.remote_span_bytes(f.size, self.concurrency))]
+                       for f in manifest.files for first, stop in f.spans(span)]
             for fut in futures:
                 fut.result()
         return sorted(problems)
@@ -342,19 +342,23 @@ class RemoteTier:
         """
         manifest = self.read_manifest(step)
         prefix = self._path(checkpoint_dirname(step))
-        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="persist-download") as pool:
-            for f in manifest.files:
-                source = f"{prefix}/{f.name}"
-                fd = os.open(tmp / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                try:
-                    futures = [pool.submit(self._fetch_span, source, fd, f, first, stop, progress)
-                               for first, stop in f.spans(_knobs.remote_span_bytes(f.size, self.concurrency))]
-                    wait(futures)
-                    for fut in futures:
-                        fut.result()
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+        span = _knobs.remote_span_bytes(sum(f.size for f in manifest.files), self.concurrency)
+        fds: list[int] = []
+        try:  # every file's ranged reads at once (file by file, each file's tail left connections idle)
+            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="persist-download") as pool:
+                futures = []
+                for f in manifest.files:
+                    fds.append(os.open(tmp / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+                    futures += [pool.submit(self._fetch_span, f"{prefix}/{f.name}", fds[-1], f, first, stop, progress)
+                                for first, stop in f.spans(span)]
+                wait(futures)
+                for fut in futures:
+                    fut.result()
+            for fd in fds:
+                os.fsync(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
         (tmp / MANIFEST_NAME).write_bytes(manifest.to_bytes())
         with open(tmp / MANIFEST_NAME, "rb+") as fh:
             os.fsync(fh.fileno())
