@@ -142,8 +142,8 @@ def _differs(where: str, was: dict[str, Any], now: dict[str, Any] | None) -> str
     """What differs between the store's answer at upload and now, in one line; ``None`` when nothing does."""
     if now is None:
         return f"{where}: missing; it was uploaded with {was.get('size')} bytes"
-    if was.get("checksum") is not None and (now.get("algorithm"), now.get("checksum")) != (was.get("algorithm"),
-                                                                                          was.get("checksum")):
+    compared = was.get("checksum") is not None and now.get("checksum") is not None  # else the size and the ETag
+    if compared and (now.get("algorithm"), now.get("checksum")) != (was.get("algorithm"), was.get("checksum")):
         return (f"{where}: the store's {was.get('algorithm')} checksum is {now.get('checksum')!r} "
                 f"({now.get('algorithm') or 'none'}), it was {was['checksum']!r} at upload: the object was replaced "
                 "or damaged since (a load finds the blocks that differ and falls back)")

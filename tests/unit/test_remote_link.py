@@ -85,3 +85,22 @@ def test_verify_remote_on_a_store_that_records_no_checksum_says_so_and_fails_not
     assert report["checkpoints"] == [{"step": 3, "ok": True, "objects": 0, "problems": [], "note": NOT_RECORDED}]
     local = CliRunner().invoke(main, ["verify", str(tmp_path / "a"), "--remote"])
     assert local.exit_code == 2 and "pass the remote URL" in local.output
+
+
+WAS = {"size": 10, "etag": '"e1"', "algorithm": "CRC32", "checksum": "AAAAAA==", "type": "FULL_OBJECT"}
+
+
+@pytest.mark.parametrize(("now", "says"), [
+    (dict(WAS), None),
+    (None, "missing; it was uploaded with 10 bytes"),
+    ({**WAS, "checksum": "BBBBBB==", "etag": '"e2"'}, "CRC32 checksum is 'BBBBBB==' (CRC32), it was 'AAAAAA=='"),
+    ({**WAS, "algorithm": "CRC64NVME", "checksum": "CCCCCCCCCCC=", "etag": '"e2"'}, "(CRC64NVME), it was"),
+    ({"size": 10, "etag": '"e2"'}, "ETag is \"e2\", it was \"e1\""),  # no checksum now (SSE-KMS): the ETag decides
+    ({"size": 10, "etag": '"e1"'}, None),
+    ({**WAS, "size": 11}, "11 bytes, it was 10 at upload"),
+])
+def test_what_differs_from_the_stores_answer_at_upload(now, says):
+    from persist_core.tiers.store_checksums import _differs
+
+    found = _differs("s3://b/run/step-1/rank-0.safetensors", WAS, now)
+    assert (found is None) if says is None else (says in found and found.startswith("s3://b/run/step-1/rank-0"))
