@@ -143,7 +143,8 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
     overlap = Overlap(rank=coll.rank)  # its turn: the background I/O below holds off while a guarded update runs
     try:
         tier = None if config.remote_url is None else RemoteTier(config.remote_url, config.storage_options,
-                                                                 turn=overlap.turn, codec=config.codec())
+                                                                 turn=overlap.turn, codec=config.codec(),
+                                                                 concurrency=config.remote_concurrency)
     except BaseException:
         dir_lock.release()
         raise

@@ -42,6 +42,9 @@ MANIFEST_NAME = "manifest.json"
 #: on the remote, in a set-aside checkpoint's prefix while its move is under way (tiers.remote_aside): the manifest
 #: taken off the live branch, not yet this prefix's own (no reader takes it for a checkpoint)
 ASIDE_MANIFEST_NAME = "manifest.aside.json"
+#: on the remote, in a checkpoint's prefix, written before its manifest: the checksum the store reported for each
+#: shard object at upload (tiers.store_checksums; S3 only)
+STORE_CHECKSUMS_NAME = "store-checksums.json"
 
 MAX_STEP = 2**63 - 1
 """The largest step the layout supports: the largest a signed 64-bit step counter holds (19 digits), so

@@ -135,14 +135,17 @@ class RemoteRestore:
                 if copy is not None:
                     copy.write(f, blocks[0][3], views)
 
-            if f.name in others:
-                return others[f.name]
             return read_shard(f, head=lambda n: tier.read_range(step, f, 0, n), fill=fill, pool=requests,
-                              verify=opts.verify, where=f"{name}/{f.name}", span_bytes=_knobs.remote_read_bytes())
+                              verify=opts.verify, where=f"{name}/{f.name}", span_bytes=span)
 
-        try:  # as many requests in flight as the tier's uploads and downloads have
-            with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="persist-stream") as requests:
-                state = load_checkpoint(name, whole, pool=self._pool, options=opts, shard=shard)
+        own = [f for f in whole.files if f.name not in others]
+        span = _knobs.remote_span_bytes(sum(f.size for f in own), tier.concurrency)  # every connection busy
+        try:  # as many requests in flight as the tier's uploads and downloads have, every file's at once
+            with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="persist-stream") as requests, \
+                    ThreadPoolExecutor(max(1, min(len(own), tier.concurrency)), thread_name_prefix="persist-file") as files:
+                pending = {f.name: files.submit(shard, f) for f in own}  # (file by file, each tail left them idle)
+                state = load_checkpoint(name, whole, pool=self._pool, options=opts,
+                                        shard=lambda f: others[f.name] if f.name in others else pending[f.name].result())
         except BaseException:
             if copy is not None:
                 copy.abandon()

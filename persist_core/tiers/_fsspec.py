@@ -1,9 +1,9 @@
-"""What the remote tier adds to fsspec: a progress callback that gives a guarded update its turn, and bounded
-network waits for S3."""
+"""What the remote tier adds to fsspec: a progress callback that gives a guarded update its turn, bounded network
+waits for S3, and a ranged read into given memory."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import fsspec
@@ -35,3 +35,16 @@ def with_timeouts(url: str, storage_options: dict[str, Any] | None) -> dict[str,
     config.setdefault("connect_timeout", max(1, timeout // 2))
     options["config_kwargs"] = config
     return options
+
+
+def read_into(fs: Any, path: str, start: int, views: Sequence[memoryview]) -> int:
+    """Fill ``views`` (byte views, in order) from ``path`` at ``start`` by one ranged read of ``fs``; the bytes read
+    (fewer when the object is shorter). fsspec returns the range as bytes: one copy more than S3's
+    :meth:`~persist_core.tiers._s3.S3Transfer.read_into`."""
+    data = memoryview(fs.cat_file(path, start=start, end=start + sum(len(v) for v in views)))
+    pos = 0
+    for view in views:
+        n = max(0, min(len(view), len(data) - pos))
+        view[:n] = data[pos : pos + n]
+        pos += n
+    return len(data)

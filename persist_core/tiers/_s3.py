@@ -5,6 +5,11 @@ what a threaded client reaches. This module builds a botocore client with the sa
 and endpoint as the user's s3fs filesystem (``storage_options`` stay the one way to configure
 S3) and uploads with s3transfer's ``TransferManager`` (what ``boto3.upload_file`` uses: parts on
 threads, aborted on failure). Only :class:`persist_core.remote.RemoteTier` uses it.
+
+What the store says it holds (:meth:`S3Transfer.head`): its size, ETag and the checksum it computed and checked as
+the bytes arrived (botocore sends one with every upload: CRC32, or CRC32C where ``botocore[crt]`` is installed; for a
+multipart upload S3 keeps a composite value, the checksum of the parts' checksums, with the part size).
+:mod:`persist_core.tiers.store_checksums` records it at upload and compares it later.
 """
 
 from __future__ import annotations
@@ -12,13 +17,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from persist_core import _knobs
 
 log = logging.getLogger(__name__)
 
 _MAX_PARTS = 10_000  # S3's limit per multipart upload
+#: the checksums S3 may hold for an object, in the order one is taken when it holds several
+ALGORITHMS = ("CRC32", "CRC32C", "CRC64NVME", "SHA1", "SHA256")
 
 
 class S3Transfer:
@@ -71,7 +80,11 @@ class S3Transfer:
         """Upload ``local`` to ``path``: one PUT when small, else a multipart upload (aborted on failure).
         ``turn``: called by the transfer threads as they read each piece to send (it may wait)."""
         bucket, key = self._split(path)
-        part_bytes = max(self.part_bytes, -(-os.path.getsize(local) // _MAX_PARTS))
+        size = os.path.getsize(local)
+        # parts that give every connection one (not under 8 MiB), at most part_bytes, at least S3's 5 MiB, and
+        # large enough for S3's 10,000 parts
+        part_bytes = max(_knobs.remote_span_bytes(size, self._concurrency, self.part_bytes), 5 << 20,
+                         -(-size // _MAX_PARTS))
         if part_bytes != self._manager_part_bytes:  # a huge shard needs bigger parts (S3 allows 10,000)
             self._manager.shutdown()
             self._manager = self._make_manager(part_bytes)
@@ -80,18 +93,89 @@ class S3Transfer:
 
     def size(self, path: str) -> int:
         """The object's size, asked of S3 itself (a HEAD; never a cached listing)."""
-        bucket, key = self._split(path)
+        return int(self._head(path, checksums=False)["ContentLength"])
+
+    def head(self, path: str, *, parts: bool = False) -> dict[str, Any]:
+        """What S3 says of the object at ``path`` (a HEAD with ``ChecksumMode=ENABLED``; nothing downloaded):
+        ``size`` and ``etag``; ``algorithm``, ``checksum`` (base64, as S3 gives it) and ``type`` (``FULL_OBJECT`` or
+        ``COMPOSITE``) where it holds a checksum; with ``parts``, for a multipart object, ``parts`` and
+        ``part_bytes`` (the first part's size: a second HEAD, of part 1), which a composite value is computed over.
+
+        Raises:
+            FileNotFoundError: no such object.
+        """
         try:
-            return int(self._client.head_object(Bucket=bucket, Key=key)["ContentLength"])
+            r = self._head(path, checksums=True)
+        except PermissionError:  # SSE-KMS without kms:Decrypt: the size and the ETag, no checksum
+            log.warning("%s: the store refuses its checksum to these credentials (SSE-KMS wants kms:Decrypt for "
+                        "ChecksumMode); recording its ETag", path)
+            r, parts = self._head(path, checksums=False), False
+        found: dict[str, Any] = {"size": int(r["ContentLength"]), "etag": r.get("ETag")}
+        multipart = "-" in str(found["etag"] or "")  # a multipart upload's ETag ends with -<parts>
+        algorithm = next((a for a in ALGORITHMS if r.get(f"Checksum{a}")), None)
+        if algorithm is not None:
+            value = r[f"Checksum{algorithm}"]
+            # without ChecksumType (S3 before 2025, moto): a multipart object's value is the composite
+            kind = r.get("ChecksumType") or ("COMPOSITE" if multipart or "-" in value else "FULL_OBJECT")
+            found.update(algorithm=algorithm, checksum=value, type=kind)
+        if parts and multipart:
+            first = self._head(path, checksums=True, PartNumber=1)
+            count = first.get("PartsCount") or int(str(found["etag"]).strip('"').rsplit("-", 1)[-1])
+            found.update(parts=int(count), part_bytes=int(first["ContentLength"]))
+        return found
+
+    def _head(self, path: str, *, checksums: bool, **extra: Any) -> dict[str, Any]:
+        """A HEAD; with ``checksums``, ``ChecksumMode=ENABLED`` (on an SSE-KMS object S3 then wants ``kms:Decrypt``:
+        the size check after each upload asks without it)."""
+        bucket, key = self._split(path)
+        if checksums:
+            extra["ChecksumMode"] = "ENABLED"
+        try:
+            return self._client.head_object(Bucket=bucket, Key=key, **extra)
         except self._client.exceptions.ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            code = e.response.get("Error", {}).get("Code")
+            if code in ("404", "NoSuchKey", "NotFound"):
                 raise FileNotFoundError(path) from e
+            if checksums and code in ("403", "AccessDenied"):
+                raise PermissionError(path) from e
             raise
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the object at ``path``."""
         bucket, key = self._split(path)
         return self._client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"].read()
+
+    def read_into(self, path: str, start: int, views: Sequence[memoryview]) -> int:
+        """Fill ``views`` (byte views, in order) with the object's bytes from ``start`` on, by one ranged GET read
+        from the socket straight into them: no intermediate copy of the range (``Body.read()`` builds a bytes object
+        that is then copied again; on a restore those copies compete with the link and the checksums for the
+        cores). The bytes read: fewer when the object is shorter."""
+        bucket, key = self._split(path)
+        total = sum(v.nbytes for v in views)
+        body = self._client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{start + total - 1}")["Body"]
+        raw = getattr(body, "_raw_stream", None)  # urllib3's response; its _fp: http.client's, with a real readinto
+        fp = getattr(raw, "_fp", None)
+        into = fp.readinto if fp is not None and hasattr(fp, "readinto") else functools.partial(_read_once, body)
+        got = 0
+        with body:
+            for view in views:
+                view = view.cast("B")
+                done = 0
+                while done < len(view):
+                    n = into(view[done:])
+                    if not n:
+                        return got + done
+                    done += n
+                got += done
+            if fp is not None and fp.isclosed() and hasattr(raw, "release_conn"):
+                raw.release_conn()  # every byte read: the connection goes back to the pool (closing would drop it)
+        return got
+
+
+def _read_once(body: Any, view: memoryview) -> int:
+    data = body.read(len(view))
+    view[: len(data)] = data
+    return len(data)
 
 
 @functools.cache

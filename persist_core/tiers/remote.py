@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from persist_core import _knobs
-from persist_core.tiers import remote_aside, remote_download
+from persist_core.tiers import remote_aside, remote_download, store_checksums
 from persist_core.tiers._retry import causes, retry
 from persist_core.tiers._s3 import S3Transfer
 from persist_core.errors import ConfigError, CorruptCheckpointError, RemoteError
@@ -31,7 +31,7 @@ from persist_core.tiers.tier import CheckpointInfo
 from persist_core.tiers.codec import Codec, EncryptionKeyError
 from persist_core.tiers.codec import stored
 from persist_core.turn import NO_TURN, Turn
-from persist_core.tiers._fsspec import Yielding, with_timeouts
+from persist_core.tiers._fsspec import Yielding, read_into, with_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class RemoteTier:
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, turn: Turn = NO_TURN,
-                 codec: Codec | None = None) -> None:
+                 codec: Codec | None = None, concurrency: int | None = None) -> None:
         self.url = _knobs.check_remote_url(url).rstrip("/")
         storage_options = _knobs.check_storage_options(storage_options)
         try:
@@ -74,7 +74,7 @@ class RemoteTier:
         self._protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self._is_s3 = "s3" in self._protocols
         self.part_bytes = _knobs.remote_part_bytes()
-        self.concurrency = _knobs.remote_concurrency()
+        self.concurrency = _knobs.remote_concurrency() if concurrency is None else concurrency
         self.retries = _knobs.remote_retries()
         self.backoff_s = _knobs.remote_backoff_s()
         self._turn = turn  # waited for before each piece an upload sends: they hold off while an update runs
@@ -215,6 +215,7 @@ class RemoteTier:
         """
         prefix = self._path(checkpoint_dirname(manifest.step))
         self.upload_files(local_ckpt, manifest.step, manifest.held() if files is None else files)
+        store_checksums.record(self, self._s3, manifest.step, manifest.files)  # before the commit (its module)
         raw = (local_ckpt / MANIFEST_NAME).read_bytes() if manifest.node is None else manifest.placed(None).to_bytes()
         raw = self.stored.wrap(manifest, raw, where=prefix)
         self.retry(f"committing {prefix}", lambda: self.fs.pipe_file(f"{prefix}/{MANIFEST_NAME}", raw))
@@ -254,10 +255,19 @@ class RemoteTier:
         else:
             self.fs.put_file(str(local), target, callback=Yielding(self._turn.wait))
 
+    def store_checksums(self, step: int) -> store_checksums.Compared:
+        """The store's checksums of ``step``'s objects now (HEAD requests) against those recorded at upload."""
+        return store_checksums.compare(self, self._s3, step)
+
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         if self._s3 is not None:
             return self._s3.read_range(path, start, end)
         return self.fs.cat_file(path, start=start, end=end)
+
+    def _read_into(self, path: str, start: int, views: list[memoryview]) -> int:
+        if self._s3 is not None:  # from the socket into the views
+            return self._s3.read_into(path, start, views)
+        return read_into(self.fs, path, start, views)
 
     def set_aside(self, step: int, at: int) -> None:
         """Set checkpoint ``step`` aside under its abandoned name (:func:`~persist_core.tiers.remote_aside.set_aside`:
@@ -343,14 +353,18 @@ class RemoteTier:
         """
         start = first * f.chunk_bytes
         end = start + sum(len(v) for v in views)
-        data = memoryview(self.read_logical(step, f, first, -(-end // f.chunk_bytes)))
-        if len(data) != end - start:
-            raise CorruptCheckpointError(f"{self.url}/{checkpoint_dirname(step)}/{f.name}: {len(data)} bytes from "
+        source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
+        if self.stored.envelope(step) is None:  # stored raw: from the socket into the views
+            got = self.retry(f"reading {source}", lambda: self._read_into(source, start, views))
+        else:
+            data = memoryview(self.read_logical(step, f, first, -(-end // f.chunk_bytes)))
+            got, pos = len(data), 0
+            for view in views if got == end - start else ():
+                view[:] = data[pos : pos + len(view)]
+                pos += len(view)
+        if got != end - start:
+            raise CorruptCheckpointError(f"{self.url}/{checkpoint_dirname(step)}/{f.name}: {got} bytes from "
                                          f"byte {start}, {end - start} asked; the remote copy is short")
-        pos = 0
-        for view in views:
-            view[:] = data[pos : pos + len(view)]
-            pos += len(view)
         if verify:
             f.check_views(views, first, where=f"{self.url}/{checkpoint_dirname(step)}/{f.name}")
 

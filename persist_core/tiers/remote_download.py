@@ -37,9 +37,9 @@ def verify(tier: Any, step: int, progress: Callable[[int], None] | None = None) 
         if progress is not None:
             progress(end - start)
 
+    span = _knobs.remote_span_bytes(sum(f.size for f in manifest.files), tier.concurrency)
     with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="persist-verify") as pool:
-        futures = [pool.submit(check, f, first, stop)
-                   for f in manifest.files for first, stop in f.spans(_knobs.remote_read_bytes())]
+        futures = [pool.submit(check, f, first, stop) for f in manifest.files for first, stop in f.spans(span)]
         for fut in futures:
             fut.result()
     return sorted(problems)
@@ -51,18 +51,23 @@ def download(tier: Any, step: int, tmp: Path, progress: Callable[[int], None] | 
     ``CorruptCheckpointError`` for a chunk that does not match, ``RemoteError`` when the remote cannot be read.
     """
     manifest = tier.read_manifest(step)
-    with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="persist-download") as pool:
-        for f in manifest.files:
-            fd = os.open(tmp / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                futures = [pool.submit(_fetch_span, tier, step, fd, f, first, stop, progress)
-                           for first, stop in f.spans(_knobs.remote_read_bytes())]
-                wait(futures)
-                for fut in futures:
-                    fut.result()
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+    span = _knobs.remote_span_bytes(sum(f.size for f in manifest.files), tier.concurrency)
+    fds: list[int] = []
+    try:  # every file's ranged reads at once (file by file, each file's tail left connections idle)
+        with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="persist-download") as pool:
+            futures = []
+            for f in manifest.files:
+                fds.append(os.open(tmp / f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+                futures += [pool.submit(_fetch_span, tier, step, fds[-1], f, first, stop, progress)
+                            for first, stop in f.spans(span)]
+            wait(futures)
+            for fut in futures:
+                fut.result()
+        for fd in fds:
+            os.fsync(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
     (tmp / MANIFEST_NAME).write_bytes(manifest.to_bytes())
     with open(tmp / MANIFEST_NAME, "rb+") as fh:
         os.fsync(fh.fileno())

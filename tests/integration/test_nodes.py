@@ -62,7 +62,11 @@ def test_two_nodes_commit_their_own_files_the_remote_assembles_them_and_a_replac
     fs = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
     for step in (10, 20, 30):
         names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/run/step-{step:012d}"))
-        assert names == ["manifest.json", *(f"rank-{r:05d}.safetensors" for r in range(4))], (step, names)
+        assert names == ["manifest.json", *(f"rank-{r:05d}.safetensors" for r in range(4)), "store-checksums.json"], \
+            (step, names)
+        # the store's checksum of every rank's file, the other node's included, recorded before the manifest
+        recorded = json.loads(fs.cat(f"{bucket}/run/step-{step:012d}/store-checksums.json"))["objects"]
+        assert sorted(recorded) == names[1:5] and all(o["algorithm"] == "CRC32" for o in recorded.values())
     remote_manifest = json.loads(fs.cat(f"{bucket}/run/{STEP30}/manifest.json"))
     assert remote_manifest["node"] is None and remote_manifest["nodes"] == [[0, 1], [2, 3]]
 
