@@ -32,7 +32,7 @@ from persist_core.lineage import Lineage
 from persist_core.load.reader import CheckpointReader
 from persist_core.memory.files import local_dir_identity
 from persist_core.memory.partner import NO_COPY_STEPS, PartnerCopies, partners
-from persist_core.memory.read import PartnerLink, SnapshotReads
+from persist_core.memory.read import PartnerLink
 from persist_core.memory.slots import SlotAllocator
 from persist_core.memory.snapshots import Snapshots
 from persist_core.memory.store import MemoryStore
@@ -177,7 +177,7 @@ def build(config: Config, *, collectives: Collectives | None, clock: Clock, wall
                               exits=own_notice is not None)
     # the reader tells the resumption of each load it returns (none before build returns: it is made just below)
     reader = CheckpointReader(root, verify=config.verify, tier=tier, on_loaded=lambda m: resumption.loaded(m),
-                              memory=None if snapshots is None else SnapshotReads(snapshots.store))
+                              memory=None if snapshots is None else snapshots.store)
     resumption = Resumption(root, reader=reader, coll=coll, history=history, pipeline=pipeline, saver=saver,
                             lineage=Lineage.of(root, config.run_id, world_size=coll.world_size), partner=link,
                             verify_mode=config.verify_resume, ignore=config.verify_resume_ignore)

@@ -6,7 +6,8 @@ byte ranges of the saved chunks the part this rank holds overlaps, requests exac
 :class:`~persist_core.assembly.blocks.ReadPlan` (whole checksum blocks, each verified, runs in parallel) and
 copies them into place; tensors without a target are read whole. :func:`iter_tensors` gives each tensor
 whole, one at a time (consolidation). :func:`load_checkpoint` rebuilds the state from shard files read
-whole (local, or streamed from the remote); :func:`assemble` builds a sharded tensor whole from its chunks.
+whole (local, or streamed from the remote); :func:`read_copy` reads a copy of files on this host (a local directory,
+a memory slot) by one of the two; :func:`assemble` builds a sharded tensor whole from its chunks.
 
 Who calls what: :class:`~persist_core.load.reader.CheckpointReader` calls :func:`load_into` with a
 ``read_blocks`` for the tier the checkpoint is on (local ``pread`` or remote ranged reads) and
@@ -16,6 +17,7 @@ the remote's reads; :mod:`~persist_core.load.consolidate` calls :func:`iter_tens
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Container, Iterator
@@ -36,6 +38,7 @@ from persist_core.format.tree import flatten, tensor_paths, unflatten
 from persist_core.assembly.blocks import LoadStats, ReadBlocks, ReadPlan, bytes_of, read_shard
 from persist_core.assembly.plan import LoadOptions, chunk_read, saved_chunks, slices, target_box
 from persist_core.tiers.local import ShardFile
+from persist_core.tiers.tier import HostReader
 
 log = logging.getLogger(__name__)
 
@@ -352,3 +355,31 @@ def load_checkpoint(ckpt: Path | str, manifest: Manifest, *, pool: Executor, opt
     except Exception as e:  # a tree that does not fit the records, however it fails
         raise CorruptCheckpointError(f"{ckpt}: the manifest's tree does not match its tensors ({type(e).__name__}: "
                                      f"{e})") from e
+
+
+def read_copy(copy: HostReader, step: int, manifest: Manifest, into: Any, *, options: LoadOptions, pool: Executor,
+              stats: LoadStats, where: str) -> Any:
+    """The state of ``step`` from ``copy`` (files on this host: a local directory, a memory slot), every byte
+    verified: ``into`` filled in place by ``copy.read_blocks``, or each file read whole (``copy.open_file``) as
+    :func:`load_checkpoint` reads it, so tensors that shared storage when saved share it again (tied weights, views).
+    A memory copy (``kind`` ``"memory"``) is its rank's own one-rank image: its ``PerRank`` values are the ones it
+    holds, whatever the reading process's rank.
+
+    Raises:
+        CorruptCheckpointError: a byte does not verify, or a file is shorter than ``manifest`` says.
+    """
+    if copy.kind == "memory":
+        options = dataclasses.replace(options, rank=0)
+    if into is not None:
+        return load_into(manifest, into, pool=pool, options=options, where=where, stats=stats,
+                         read_blocks=lambda f, first, views: copy.read_blocks(step, f, first, views,
+                                                                            verify=options.verify))
+
+    def shard(fe: FileEntry) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        with copy.open_file(step, fe) as file:
+            return read_shard(fe, head=file.head, fill=file.fill, pool=pool, verify=options.verify,
+                              where=str(file.path))
+
+    state = load_checkpoint(where, manifest, pool=pool, options=options, shard=shard)
+    stats.needed_bytes = stats.read_bytes = sum(f.size for f in manifest.files)
+    return state

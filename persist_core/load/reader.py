@@ -26,18 +26,19 @@ from persist_core import _knobs
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RemoteError
 from persist_core.ownership import discard
 from persist_core.format.manifest import Manifest
-from persist_core.assembly.assemble import load_checkpoint, load_into
+from persist_core.assembly.assemble import load_into, read_copy
 from persist_core.assembly.blocks import LoadStats, node_copy_blocks
 from persist_core.load.paths import step_named
 from persist_core.load.choose import LOCAL, MEMORY, PARTNER, REMOTE, Listing
 from persist_core.assembly.plan import LoadOptions, check_weights_only
 from persist_core.load.references import load_referencing
 from persist_core.load.remote import RemoteRestore, set_aside_here
-from persist_core.load.sources import MemoryOption, MemorySource, Pulled
+from persist_core.load import sources
+from persist_core.load.sources import MemoryOption, Pulled
 from persist_core.tiers.remote import RemoteTier
 from persist_core.tiers.local import LocalTier, checkpoint_dir, committed_steps, discover, read_manifest
 from persist_core.tiers.codec import Codec, SecretKey
-from persist_core.tiers.tier import CheckpointInfo
+from persist_core.tiers.tier import CheckpointInfo, HostReader
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,8 @@ class CheckpointReader:
         tier: an already open :class:`RemoteTier` to share (the engine passes its own).
         on_loaded: called with the manifest each :meth:`load` returns (the engine warms its staging buffers).
         memory: the run's :class:`~persist_core.MemoryTier` (its snapshots are read first when they are the
-            freshest; the run is the one ``local_dir`` keeps the id of), or the snapshots themselves (the engine's:
-            a :class:`~persist_core.load.sources.MemorySource`).
+            freshest; the run is the one ``local_dir`` keeps the id of), or the snapshots themselves (the engine's
+            store: a :class:`~persist_core.tiers.tier.HostReader`, each slot a copy of its own).
 
     Raises:
         ConfigError: ``local_dir`` cannot be created, or the remote URL cannot be used.
@@ -79,7 +80,7 @@ class CheckpointReader:
         verify: bool = True,
         tier: RemoteTier | None = None,
         on_loaded: Callable[[Manifest], None] | None = None,
-        memory: MemoryOption | MemorySource | None = None,
+        memory: MemoryOption | HostReader | None = None,
         remote_encryption_key: Any = None,
     ) -> None:
         self._root = Path(os.fspath(_knobs.check_local_dir(local_dir)).removeprefix("file://")).expanduser().absolute()
@@ -101,15 +102,15 @@ class CheckpointReader:
         self.last_load = LoadStats()  # what the last load(into=...) needed and read
         self._on_loaded = on_loaded
         self._manifest: Manifest | None = None  # the manifest the last read went by
-        # how each source in the restore-source order (load/choose.py) reads a step: (step, into, options) -> state
-        self._reads: dict[str, Callable[[int, Any, LoadOptions], Any]] = {
-            LOCAL: self._local, REMOTE: self._remote, MEMORY: self._from_memory, PARTNER: self._partner}
+        # (step, into, options) -> state, by the disk's and the remote's flows; memory's and a partner's copies: _copies
+        self._reads: dict[str, Callable[[int, Any, LoadOptions], Any]] = {LOCAL: self._local, REMOTE: self._remote}
         self.pulled: Pulled | None = None  # a partner's copy pulled back for this load (load/agree.py)
         if isinstance(memory, MemoryOption):
             memory = memory.reads(self._root)
-        elif memory is not None and not isinstance(memory, MemorySource):
+        elif memory is not None and not isinstance(memory, HostReader):
             raise _knobs.memory_type_error(memory)
-        self._memory: MemorySource | None = memory
+        self._memory: HostReader | None = memory
+        self._disk = LocalTier(self._root)
 
     @property
     def local_dir(self) -> Path:
@@ -174,7 +175,7 @@ class CheckpointReader:
         for info in self.list("all" if self._tier is not None else "local"):
             if info.step not in newest or info.tier == "local":
                 newest[info.step] = info
-        snap = None if self._memory is None else self._memory.latest(newer_than=max(newest, default=-1))
+        snap = None if self._memory is None else sources.newest(self._memory, newer_than=max(newest, default=-1))
         if snap is not None:
             return snap
         return newest[max(newest)] if newest else None
@@ -182,11 +183,11 @@ class CheckpointReader:
     def memory_steps(self, *, whole: bool = False) -> set[int]:
         """The steps of the memory snapshots this reader can read (none without a memory tier); ``whole``: those a
         whole load can read (a rank's part of sharded tensors loads into targets only)."""
-        return set() if self._memory is None else self._memory.steps(whole=whole)
+        return set() if self._memory is None else sources.held_steps(self._memory, whole=whole)
 
     def memory_step(self, path: str | os.PathLike[str]) -> int | None:
         """The step of the memory snapshot whose slot ``path`` names (as :meth:`latest` gives it), or ``None``."""
-        return None if self._memory is None else self._memory.step_of(path)
+        return None if self._memory is None else sources.step_at(self._memory, path)
 
     def step_of(self, path: str | os.PathLike[str]) -> int:
         """The step of a checkpoint named by its local directory, a link to it (or to its single
@@ -281,18 +282,28 @@ class CheckpointReader:
         where = f"{self._root}" + (f" or {self._tier.url}" if self._tier else "")
         return listing.candidates(step, where), listing
 
-    def _read(self, step: int, sources: list[str], into: Any, opts: LoadOptions) -> tuple[Any, str]:
-        """``(the state, the source it was read from)``: from the first of ``sources`` (in the restore-source
+    def _read(self, step: int, held_by: list[str], into: Any, opts: LoadOptions) -> tuple[Any, str]:
+        """``(the state, the source it was read from)``: from the first of ``held_by`` (in the restore-source
         order) whose copy verifies."""
         self.last_load = LoadStats()
-        for i, source in enumerate(sources):
+        for i, source in enumerate(held_by):
             try:
-                return self._reads[source](step, into, opts), source
+                if source in self._reads:
+                    return self._reads[source](step, into, opts), source
+                return self._copies(source, step, into, opts), source
             except CorruptCheckpointError as e:
-                if i + 1 == len(sources):
+                if i + 1 == len(held_by):
                     raise
                 self._passed_over(source, step, e, whole=into is None)
         raise CheckpointNotFoundError(f"no source holds step={step}")  # not reached: listed steps have one
+
+    def _copies(self, source: str, step: int, into: Any, opts: LoadOptions) -> Any:
+        """The state from the first copy of ``step`` that ``source`` was given whose bytes verify
+        (:func:`~persist_core.load.sources.read_copies`)."""
+        given = self._memory if source == MEMORY else None if self.pulled is None else self.pulled.copy
+        state, self._manifest = sources.read_copies([] if given is None else given.copies(step), step, into,
+                                                    what=source, options=opts, pool=self._pool, stats=self.last_load)
+        return state
 
     def _passed_over(self, source: str, step: int, error: CorruptCheckpointError, *, whole: bool) -> None:
         """``source``'s copy of ``step`` did not verify; the next source (the disk, the remote) is read instead."""
@@ -316,26 +327,14 @@ class CheckpointReader:
         """The state from the local copy: ``into`` filled in place, or whole (a node's copy: this node's files
         from disk, the others' streamed from the remote)."""
         ckpt = checkpoint_dir(self._root, step)
-        manifest = read_manifest(ckpt)
-        self._manifest = manifest
+        self._manifest = manifest = read_manifest(ckpt)
         if manifest.depends_on():
             return self._local_referencing(ckpt, manifest, into, opts)
         if into is not None or manifest.elsewhere():
             return load_into(manifest, {} if into is None else into, pool=self._pool, options=opts, where=str(ckpt),
                              stats=self.last_load, read_blocks=self._blocks(ckpt, manifest, opts))
-        return load_checkpoint(ckpt, manifest, pool=self._pool, options=opts)
-
-    def _from_memory(self, step: int, into: Any, opts: LoadOptions) -> Any:
-        """The state from a memory snapshot (:meth:`MemorySource.read <persist_core.load.sources.MemorySource.read>`)."""
-        assert self._memory is not None
-        state, self._manifest = self._memory.read(step, into, options=opts, pool=self._pool, stats=self.last_load)
-        return state
-
-    def _partner(self, step: int, into: Any, opts: LoadOptions) -> Any:
-        """The state from the partner's copy pulled back (:mod:`~persist_core.load.agree`), every byte verified."""
-        assert self.pulled is not None and self.pulled.step == step
-        self._manifest = self.pulled.manifest
-        return self.pulled.read(into, options=opts, pool=self._pool, stats=self.last_load)
+        return read_copy(self._disk, step, manifest, None, options=opts, pool=self._pool, stats=self.last_load,
+                         where=str(ckpt))
 
     def _local_referencing(self, ckpt: Path, manifest: Manifest, into: Any, opts: LoadOptions) -> Any:
         """The state of a local incremental checkpoint (:func:`~persist_core.load.references.load_referencing`)."""

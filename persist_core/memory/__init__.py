@@ -2,7 +2,8 @@
 partner node. A flow beside ``save/``, ``load/`` and ``sync/``: it imports what lies below the flows (``staging/``,
 ``assembly/``, ``tiers/``, ``planning/``, ``format/``, the shared primitives) and no other flow; the save and
 load flows know it by the protocols they state (:class:`~persist_core.save.saver.SnapshotSide`,
-:class:`~persist_core.load.sources.MemorySource`, :class:`~persist_core.load.agree.Partner`).
+:class:`~persist_core.tiers.tier.HostReader` (the store's read side: the load flow reads memory as one more source),
+:class:`~persist_core.load.agree.Partner`).
 
 The parts, bottom up: :mod:`~persist_core.memory.files` (every directory and file this user's own, never through a
 link), :mod:`~persist_core.memory.store` (:class:`MemoryTier`, the option; :class:`MemoryStore`, one rank's slots
@@ -29,17 +30,17 @@ Call order (the training thread unless said; every rank alike):
 4. before each optimizer update (``wait_snapshot``) and at each save: :meth:`Snapshots.wait`, the newest snapshot
    committed.
 5. ``wait()``: :meth:`Snapshots.wait`, then :meth:`PartnerCopies.flush`.
-6. a restore: the load flow reads :class:`~persist_core.memory.read.SnapshotReads` and, with several nodes, pulls a
-   partner's copy back through :class:`~persist_core.memory.read.PartnerLink`.
+6. a restore: the load flow reads the :class:`MemoryStore` (each slot a copy of its own) and, with several nodes,
+   pulls a partner's copy back through :class:`~persist_core.memory.read.PartnerLink`.
 7. ``close()``: the partner copies first (:meth:`PartnerCopies.close`, before the slots they read go), then the
    snapshots (:meth:`Snapshots.close`): a run that ended well removes its snapshots, a failed one keeps them.
 """
 
 from persist_core.memory.partner import CopyStep, CopySteps, PartnerCopies, partners
-from persist_core.memory.read import PartnerLink, SnapshotReads
+from persist_core.memory.read import PartnerLink
 from persist_core.memory.snapshots import Snapshots
 from persist_core.memory.option import MemoryTier, check_memory, memory_tier
 from persist_core.memory.store import MemoryStore, Snapshot
 
 __all__ = ["CopyStep", "CopySteps", "MemoryStore", "MemoryTier", "PartnerCopies", "PartnerLink", "Snapshot",
-           "SnapshotReads", "Snapshots", "check_memory", "memory_tier", "partners"]
+           "Snapshots", "check_memory", "memory_tier", "partners"]

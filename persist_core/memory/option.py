@@ -13,7 +13,7 @@ from persist_core._knobs import memory_type_error
 from persist_core.errors import ConfigError
 from persist_core.layout import DEFAULT_MEMORY_DIR, layout_identity, memory_rank_dirname, partner_dirname
 from persist_core.memory.files import default_base
-from persist_core.memory.read import SnapshotReads, run_store
+from persist_core.memory.read import run_store
 from persist_core.memory.store import MemoryStore
 
 
@@ -66,11 +66,11 @@ class MemoryTier:
         return MemoryStore(self.base / run_id / memory_rank_dirname(rank), identity=identity, local_dir=local_dir,
                            check_base=self.memory_dir is None)
 
-    def reads(self, local_dir: Path) -> SnapshotReads | None:
-        """The snapshots of the run ``local_dir`` keeps the id of, as a load reads them (``None``: none, said why)."""
+    def reads(self, local_dir: Path) -> MemoryStore | None:
+        """The snapshots of the run ``local_dir`` keeps the id of, as a load reads them (a
+        :class:`~persist_core.tiers.tier.HostReader`; ``None``: none, said why)."""
         root = Path(local_dir)
-        store = run_store(lambda run_id, identity: self.store(run_id, 0, root, identity), root)
-        return None if store is None else SnapshotReads(store)
+        return run_store(lambda run_id, identity: self.store(run_id, 0, root, identity), root)
 
     def partner_store(self, run_id: str, of_rank: int, *, layout: tuple[tuple[int, ...], ...]) -> MemoryStore:
         """The copies of rank ``of_rank``'s snapshots that this node holds as its partner: the run's (its id and

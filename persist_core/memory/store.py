@@ -24,12 +24,13 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.layout import (IDENTITY_NAME, LOCAL_DIR_NAME, is_life_dirname, life_dirname, parse_slot_record_name)
 from persist_core.sidefiles import warn_once, write_side_file
-from persist_core.tiers.local import read_blocks
+from persist_core.tiers.local import ShardFile, read_blocks
 from persist_core.tiers.tier import CheckpointInfo
 from persist_core.memory.files import (all_ours, make_dir, ours, read_own_file,
                                              record_of, remove_life)
@@ -39,14 +40,58 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A committed snapshot: its manifest and the slot file holding its shard image."""
+    """A committed snapshot: its manifest and the slot file holding its shard image (or a partner's copy pulled
+    back into a file of its own). The read side of one copy (:class:`~persist_core.tiers.tier.HostReader`): a load
+    reads it as it reads any copy on this host."""
 
     manifest: Manifest
     path: Path
+    kind: ClassVar[str] = "memory"
 
     @property
     def step(self) -> int:
         return self.manifest.step
+
+    @property
+    def location(self) -> str:
+        return str(self.path)
+
+    @property
+    def info(self) -> CheckpointInfo:
+        """As a listing gives it (``tier="memory"``, ``path`` the slot)."""
+        return CheckpointInfo(step=self.step, time=self.manifest.time, nbytes=self.manifest.nbytes,
+                              path=str(self.path), tier="memory")
+
+    def committed_steps(self) -> list[int]:
+        return [self.step]
+
+    def list(self) -> list[CheckpointInfo]:
+        return [self.info]
+
+    def read_manifest(self, step: int) -> Manifest:
+        self._check(step)
+        return self.manifest
+
+    def read_blocks(self, step: int, f: FileEntry, first: int, views: list[memoryview], *, verify: bool = True) -> None:
+        """Fill ``views`` with whole checksum blocks of the image from block ``first`` on, each verified."""
+        self._check(step)
+        read_blocks(self.path, f, first, views, verify=verify)
+
+    def open_file(self, step: int, f: FileEntry) -> ShardFile:
+        """The image open for a whole read (the slot may be longer than the image: it is the size of the largest
+        snapshot it held)."""
+        self._check(step)
+        try:
+            return ShardFile(self.path, f, at_least=True)
+        except OSError as e:
+            raise CorruptCheckpointError(f"memory snapshot {self.path} cannot be read ({e.strerror or e})") from e
+
+    def copies(self, step: int) -> list[Snapshot]:
+        return [self] if step == self.step else []
+
+    def _check(self, step: int) -> None:
+        if step != self.step:
+            raise CheckpointNotFoundError(f"memory snapshot {self.path} holds step={self.step}, not step={step}")
 
 
 class MemoryStore:
@@ -199,7 +244,7 @@ class MemoryStore:
     def steps(self) -> set[int]:
         return {s.step for s in self.snapshots()}
 
-    # ---- the read side of the Tier protocol (TierReader): a load may read the store as one more source; nothing
+    # ---- the read side of the Tier protocol (a HostReader): a load reads the store as one more source; nothing
     # that prunes or lists checkpoints (the Retainer, persist ls, verify) takes it, as it has no remove
 
     kind = "memory"
@@ -218,15 +263,22 @@ class MemoryStore:
 
     def read_blocks(self, step: int, f: FileEntry, first: int, views: list[memoryview], *, verify: bool = True) -> None:
         """Fill ``views`` with whole checksum blocks of ``step``'s image from block ``first`` on, each verified."""
-        read_blocks(self._snapshot(step).path, f, first, views, verify=verify)
+        self._snapshot(step).read_blocks(step, f, first, views, verify=verify)
+
+    def open_file(self, step: int, f: FileEntry) -> ShardFile:
+        """The image of the newest slot holding ``step``, open for a whole read."""
+        return self._snapshot(step).open_file(step, f)
+
+    def copies(self, step: int) -> list[Snapshot]:
+        """Each slot holding ``step``, newest first: one whose bytes do not verify passes the load to the next."""
+        return [s for s in self.snapshots() if s.step == step]
 
     def list(self) -> list[CheckpointInfo]:
-        """The committed snapshots, oldest first (``tier="memory"``, ``path`` the slot)."""
-        return [CheckpointInfo(step=s.step, time=s.manifest.time, nbytes=s.manifest.nbytes, path=str(s.path),
-                               tier="memory") for s in reversed(self.snapshots())]
+        """The committed snapshots, oldest first (``tier="memory"``, ``path`` the slot); a step in two slots twice."""
+        return [s.info for s in reversed(self.snapshots())]
 
     def _snapshot(self, step: int) -> Snapshot:
-        found = next((s for s in self.snapshots() if s.step == step), None)
+        found = next(iter(self.copies(step)), None)
         if found is None:
             raise CheckpointNotFoundError(f"no memory snapshot of step={step} in {self.root}")
         return found

@@ -230,7 +230,8 @@ def read_blocks(path: Path, fe: FileEntry, first: int, views: list[memoryview], 
 
 
 class LocalTier:
-    """The :class:`~persist_core.tiers.tier.Tier` of a local directory (nothing here writes but ``remove``)."""
+    """The :class:`~persist_core.tiers.tier.Tier` of a local directory (nothing here writes but ``remove``); a
+    :class:`~persist_core.tiers.tier.HostReader` too."""
 
     kind = "local"
 
@@ -255,6 +256,14 @@ class LocalTier:
 
     def read_manifest(self, step: int) -> Manifest:
         return read_manifest(checkpoint_dir(self.root, step))
+
+    def open_file(self, step: int, f: FileEntry) -> ShardFile:
+        """File ``f`` of ``step`` open for a whole read (:class:`ShardFile`: its size is the manifest's)."""
+        return ShardFile(checkpoint_dir(self.root, step) / f.name, f)
+
+    def copies(self, step: int) -> list[LocalTier]:
+        """A directory holds one copy of a step: itself."""
+        return [self]
 
     def depends_on(self, step: int) -> set[int]:
         """The checkpoints committed checkpoint ``step`` references (incremental saves); nothing for one that does

@@ -1,21 +1,26 @@
 """The ``Tier`` protocols: one place committed checkpoints live, and what it reports of them.
 
 :class:`TierReader` is the read side (``committed_steps``, ``list``, ``read_manifest``, ``read_blocks``): the memory
-tier's :class:`~persist_core.memory.store.MemoryStore` offers it, and so do the disk and the remote. :class:`Tier`
-adds what only checkpoints have (``verify``, ``remove``): the local and the remote tiers. So what prunes or checks
-checkpoints, which takes a ``Tier``, never takes memory snapshots for checkpoints.
+tier's :class:`~persist_core.memory.store.MemoryStore` offers it, and so do the disk and the remote.
+:class:`HostReader` adds what a read of files on this host has: ``open_file`` (a whole load reads each file as
+saved, so tensors that shared storage share it again) and ``copies`` (each copy of a step as a reader of its own,
+newest first, so one that does not verify passes the load to the next): the local tier and the memory tier's store.
+:class:`Tier` adds what only checkpoints have (``verify``, ``remove``): the local and the remote tiers. So what
+prunes or checks checkpoints, which takes a ``Tier``, never takes memory snapshots for checkpoints.
 
 Who calls what: the engine's :class:`~persist_core.policies.retention.Retainer` calls ``list`` and
 ``remove`` after each commit (one retention loop for every tier); the
 :class:`~persist_core.load.reader.CheckpointReader` calls ``committed_steps``, ``read_manifest`` and
-``read_blocks`` (bytes only: what they mean is :mod:`persist_core.load`'s);
+``read_blocks`` (of a :class:`HostReader`, ``copies`` and ``open_file`` too; bytes only: what they mean is
+:mod:`persist_core.load`'s);
 the ``persist`` command calls all of them. A tier never decides what to keep.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from persist_core.format.manifest import FileEntry, Manifest
@@ -59,6 +64,49 @@ class TierReader(Protocol):
 
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints whose manifest and file sizes check, oldest first."""
+        ...
+
+
+class WholeFile(Protocol):
+    """One file of a copy open for a whole read (:class:`~persist_core.tiers.local.ShardFile`): what
+    :func:`~persist_core.assembly.blocks.read_shard` takes. A context manager: leaving it closes the file."""
+
+    path: Path
+
+    def __enter__(self) -> WholeFile: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def head(self, n: int) -> bytes:
+        """The first ``n`` bytes of the file."""
+        ...
+
+    def fill(self, blocks: list[tuple[list[memoryview], int, int | None, int]]) -> None:
+        """Read a run of checksum blocks, each ``(views in file order, file offset, expected crc32c or None, block
+        index)``, verifying those that carry a checksum."""
+        ...
+
+
+@runtime_checkable
+class HostReader(TierReader, Protocol):
+    """The read side of a tier whose files lie on this host (the local directory, the memory tier's slots).
+
+    ``kind`` ``"memory"``: each copy is its rank's own one-rank image (whichever rank reads it gets the ``PerRank``
+    values it holds).
+    """
+
+    def open_file(self, step: int, f: FileEntry) -> WholeFile:
+        """File ``f`` of ``step`` open for a whole read, its size checked against ``f``.
+
+        Raises:
+            CorruptCheckpointError: the file is short of what ``f`` says (or, for a copy that is never longer than
+                its record, of another size); a memory copy that cannot be opened.
+        """
+        ...
+
+    def copies(self, step: int) -> Sequence[HostReader]:
+        """Each copy of ``step`` held here as a reader of that copy alone, newest first (a local directory holds
+        one; the memory tier one per slot that holds the step)."""
         ...
 
 
