@@ -21,14 +21,14 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import alternate, cpu_model, nbytes, print_table, training_state  # noqa: E402
+from benchmarks._common import cpu_model, nbytes, print_table, training_state  # noqa: E402
+from benchmarks._common.blocks import Nothing, Saving, by_kind, cost_per_save, run_blocks  # noqa: E402
 from persist_core import CheckpointEngine, Continuous, KeepLastN  # noqa: E402
 
 
@@ -46,31 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     step()
     state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
     kinds = ("no saves", "guarded", "not guarded")
-    results: dict[str, list[tuple[float, int]]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory(prefix="bench-cpu-guard-") as work:
-        engines = {k: CheckpointEngine(Path(work) / str(i), save_policy=Continuous(), keep_local=KeepLastN(2))
-                   for i, k in enumerate(kinds[1:])}
-        n = 0
-        for r in range(args.rounds):
-            for kind in alternate(kinds, r, first_fixed=True):
-                engine = engines.get(kind)
-                guard = engine.guard(opt) if kind == "guarded" else None
-                saves0 = engine.summary()["saves"] if engine is not None else 0
-                t0 = time.perf_counter()
-                for _ in range(args.block):
-                    n += 1
-                    step()
-                    if engine is not None:
-                        engine.maybe_save(state, step=n)
-                if engine is not None:
-                    engine.wait()
-                took = time.perf_counter() - t0
-                if guard is not None:
-                    guard.remove()
-                saves = engine.summary()["saves"] - saves0 if engine is not None else 0
-                results[kind].append((took / args.block, saves))
-        for engine in engines.values():
+        engines = [CheckpointEngine(Path(work) / str(i), save_policy=Continuous(), keep_local=KeepLastN(2))
+                   for i in range(2)]
+        beside = {"no saves": Nothing(), "guarded": Saving(engines[0], state, guard=opt),
+                  "not guarded": Saving(engines[1], state)}
+        # a step: the host's whole step (forward, backward, Adam); each block ends with engine.wait(), inside its time
+        runs = run_blocks(beside, rounds=args.rounds, block=args.block, compute=step, update=None, drain_inside=True)
+        for engine in engines:
             engine.close()
+    results = {k: [(b.step_s, b.done) for b in blocks] for k, blocks in by_kind(runs).items()}
     med = statistics.median
     bare = [r[0] for r in results["no saves"]]
     print(f"CPU-bound steps: 4 x Linear({args.width}) + Adam ({nbytes(training_state(model, opt)) / 1e9:.2f} GB saved), {torch.get_num_threads()} "
@@ -78,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     cost, cells = {}, []
     for kind in kinds:
         step_s = med(r[0] for r in results[kind])
-        per = [(r[0] - b) * args.block / r[1] for r, b in zip(results[kind], bare) if r[1]]
-        cost[kind] = med(per) if per else None
+        cost[kind] = cost_per_save(runs, kind, "no saves", args.block)
         cells.append([kind, f"{step_s * 1e3:.1f} ms", f"{step_s / med(bare):.3f}x", f"{med(r[1] for r in results[kind]):.1f}",
                       None if cost[kind] is None else f"{cost[kind] * 1e3:.1f} ms"])
     print_table(["", "step", "/ no saves", "saves/block", "C per save"], cells)

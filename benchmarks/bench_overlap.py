@@ -53,8 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import crc32c  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
-    CHUNK, THREADS, RawWrites, accel_model, alternate, copy_floor, cpu_model, open_for_writes, print_table, tensors,
-    write_pass)
+    CHUNK, THREADS, RawWrites, accel_model, copy_floor, cpu_model, open_for_writes, print_table, tensors, write_pass)
+from benchmarks._common.blocks import Beside, Saving, Writes, by_kind, cost_per_save, run_blocks  # noqa: E402
 from persist_core import CheckpointEngine  # noqa: E402
 from persist_core.fileio import CHECKSUM_BLOCK_BYTES, YIELD_PIECE_BYTES, OsFileOps  # noqa: E402
 
@@ -89,8 +89,6 @@ def accel(args: argparse.Namespace) -> None:
     model, opt = accel_model(args.accel_width)
     state = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
     kinds = ("no saves", "saving, writes yield", "saving, no yield", WHOLE, RAW, RAW_WHOLE, SNAPSHOT, CHECKSUMMED)
-    results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
-    in_flight: dict[str, list[bool]] = {k: [] for k in kinds}  # per update: did it begin with a pwrite in flight
     saved = [p for p in model.parameters()] + [opt.state[p]["momentum_buffer"] for p in model.parameters()]
     nbytes = sum(t.numel() * t.element_size() for t in saved)  # parameters and momentum
     fresh = []  # the update before any engine exists or saves: what the no-saves blocks' update should stay at
@@ -106,41 +104,20 @@ def accel(args: argparse.Namespace) -> None:
                    for i, k in enumerate(kinds[:4])}
         engines["saving, no yield"]._overlap.turn.hold = lambda: None  # the writes run through the updates
         engines[WHOLE]._overlap.turn.piece_bytes = lambda: None  # a chunk in one pwrite: it runs on through a hold
-        floors = {RAW: RawWrites(Path(work) / "raw", nbytes, piece=YIELD_PIECE_BYTES),
-                  RAW_WHOLE: RawWrites(Path(work) / "raw32", nbytes, piece=CHUNK),
-                  SNAPSHOT: SnapshotFloor(Path(work) / "snap", saved),
-                  CHECKSUMMED: SnapshotFloor(Path(work) / "crc", saved, checksums=True)}
-        step_no = 0
-        for round_no in range(args.accel_rounds):
-            for kind in alternate(kinds, round_no, first_fixed=True):  # no saves always first
-                engine, floor = engines.get(kind), floors.get(kind)
-                guard = engine.guard(opt) if engine is not None else None
-                saves0 = engine.summary()["overlapped_saves"] if engine is not None else floor.start()
-                t_update, t0 = 0.0, time.perf_counter()
-                for _ in range(args.block):
-                    step_no += 1
-                    time.sleep(args.step_ms / 1000)  # the device computes; the host's cores are free
-                    u0 = time.perf_counter()
-                    if floor is not None:
-                        floor.before_update()  # the floors' writes hold off during the update, as the engine's do
-                    if kind in ops:
-                        in_flight[kind].append(ops[kind].in_flight > 0)
-                    opt.step()
-                    if floor is not None:
-                        floor.after_update()
-                    t_update += time.perf_counter() - u0
-                    if engine is not None and kind != "no saves":
-                        engine.maybe_save(state, step=step_no)
-                took = time.perf_counter() - t0
-                if engine is not None:
-                    engine.wait()  # nothing of this block's saves runs into the next block
-                    guard.remove()
-                    saves = engine.summary()["overlapped_saves"] - saves0
-                else:
-                    saves = floor.stop() - saves0
-                results[kind].append((took / args.block, t_update / args.block, saves))
+        beside: dict[str, Beside] = {
+            k: Saving(e, None if k == "no saves" else state, guard=opt, count="overlapped_saves",
+                      in_flight=lambda o=ops[k]: o.in_flight > 0) for k, e in engines.items()}
+        beside.update({RAW: Writes(RawWrites(Path(work) / "raw", nbytes, piece=YIELD_PIECE_BYTES)),
+                       RAW_WHOLE: Writes(RawWrites(Path(work) / "raw32", nbytes, piece=CHUNK)),
+                       SNAPSHOT: Writes(SnapshotFloor(Path(work) / "snap", saved)),
+                       CHECKSUMMED: Writes(SnapshotFloor(Path(work) / "crc", saved, checksums=True))})
+        # a step: the device computes (a sleep: the host's cores are free), then the update; no saves always first
+        runs = run_blocks(beside, rounds=args.accel_rounds, block=args.block,
+                          compute=lambda: time.sleep(args.step_ms / 1000), update=opt.step)
         for engine in engines.values():
             engine.close()
+    results = {k: [(b.step_s, b.update_s, b.done) for b in blocks] for k, blocks in by_kind(runs).items()}
+    in_flight = {k: side.began if isinstance(side, Saving) else [] for k, side in beside.items()}
     med = statistics.median
     bare = med(r[0] for r in results["no saves"])
     gb = nbytes / 1e9
@@ -151,8 +128,7 @@ def accel(args: argparse.Namespace) -> None:
     for kind in kinds:
         step, update = med(r[0] for r in results[kind]), med(r[1] for r in results[kind])
         saves = med(r[2] for r in results[kind])
-        per = [(r[0] - b[0]) * args.block / r[2] for r, b in zip(results[kind], results["no saves"]) if r[2]]
-        cost[kind] = med(per) if per else None
+        cost[kind] = cost_per_save(runs, kind, "no saves", args.block)
         began = in_flight[kind]
         cells.append([kind, f"{step * 1e3:.1f} ms", f"{update * 1e3:.1f} ms", f"{saves:.1f}",
                       None if cost[kind] is None else f"{cost[kind] * 1e3:.1f} ms",

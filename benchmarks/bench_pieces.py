@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import RawWrites, accel_model, alternate, print_table  # noqa: E402
+from benchmarks._common.blocks import Nothing, Writes, run_blocks  # noqa: E402
 from persist_core.fileio import YIELD_PIECE_BYTES  # noqa: E402
 
 
@@ -47,33 +48,19 @@ def main(argv: list[str] | None = None) -> int:
     model, opt = accel_model(args.accel_width)
     nbytes = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters and momentum
 
-    def block(writes: RawWrites | None) -> tuple[float, float]:
-        """The median update of a block and the bytes ``writes`` wrote per second of it."""
-        passes0 = writes.start() if writes is not None else 0
-        updates, t0 = [], time.perf_counter()
-        for _ in range(args.block):
-            time.sleep(args.step_ms / 1000)
-            u0 = time.perf_counter()
-            if writes is not None:
-                writes.before_update()
-            opt.step()
-            if writes is not None:
-                writes.after_update()
-            updates.append(time.perf_counter() - u0)
-        passes = writes.stop() - passes0 if writes is not None else 0  # the pass in flight at the end finishes
-        took = time.perf_counter() - t0
-        return statistics.median(updates), passes * (writes.pass_bytes if writes is not None else 0) / took
-
     slowdown: dict[int, list[float]] = {s: [] for s in sizes}
     speed: dict[int, list[float]] = {s: [] for s in sizes}
     with tempfile.TemporaryDirectory(prefix="bench-pieces-") as work:
         floors = {s: RawWrites(Path(work) / f"raw-{s}", nbytes, piece=s) for s in sizes}
-        for r in range(args.rounds):
-            for s in alternate(sizes, r):
-                bare, _ = block(None)
-                held, rate = block(floors[s])
-                slowdown[s].append(held / bare)
-                speed[s].append(rate)
+        beside = {"no writes": Nothing(), **{str(s): Writes(floors[s]) for s in sizes}}
+        # per size, a block with no writes, then one with the writes (their pass in flight at the end finished)
+        runs = run_blocks(beside, rounds=args.rounds, block=args.block, compute=lambda: time.sleep(args.step_ms / 1000),
+                          update=opt.step, order=lambda r: [k for s in alternate(sizes, r) for k in ("no writes", str(s))],
+                          drain_inside=True)
+    for bare, held in zip(runs[::2], runs[1::2]):
+        s = int(held.kind)
+        slowdown[s].append(held.update_median_s / bare.update_median_s)
+        speed[s].append(held.done * floors[s].pass_bytes / held.took_s)
     med = statistics.median
     print(f"the update of 4 x Linear({args.accel_width}) ({nbytes / 1e9:.2f} GB with momentum) after {args.step_ms:g} ms "
           f"of device time, with 4 threads writing the same bytes raw, held off during it; {args.rounds} rounds of "

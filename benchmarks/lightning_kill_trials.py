@@ -16,14 +16,16 @@ import argparse
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._common.kills import kill_when_ready  # noqa: E402
+
 APP = ROOT / "tests" / "support" / "lightning_app.py"
 
 
@@ -31,22 +33,14 @@ def trial(d: Path, width: int, delay_s: float) -> str | None:
     """One kill and its checks; ``None`` when all hold, else what failed."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from lightning_persist import PersistCheckpointIO
     from persist_core import CheckpointReader
 
     shutil.rmtree(d, ignore_errors=True)
-    child = subprocess.Popen([sys.executable, str(APP), "--local-dir", str(d), "--max-steps", "500", "--width",
-                              str(width)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not os.path.lexists(d / "last.ckpt"):  # a script, not a test: waiting on the run is its job
-        if child.poll() is not None or time.monotonic() > deadline:
-            child.kill()
-            return "the run ended or never linked last.ckpt"
-        time.sleep(0.05)
-    time.sleep(delay_s)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    problem = kill_when_ready([sys.executable, str(APP), "--local-dir", str(d), "--max-steps", "500", "--width",
+                               str(width)], lambda: os.path.lexists(d / "last.ckpt"), delay_s, cwd=Path.cwd())
+    if problem is not None:
+        return f"{problem}: it never linked last.ckpt"
     last = d / "last.ckpt"
     if not os.path.lexists(last):
         return "last.ckpt is missing after the kill"

@@ -1,5 +1,6 @@
-"""What the benchmarks share and their figures rest on: the one table printer (``benchmarks/_common/tables.py``) and
-the one kill-trial driver (``benchmarks/_common/kills.py``), which counts the steps each SIGKILL lost."""
+"""What the benchmarks share and their figures rest on: the one table printer (``benchmarks/_common/tables.py``), the
+one kill-trial driver (``benchmarks/_common/kills.py``), which counts the steps each SIGKILL lost, and the one
+interleaved-blocks loop (``benchmarks/_common/blocks.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import textwrap
 
 import pytest
 
-from benchmarks._common.kills import kill_series, kill_trial
+from benchmarks._common.blocks import Block, Nothing, Saving, by_kind, cost_per_save, run_blocks
+from benchmarks._common.kills import kill_series, kill_trial, kill_when_ready
 from benchmarks._common.tables import table
 
 #: a job as the driver expects one: resumes from the step in ``ckpt`` (saved every 3 steps, before the step is
@@ -76,3 +78,56 @@ def test_kill_trial_takes_the_newest_step_any_process_finished(tmp_path):
                         [sys.executable, "-c", JOB, str(tmp_path / "b"), "3", f"touch:{done}"]], 2, cwd=tmp_path)
     assert (trial.resumed, [s["step"] for s in trial.starts]) == (3, [3, 6])
     assert trial.last == 9  # process 1 finished step 9 before process 0 began (and waits there); process 0 step 5
+
+
+@pytest.mark.slow  # starts processes
+def test_kill_when_ready_kills_once_the_run_left_its_file_and_says_when_it_never_did(tmp_path):
+    mark = tmp_path / "mark"
+    leaves = [sys.executable, "-c", f"import threading; open({str(mark)!r}, 'w').close(); threading.Event().wait()"]
+    assert kill_when_ready(leaves, mark.exists, 0.0, cwd=tmp_path) is None  # a process that never ends: killed
+    ends = [sys.executable, "-c", "pass"]
+    assert "ended (exit code 0) before it was ready" in kill_when_ready(ends, lambda: False, 0.0, cwd=tmp_path)
+
+
+class _Engine:
+    """An engine's calls as the blocks loop makes them: a save every second step, each said in its summary."""
+
+    def __init__(self) -> None:
+        self.saves, self.calls = 0, []
+
+    def guard(self, opt):
+        self.calls.append(("guard", opt))
+        return self
+
+    def remove(self) -> None:
+        self.calls.append(("remove",))
+
+    def summary(self) -> dict:
+        return {"saves": self.saves}
+
+    def maybe_save(self, state, *, step: int) -> None:
+        self.saves += step % 2 == 0
+        self.calls.append(("maybe_save", step, state()))
+
+    def wait(self) -> None:
+        self.calls.append(("wait",))
+
+
+def test_run_blocks_interleaves_the_kinds_and_counts_each_blocks_saves():
+    engine, steps = _Engine(), []
+    beside = {"none": Nothing(), "saving": Saving(engine, lambda: "state", guard="opt")}
+    runs = run_blocks(beside, rounds=2, block=3, compute=lambda: steps.append(len(steps)), update=None)
+    assert [(b.kind, b.done) for b in runs] == [("none", 0), ("saving", 2), ("none", 0), ("saving", 2)]  # 4, 6; 10, 12
+    assert len(steps) == 12 and all(b.step_s >= 0 and b.took_s >= 0 for b in runs)
+    assert engine.calls[:5] == [("guard", "opt"), ("maybe_save", 4, "state"), ("maybe_save", 5, "state"),
+                                ("maybe_save", 6, "state"), ("wait",)]
+    assert engine.calls[5] == ("remove",)
+    assert list(by_kind(runs)) == ["none", "saving"]
+
+
+def test_cost_per_save_is_the_median_over_the_rounds_with_a_save():
+    runs = [Block("none", 0.010, 0, 0, 0, 0), Block("saving", 0.012, 0, 0, 2, 0),
+            Block("none", 0.010, 0, 0, 0, 0), Block("saving", 0.020, 0, 0, 0, 0),  # no save: not counted
+            Block("none", 0.011, 0, 0, 0, 0), Block("saving", 0.015, 0, 0, 1, 0)]
+    assert cost_per_save(runs, "saving", "none", block=10) == pytest.approx((0.002 * 10 / 2 + 0.004 * 10) / 2)
+    assert cost_per_save(runs[:2], "none", "none", block=10) is None

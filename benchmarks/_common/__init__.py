@@ -2,7 +2,8 @@
 and the chores around a state (``models``), the one table printer (``tables``: every result table is printed by
 it, as markdown), re-exported here; and, imported from their modules (they import the engine): the ways to
 checkpoint a loop, ours and the peers' (``savers``), a job that resumes and saves until it is killed (``jobs``),
-and the one kill-trial driver that kills it, restarts it and counts the steps each kill lost (``kills``).
+the one kill-trial driver that kills it, restarts it and counts the steps each kill lost (``kills``), and the one
+interleaved-blocks loop (``blocks``: training steps in blocks, each kind of saving or writing beside them).
 
 Each benchmark puts the repository root on ``sys.path`` and imports from ``benchmarks._common``. Everything here
 uses ``persist_core``'s public names only.

@@ -6,7 +6,7 @@ it says — ``load_s``, the source it read — is kept), then ``{"event": "step"
 finished; other events are the job's own business and are skipped here (:mod:`benchmarks._common.jobs` is such a
 job; ``bench_memory_adapters.py`` and ``bench_node_loss.py`` have their own).
 
-Two ways to kill, one module:
+Three ways to kill, one module:
 
 * by step — :func:`kill_series`: ``kills`` SIGKILLs in a row on one machine, each a number of steps after the
   job's start; each restart resumes from what the kill before it left, and a kill lost the newest step any process
@@ -14,6 +14,9 @@ Two ways to kill, one module:
   ``bench_node_loss.py``). :func:`kill_trial` is one of its runs.
 * by the clock — :func:`under_failures`: a job for a fixed horizon of wall time, SIGKILLed at given absolute times
   and restarted at once each time; its progress is the step reached at the horizon (``bench_goodput.py``).
+* by what the job leaves — :func:`kill_when_ready`: a process that prints no events (a Lightning run), SIGKILLed a
+  given delay after a file it writes first appears; what the kill left is the caller's to check
+  (``lightning_kill_trials.py``).
 
 :func:`tmpfs_dir` picks where the killed jobs' memory tier lives (``/dev/shm`` where there is one).
 """
@@ -109,6 +112,27 @@ def kill_series(commands: Commands, kills: int, kill_after: Callable[[], int], *
         series.append(Kill(killed, restart, noted))
         killed = restart
     return series
+
+
+def kill_when_ready(argv: Sequence[str], ready: Callable[[], bool], delay_s: float, *, timeout_s: float = 120,
+                    cwd: Path = ROOT) -> str | None:
+    """Start ``argv`` (its output dropped), wait until ``ready()`` (asked every 50 ms: a script watching a run, not a
+    test), then ``delay_s`` more, and SIGKILL it. ``None`` once killed so; else what went wrong (the process ended,
+    or was not ready in ``timeout_s``: it is killed all the same)."""
+    child = subprocess.Popen(list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if child.poll() is not None:
+                return f"the run ended (exit code {child.returncode}) before it was ready"
+            if time.monotonic() > deadline:
+                return f"the run was not ready in {timeout_s:g} s"
+            time.sleep(0.05)
+        time.sleep(delay_s)
+        return None
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
 
 
 def tmpfs_dir(given: str | None, name: str, fallback: Path) -> Path:
