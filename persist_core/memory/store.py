@@ -110,6 +110,7 @@ class MemoryStore:
         self._check_base = check_base
         self.life: Path | None = None  # this engine's slots (open_life)
         self._lock_fd: int | None = None
+        self._parsed: dict[bytes, Manifest] = {}  # the records the last listing read: a load lists them often
 
     def _dirs(self) -> list[Path]:
         """The directories above the lives, from the base (the default one) down."""
@@ -215,7 +216,7 @@ class MemoryStore:
         """Every committed snapshot (of ``lives``; default: all of this rank's) whose record reads and whose slot
         is as large as it says, both this user's own, newest first (a torn or overwritten one has no record; one
         whose bytes do not check fails its read)."""
-        found = []
+        found, parsed = [], {}
         for life in self._lives() if lives is None else lives:
             try:
                 names = os.listdir(life)
@@ -227,7 +228,9 @@ class MemoryStore:
                     continue
                 slot = life / slot_name
                 try:
-                    manifest = Manifest.from_bytes(read_own_file(life / name), where=str(life / name))
+                    raw = read_own_file(life / name)
+                    manifest = self._parsed.get(raw) or Manifest.from_bytes(raw, where=str(life / name))
+                    parsed[raw] = manifest
                     if not ours(slot, directory=False):
                         continue
                     size = os.lstat(slot).st_size
@@ -239,6 +242,7 @@ class MemoryStore:
                     continue
                 if len(manifest.files) == 1 and manifest.files[0].size <= size:
                     found.append((manifest.step, _written_ns(life / name), Snapshot(manifest, slot)))
+        self._parsed = parsed  # a record's bytes parsed once while they stay (every listing still reads and checks them)
         return [s for _, _, s in sorted(found, key=lambda t: t[:2], reverse=True)]  # the newest first, per step too
 
     def steps(self) -> set[int]:
