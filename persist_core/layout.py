@@ -220,6 +220,7 @@ def node_probe_filename(token: str, rank: int) -> str:
 #                 slot-0.json ...            a slot's commit record (its manifest), written after its bytes
 #                 .local-dir                 the local_dir of the engine that mapped them (its path)
 #                 .identity                  whose they are: local_dir's .local-dir-id (partner copies: the layout)
+#                 .closed                    its engine closed: no live process holds it, whoever holds its flock
 #         <run-id>/partner-of-rank-00002/    the copy of rank 2's newest snapshot this node holds (its partner, the
 #             life-5e6f7a8b/                 same local rank on the previous node; memory/partner.py): slots and
 #                 slot-0  slot-0.json ...    records as above, a record written once every byte verified
@@ -230,6 +231,7 @@ _SLOT_RE = re.compile(r"slot-([0-9]{1,6})")
 SLOT_RECORD_SUFFIX = ".json"
 LOCAL_DIR_NAME = ".local-dir"  # in a life's directory: the local_dir of the engine that mapped it
 IDENTITY_NAME = ".identity"  # in a life's directory: whose snapshots they are (below)
+CLOSED_NAME = ".closed"  # in a life's directory: its engine closed (a child it forked may still hold its flock)
 LOCAL_DIR_ID_NAME = ".local-dir-id"  # in local_dir: the identity of this incarnation of it (made once, random)
 
 

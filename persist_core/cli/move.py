@@ -12,9 +12,12 @@ from typing import Any
 
 import click
 
+from persist_core.errors import CheckpointNotFoundError, CorruptCheckpointError, RemoteError
+from persist_core.format.manifest import Manifest
 from persist_core.layout import checkpoint_dirname
 from persist_core.load.reader import CheckpointReader
 from persist_core.tiers import RemoteTier
+from persist_core.tiers._retry import is_missing
 from persist_core.tiers.local import committed_steps, discover, read_manifest
 from persist_core.cli.app import (CommandError, Location, codec, distinct, encryption_key, is_url, main, open_location,
                                   progress, took)
@@ -47,7 +50,17 @@ def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: 
     s = loc.step_or_latest(step)
     manifest, t0 = loc.manifest(s), time.perf_counter()
     here = set(committed_steps(Path(local_dir))) if os.path.isdir(local_dir) else set()
-    nbytes = manifest.nbytes + sum(loc.manifest(ref).nbytes for ref in manifest.depends_on() - here)
+    refs, lost = _references(loc, manifest, here)
+    if lost:  # the remote lost what it references (a lifecycle rule, a removal): say which, and what can be pulled
+        whole = next((c for c in sorted((c.step for c in loc.list() if c.step < s), reverse=True)
+                      if not _references(loc, loc.manifest(c), here)[1]), None)
+        raise CommandError(
+            f"step {s} references step{'s' * (len(lost) > 1)} {', '.join(map(str, lost))}, which {url} lacks (its "
+            "manifest is not there or does not read): it cannot be pulled whole; "
+            + ("no older step there can be either" if whole is None else
+               f"the newest step that can: persist pull {url} {local_dir} --step {whole}")
+            + f" (persist verify {url} checks each)")
+    nbytes = manifest.nbytes + sum(m.nbytes for m in refs)
     with CheckpointReader(local_dir, remote_url=url, storage_options=ctx.obj, remote_encryption_key=encryption_key()) as reader:
         with progress(nbytes, f"pull step {s}", quiet or as_json) as advance:
             path = reader.fetch(s, advance)
@@ -56,6 +69,22 @@ def pull(ctx: click.Context, url: str, local_dir: str, step: int | None, quiet: 
         click.echo(json.dumps({"step": s, "path": str(path), "bytes": nbytes, "seconds": round(elapsed, 3)}))
     elif not quiet:
         click.echo(f"step {s} -> {path}: {took(nbytes, elapsed)}")
+
+
+def _references(loc: Location, manifest: Manifest, here: set[int]) -> tuple[list[Manifest], list[int]]:
+    """The manifests of the checkpoints ``manifest`` references that are not ``here``, and the steps of those
+    ``loc`` lacks (missing, or not reading). Raises the remote's error when it cannot be read at all."""
+    found, lost = [], []
+    for ref in sorted(manifest.depends_on() - here):
+        try:
+            found.append(loc.manifest(ref))
+        except (CorruptCheckpointError, CheckpointNotFoundError):
+            lost.append(ref)
+        except RemoteError as e:
+            if not is_missing(e):
+                raise
+            lost.append(ref)
+    return found, lost
 
 
 @main.command()

@@ -6,8 +6,9 @@ mapped from (:class:`~persist_core.staging.allocators.FileAllocator`), each slot
 snapshot it holds, written after its bytes and removed before they are overwritten), listing and reading them.
 
 Layout (:mod:`persist_core.layout`): ``memory_dir/<run-id>/rank-R/life-<token>/slot-N`` and ``slot-N.json``. Each
-engine maps its slots in a directory of its own (``life-...``), ``flock``-ed while it lives, so a restart reads the
-killed process's slots while it maps new ones; the older lives are removed once the new one has a snapshot (or a
+engine maps its slots in a directory of its own (``life-...``), ``flock``-ed while it lives (and marked ``.closed``
+when it closes: a child process it forked shares the lock, a DataLoader worker for its life, a subprocess until its
+exec, and may hold it past the close), so a restart reads the killed process's slots while it maps new ones; the older lives are removed once the new one has a snapshot (or a
 disk checkpoint holds their step, at a clean close). Every directory and file is this user's own, never reached
 through a link, and each life belongs to one incarnation of ``local_dir``
 (:mod:`persist_core.memory.files`).
@@ -22,14 +23,16 @@ import fcntl
 import logging
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 from persist_core.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from persist_core.format.manifest import FileEntry, Manifest
-from persist_core.layout import (IDENTITY_NAME, LOCAL_DIR_NAME, is_life_dirname, life_dirname, parse_slot_record_name)
-from persist_core.sidefiles import warn_once, write_side_file
+from persist_core.layout import (CLOSED_NAME, IDENTITY_NAME, LOCAL_DIR_NAME, is_life_dirname, life_dirname,
+                                 parse_slot_record_name)
+from persist_core.sidefiles import open_side_file, warn_once, write_side_file
 from persist_core.tiers.local import ShardFile, read_blocks
 from persist_core.tiers.tier import CheckpointInfo
 from persist_core.memory.files import (all_ours, make_dir, ours, read_own_file,
@@ -182,6 +185,11 @@ class MemoryStore:
         step stays (a process that only read it closes well). The oldest go first: a kill in the middle leaves the
         newest."""
         if self._lock_fd is not None:
+            assert self.life is not None
+            try:  # first: a child forked meanwhile shares the lock, and may hold it past this close
+                os.close(open_side_file(self.life / CLOSED_NAME, os.O_WRONLY | os.O_CREAT, 0o600))
+            except (OSError, ConfigError) as e:
+                log.debug("cannot mark %s closed (its lock alone says so): %s", self.life, e)
             os.close(self._lock_fd)
             self._lock_fd = None
         if not remove:
@@ -340,7 +348,13 @@ def _written_ns(path: Path) -> int:
 
 
 def _unlocked(life: Path) -> bool:
-    """No live process holds ``life`` (its engine closed or died)."""
+    """No live process holds ``life``: its engine closed (marked so: a child it forked may hold the lock still) or
+    died (the lock is free)."""
+    try:
+        if stat.S_ISREG(os.lstat(life / CLOSED_NAME).st_mode):
+            return True
+    except OSError:
+        pass
     try:
         fd = os.open(life, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:

@@ -118,7 +118,7 @@ def test_without_the_entry_point_the_plugin_says_once_how_to_snapshot(tmp_path, 
     assert caplog.records == []
 
 
-@pytest.mark.parametrize("adapter", ["lightning", "accelerate"])
+@pytest.mark.parametrize("adapter", ["lightning", "accelerate", "hf_trainer"])
 def test_a_one_liner_killed_right_after_an_update_loses_that_step_only(tmp_path, adapter):
     """SIGKILL after step 5's update, before its snapshot: the newest committed snapshot is step 4 (the update waited
     for its record), never 3, however slowly the snapshots commit."""

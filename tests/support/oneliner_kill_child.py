@@ -3,7 +3,7 @@
 offered. Each snapshot's commit is slowed down (as a large state's checksums are): without the wait before each
 update, the snapshot of the step before is not committed yet when the kill comes, and two steps are lost.
 
-Usage: ``python -m tests.support.oneliner_kill_child lightning|accelerate LOCAL_DIR MEMORY_DIR KILL_AT``
+Usage: ``python -m tests.support.oneliner_kill_child lightning|accelerate|hf_trainer LOCAL_DIR MEMORY_DIR KILL_AT``
 """
 
 from __future__ import annotations
@@ -59,7 +59,24 @@ def accelerate(local_dir: str, memory_dir: str, kill_at: int) -> None:
         optimizer.zero_grad()
 
 
+def hf_trainer(local_dir: str, memory_dir: str, kill_at: int) -> None:
+    from pathlib import Path
+
+    from transformers import TrainerCallback
+
+    from accelerate_persist import PersistTrainerCallback
+    from tests.adapters.test_hf_trainer import train
+
+    class KillAfterUpdate(TrainerCallback):  # after the callback's wait (on_pre_optimizer_step) and the update
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step + 1 == kill_at:  # the update of step kill_at (the count moves after it)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    callback = PersistTrainerCallback(local_dir, memory_every_n_steps=1, memory_dir=memory_dir)
+    train(Path(local_dir).parent / "out", [callback, KillAfterUpdate()], max_steps=kill_at + 5, save_steps=100)
+
+
 if __name__ == "__main__":
     snapshots.Snapshots._commit = _slow_commit
     adapter, local_dir, memory_dir, kill_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    {"lightning": lightning, "accelerate": accelerate}[adapter](local_dir, memory_dir, kill_at)
+    {"lightning": lightning, "accelerate": accelerate, "hf_trainer": hf_trainer}[adapter](local_dir, memory_dir, kill_at)

@@ -56,3 +56,27 @@ def test_a_dependent_of_a_referenced_checkpoint_the_remote_lost_is_corrupt_there
     assert out.exit_code == 1 and "references bytes of step 4" in out.output, out.output
     every = CliRunner().invoke(main, ["verify", url], catch_exceptions=False)
     assert every.exit_code == 1 and "step 5: BAD" in every.output and "step 3: OK" in every.output, every.output
+
+
+@pytest.mark.parametrize("lost", ["manifest", "prefix"])
+def test_pull_of_a_dependent_of_a_referenced_checkpoint_the_remote_lost_names_it_and_the_step_to_pull(tmp_path, url,
+                                                                                                   lost):
+    with CheckpointEngine(tmp_path / "a", remote_url=url, incremental=True, full_every=3, direct_io="off") as engine:
+        for step in range(1, 7):  # 1 full, 2 and 3 reference 1; 4 full, 5 and 6 reference 4
+            engine.save(_state(step), step=step)
+    fs, root = fsspec.core.url_to_fs(url)
+    if lost == "manifest":
+        fs.rm_file(f"{root}/step-{4:012d}/manifest.json")
+    else:
+        fs.rm(f"{root}/step-{4:012d}", recursive=True)
+
+    here = str(tmp_path / "here")
+    for asked in (["--step", "6"], []):  # the step asked for, and the newest
+        out = CliRunner().invoke(main, ["pull", url, here, *asked])
+        assert out.exit_code == 2, out.output
+        assert "step 6 references step 4" in out.output and "--step 3" in out.output, out.output
+        assert "Traceback" not in out.output and "RemoteError" not in out.output, out.output
+    out = CliRunner().invoke(main, ["pull", url, here, "--step", "3"], catch_exceptions=False)
+    assert out.exit_code == 0, out.output  # the fix the message names works
+    with CheckpointEngine(here, incremental=True, direct_io="off") as engine:
+        assert_state_equal(engine.load(), _state(3))

@@ -238,6 +238,39 @@ def test_persist_ls_shows_the_runs_memory_snapshots_and_gc_memory_removes_only_a
     assert not _slots(tmp_path)
 
 
+def test_gc_memory_removes_a_closed_engines_snapshots_while_a_child_it_forked_still_holds_their_lock(tmp_path):
+    # A child forked while the engine lived (a DataLoader worker; the lineage's `git rev-parse`, between its fork and
+    # its exec on a loaded machine) shares the engine's lock on its slot directory, and keeps it past the engine's
+    # close: gc must still see a stopped process (this made the test above fail 1 in 15-40 runs on a busy machine).
+    from click.testing import CliRunner
+
+    from persist_core.cli import main
+
+    engine = CheckpointEngine(tmp_path / "ckpt", memory=_memory(tmp_path))
+    engine.snapshot(state_for(5), 5)
+    engine.wait()
+    go, forked = os.pipe(), os.pipe()
+    child = os.fork()
+    if child == 0:  # holds every descriptor of the engine's until told to go
+        os.write(forked[1], b"x")
+        os.read(go[0], 1)
+        os._exit(0)
+    try:
+        os.read(forked[0], 1)
+        engine._close(finished=False)
+        shm = str(tmp_path / "shm")
+        done = CliRunner().invoke(main, ["gc", str(tmp_path / "ckpt"), "--memory", "--memory-dir", shm, "--dry-run"])
+        assert "would remove memory snapshots of a stopped process" in done.output, done.output
+        done = CliRunner().invoke(main, ["gc", str(tmp_path / "ckpt"), "--memory", "--memory-dir", shm])
+        assert "removed memory snapshots of a stopped process" in done.output, done.output
+        assert not _slots(tmp_path)
+    finally:
+        os.write(go[1], b"x")
+        os.waitpid(child, 0)
+        for fd in (*go, *forked):
+            os.close(fd)
+
+
 def test_going_back_to_an_older_step_never_restores_the_abandoned_branch_from_memory(tmp_path):
     memory = _memory(tmp_path)
     engine = CheckpointEngine(tmp_path / "ckpt", memory=memory, save_policy=EveryNSteps(5))
