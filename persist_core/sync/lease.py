@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from persist_core.errors import DirectoryInUseError
+from persist_core.errors import CorruptCheckpointError, DirectoryInUseError
 from persist_core.layout import LEASE_NAME
 from persist_core.run_ids import keep_run_id
 from persist_core.tiers._retry import causes
@@ -80,7 +80,12 @@ class RemoteLease:
         except Exception as e:  # a missing lease object, however the store says it
             if any(isinstance(c, FileNotFoundError) for c in causes(e)):
                 return None
-            raise
+            forged = next((c for c in causes(e) if isinstance(c, CorruptCheckpointError)), None)
+            if forged is None:
+                raise
+            # sealed under another key, written without one, or altered: no holder can be read from it
+            log.warning("%s does not authenticate with remote_encryption_key (%s); taking it over", self._path, forged)
+            return None
         record = _lease_record(raw)
         if record is None:
             log.warning("%s is unreadable (not a JSON lease with a finite 'expires'); taking it over", self._path)
