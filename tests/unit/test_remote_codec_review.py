@@ -151,3 +151,13 @@ def test_encryption_key_env_of_the_wrong_length_is_a_usage_error_at_once(tmp_pat
     result = _cli("ls", memory_url, "--encryption-key-env", "K", env={"K": "ab" * 16})
     assert result.exit_code == 2 and "--encryption-key-env K" in result.output and "32" in result.output
     assert "ab" * 16 not in result.output
+
+
+def test_a_checkpoints_objects_copied_to_another_steps_prefix_are_refused(tmp_path, memory_url):
+    _save(tmp_path, memory_url, remote_encryption_key=KEY)
+    fs, root = fsspec.core.url_to_fs(memory_url)
+    for p in fs.find(f"{root}/step-{1:012d}"):
+        fs.pipe_file(p.replace(f"step-{1:012d}", f"step-{5:012d}"), fs.cat_file(p))
+    with CheckpointReader(tmp_path / "fresh", remote_url=memory_url, remote_encryption_key=KEY) as reader:
+        assert [c.step for c in reader.list("remote")] == [1, 2]
+        assert_state_equal(reader.load(), _state(2))
