@@ -6,6 +6,7 @@ fsspec's memory file system; the CLI in-process."""
 from __future__ import annotations
 
 import copy
+from datetime import datetime, timedelta, timezone
 import json
 import logging
 import sys
@@ -88,12 +89,25 @@ def test_a_lease_that_does_not_authenticate_is_taken_over_not_a_stop_to_every_up
     _save(tmp_path, memory_url, steps=(1,), remote_encryption_key=KEY)
     fs, root = fsspec.core.url_to_fs(memory_url)
     fs.pipe_file(f"{root}/.lease.json", b"torch-persist record 1\n" + bytes(64))  # damaged, or another key's
+    fs.store[f"{root}/.lease.json"].created = datetime.now(timezone.utc) - timedelta(hours=1)  # and not renewed since
     with caplog.at_level(logging.WARNING), CheckpointEngine(tmp_path / "b", remote_url=memory_url, direct_io="off",
                                                             remote_encryption_key=KEY) as engine:
         engine.load()
         engine.save(_state(2), step=2).wait_remote()
     assert [i.step for i in RemoteTier(memory_url, codec=Codec(None, SecretKey(KEY))).list()] == [1, 2]
     assert "lease" in caplog.text and "authenticate" in caplog.text
+
+
+def test_a_live_lease_sealed_under_another_key_refuses_the_writer_naming_the_key(tmp_path, memory_url):
+    from persist_core.errors import DirectoryInUseError
+    from persist_core.sync.lease import RemoteLease
+
+    holder = RemoteLease(RemoteTier(memory_url, codec=Codec(None, SecretKey(KEY))), "run-a", ttl_s=600)
+    holder.ensure()
+    other = RemoteLease(RemoteTier(memory_url, codec=Codec(None, SecretKey(bytes(32)))), "run-b", ttl_s=600)
+    with pytest.raises(DirectoryInUseError, match="cannot read with its remote_encryption_key"):
+        other.ensure()
+    holder.ensure()  # the holder goes on
 
 
 @pytest.mark.parametrize("given,says", [(lambda: 1 / 0, "raised ZeroDivisionError"), (lambda: KEY.hex(), "str"),
