@@ -303,7 +303,7 @@ class PersistHook:
         """The newest committed checkpoint's path or URL, or ``None`` (reads only, on any credentials)."""
         o = self._options
         with CheckpointReader(o.local_dir, remote_url=o.remote_url, storage_options=o.storage_options,
-                              memory=o.memory) as r:
+                              memory=o.memory, remote_encryption_key=o.remote_encryption_key) as r:
             info = r.latest()
         return None if info is None else info.path
 

@@ -166,7 +166,8 @@ class PersistSession:
         if self._reader is None:
             o = self.options
             self._reader = CheckpointReader(o.local_dir, remote_url=o.remote_url, storage_options=o.storage_options,
-                                            memory=o.memory, verify=o.verify, on_loaded=self._reader_loaded)
+                                            memory=o.memory, verify=o.verify, on_loaded=self._reader_loaded,
+                                            remote_encryption_key=o.remote_encryption_key)
         return self._reader
 
     def _reader_loaded(self, manifest: Manifest) -> None:

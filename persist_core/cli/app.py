@@ -21,6 +21,8 @@ from persist_core.ownership import owner_of, remove_dead
 from persist_core.format.manifest import Manifest
 from persist_core.tiers import CheckpointInfo, LocalTier, RemoteTier, Tier
 from persist_core.tiers.codec import Codec, SecretKey
+from persist_core.tiers.codec.key import KEY_BYTES
+from persist_core.tiers.codec.stored import SEALED
 
 
 class CommandError(click.ClickException):
@@ -41,7 +43,13 @@ class Location:
         self.tier: Tier = self.remote or LocalTier(self.root)
 
     def list(self) -> list[CheckpointInfo]:
-        return self.tier.list()
+        """Committed checkpoints whose manifest reads; an encrypted remote without its key raises
+        :class:`~persist_core.tiers.codec.EncryptionKeyError` (only ``ls`` lists what it can without the key)."""
+        infos = self.tier.list()
+        sealed = [info for info in infos if info.tier == SEALED]
+        if self.remote is not None and sealed:
+            self.remote.read_manifest(sealed[0].step)  # raises, naming the key
+        return infos
 
     def manifest(self, step: int) -> Manifest:
         return self.tier.read_manifest(step)
@@ -278,6 +286,9 @@ def _key_from_env(name: str) -> Any:
     except ValueError:
         raise click.UsageError(f"--encryption-key-env {name}: {name} is not hex (64 hex digits; its value is not "
                                "shown)") from None
+    if len(key) != KEY_BYTES:
+        raise click.UsageError(f"--encryption-key-env {name}: {name} holds {len(key)} bytes; the "
+                               f"remote_encryption_key is {KEY_BYTES} (64 hex digits; its value is not shown)")
     return lambda: key
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from persist_core.errors import PersistError
+from persist_core.tiers.codec import EncryptionKeyError
 from persist_core.load.references import resolve
 from persist_core import report
 from persist_core.cli.app import CommandError, human_size, main, open_location, progress, took
@@ -59,6 +60,8 @@ def verify(ctx: click.Context, location: str, step: int | None, quiet: bool, as_
             manifest = loc.manifest(s)
             total = sum(f.size for f in manifest.held())
             elsewhere = [f.name for f in manifest.elsewhere()]
+        except EncryptionKeyError:  # no key, or another: one error naming remote_encryption_key, not "BAD"
+            raise
         except PersistError as e:  # an unreadable manifest, a missing or short file
             total, problems = 0, [str(e)]
         else:
@@ -199,7 +202,7 @@ def _stats_rows(ctx: click.Context, location: str) -> tuple[list[dict[str, Any]]
 
     loc = open_location(ctx, location)
     by_step: dict[int, dict[str, Any]] = {}
-    for info in loc.tier.list():
+    for info in loc.list():
         by_step[info.step] = {"step": info.step, "time": info.time, "bytes": info.nbytes}
     history, skipped = read_history(loc.root) if loc.root is not None else ([], 0)
     for h in history:

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from persist_core.errors import CheckpointNotFoundError, PersistError
+from persist_core.tiers.codec import EncryptionKeyError
 from persist_core.ownership import describe
 from persist_core.sync.record import read_unsynced
 from persist_core.policies.anyof import policy_from_keywords
@@ -23,6 +24,8 @@ def _newest_verified(loc: Location, steps: list[int], say: Callable[[str], Any] 
     for step in sorted(steps, reverse=True):
         try:
             problems = loc.tier.verify(step)
+        except EncryptionKeyError:  # not a bad checkpoint: the key is missing or another
+            raise
         except PersistError as e:
             problems = [str(e)]
         if not problems:
@@ -42,6 +45,8 @@ def _not_counted(loc: Location, counted: set[int]) -> dict[int, str]:
             loc.tier.read_manifest(step)
         except CheckpointNotFoundError:  # removed since it was listed
             continue
+        except EncryptionKeyError:
+            raise
         except PersistError as e:
             why[step] = str(e)
     return why
@@ -52,6 +57,8 @@ def _depends_on(loc: Location, step: int) -> set[int]:
     a checkpoint that loads: it protects nothing)."""
     try:
         return set(loc.tier.read_manifest(step).depends_on())
+    except EncryptionKeyError:  # unknown without the key: nothing may be removed as if it protected nothing
+        raise
     except PersistError:
         return set()
 

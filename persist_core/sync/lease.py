@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from persist_core.errors import DirectoryInUseError
+from persist_core.errors import CorruptCheckpointError, DirectoryInUseError
 from persist_core.layout import LEASE_NAME
 from persist_core.run_ids import keep_run_id
 from persist_core.tiers._retry import causes
@@ -80,14 +80,38 @@ class RemoteLease:
         except Exception as e:  # a missing lease object, however the store says it
             if any(isinstance(c, FileNotFoundError) for c in causes(e)):
                 return None
-            raise
+            forged = next((c for c in causes(e) if isinstance(c, CorruptCheckpointError)), None)
+            if forged is None:
+                raise
+            return self._unreadable(forged)
         record = _lease_record(raw)
         if record is None:
             log.warning("%s is unreadable (not a JSON lease with a finite 'expires'); taking it over", self._path)
         return record
 
+    def _unreadable(self, why: CorruptCheckpointError) -> dict[str, Any] | None:
+        """A lease that does not authenticate with this run's key (sealed under another key, written without one, or
+        altered): no holder can be read from it. Written within the lease's time to live it may be a live writer's
+        (another key's run): refused until it is that old; older, it is taken over (with a warning)."""
+        try:
+            info = self._tier.fs.info(self._path)
+            written = info.get("LastModified") or info.get("mtime") or info.get("created") or 0
+            written = written.timestamp() if hasattr(written, "timestamp") else float(written)
+        except Exception:  # no time to go by: as an unreadable plain lease, taken over
+            written = 0.0
+        if self._clock() - written < self._ttl:
+            return {"run_id": None, "unreadable": str(why), "expires": written + self._ttl}
+        log.warning("%s does not authenticate with remote_encryption_key (%s); taking it over", self._path, why)
+        return None
+
     def _refuse(self, holder: dict[str, Any]) -> DirectoryInUseError:
         until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(holder.get("expires", 0))))
+        if holder.get("unreadable"):
+            return DirectoryInUseError(
+                f"remote_url={self._tier.url!r} holds a lease this run cannot read with its remote_encryption_key "
+                f"({holder['unreadable']}): another run, sealing with another key, may be writing there. Give this run "
+                f"its own remote_url, or pass the key that run uses; the lease is taken over after {until} if it is "
+                "not renewed. Local checkpoints are kept meanwhile")
         return DirectoryInUseError(
             f"remote_url={self._tier.url!r} is written by another run: run_id={holder.get('run_id')!r} on "
             f"host={holder.get('host')} pid={holder.get('pid')}, its lease runs until {until}. Two runs on one "

@@ -26,7 +26,7 @@ ENTRY_POINTS = {
 _ADAPTERS = {"remote_url", "storage_options", "keep_last", "keep_every_n_steps", "keep_every_n_seconds", "retention",
              "verify", "max_pending", "preemption_grace_s", "remote_timeout_s", "start_over", "memory_every_n_steps",
              "memory_dir", "incremental", "full_every", "verify_resume", "verify_resume_ignore",
-             "remote_concurrency"}  # issue 56
+             "remote_concurrency", "remote_compression", "remote_encryption_key"}  # issue 56
 #: the keywords each entry point took before (besides local_dir): every call that worked keeps working
 TAKEN_BEFORE = {
     "CheckpointEngine": {f for f in Config.__dataclass_fields__ if f != "local_dir"}

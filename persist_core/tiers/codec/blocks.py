@@ -148,8 +148,9 @@ class Codec:
         if kind == 0:
             out = bytes(payload)
         elif kind <= 8:
+            dctx = self._decompressor()  # no zstandard: a ConfigError naming the extra, not a corrupt block
             try:
-                out = planes.join(self._decompressor().decompress(payload, max_output_size=size), kind)
+                out = planes.join(dctx.decompress(payload, max_output_size=size), kind)
             except Exception as e:  # zstandard.ZstdError: a corrupt frame (its checksum, or its structure)
                 raise CorruptCheckpointError(f"{where}: the compressed block does not decode ({e})") from None
         else:

@@ -5,15 +5,17 @@ equality); what only the remote copy needs — each file's stored block lengths,
 lives around it::
 
     MAGIC  header-length(4, little-endian)  header (JSON)  body
-    header = {"step", "nbytes", "encrypted", "compression", "run", "save", "state", "key_check" | "crc"}
+    header = {"step", "nbytes", "encrypted", "compression", "state", "key_check" | "crc"}
     body   = nonce + AES-256-GCM(inner, aad=header)    (encrypted: the header is authenticated, not hidden)
-           | inner                                     (else: "crc" is the crc32c of inner)
-    inner  = layout-length(4) layout (JSON: {file: [stored block lengths]}) logical-manifest-bytes
+           | inner                                     (else: "crc" is the crc32c of the header without it, then inner)
+    inner  = layout-length(4) layout (JSON: {"files": {file: [stored block lengths]}, "run", "save"})
+             logical-manifest-bytes
 
-``state`` is ``"live"`` or ``"abandoned"``: setting a checkpoint aside writes its envelope again as abandoned (the
-blocks are copied as they are: their identity holds no path), so an abandoned checkpoint's objects put back at a
-live prefix are refused. Without a key the header alone says what ``persist ls`` shows: the step, its size, and
-that it is encrypted. A manifest object without the magic is a plain manifest (a remote written without a codec).
+The header holds only what a listing without the key shows (the step, its size, that it is encrypted) and what the
+reader needs before it opens the body; the run's id and the save's id, which name the blocks, are inside. ``state`` is
+``"live"`` or ``"abandoned"``: setting a checkpoint aside writes its envelope again as abandoned (the blocks are copied
+as they are: their identity holds no path), so an abandoned checkpoint's objects put back at a live prefix are
+refused. A manifest object without the magic is a plain manifest (a remote written without a codec).
 
 Small records (the lease) are sealed alike: ``RECORD_MAGIC nonce AES-256-GCM(body, aad=their name)``.
 """
@@ -28,7 +30,7 @@ from typing import Any
 import crc32c
 
 from persist_core.errors import CorruptCheckpointError
-from persist_core.tiers.codec.blocks import Codec
+from persist_core.tiers.codec.blocks import Codec, EncryptionKeyError
 
 MAGIC = b"torch-persist envelope 1\n"
 RECORD_MAGIC = b"torch-persist record 1\n"
@@ -49,8 +51,9 @@ class Envelope:
     key_check: str | None = None
 
     def header(self) -> dict[str, Any]:
+        """What is stored in the clear (authenticated): nothing of the run's lineage."""
         return {"step": self.step, "nbytes": self.nbytes, "encrypted": self.encrypted, "compression": self.compression,
-                "run": self.run, "save": self.save, "state": self.state, "key_check": self.key_check}
+                "state": self.state, "key_check": self.key_check}
 
 
 def is_envelope(raw: bytes) -> bool:
@@ -59,16 +62,16 @@ def is_envelope(raw: bytes) -> bool:
 
 def wrap(env: Envelope, manifest_bytes: bytes, codec: Codec) -> bytes:
     """The envelope object of ``env`` around ``manifest_bytes``."""
-    layout = json.dumps({k: list(v) for k, v in env.layout.items()}, separators=(",", ":")).encode()
+    layout = _dumps({"files": {k: list(v) for k, v in env.layout.items()}, "run": env.run, "save": env.save})
     inner = struct.pack("<I", len(layout)) + layout + manifest_bytes
     header = env.header()
     if env.encrypted:
+        body = codec.seal(inner, _dumps({**header, "key_check": None}))  # the fingerprint is checked apart (unwrap)
         header["key_check"] = codec.key_check()
-        head = json.dumps(header, separators=(",", ":")).encode()
-        body = codec.seal(inner, head)
+        head = _dumps(header)
     else:
-        header["crc"] = crc32c.crc32c(inner)
-        head = json.dumps(header, separators=(",", ":")).encode()
+        header["crc"] = crc32c.crc32c(inner, crc32c.crc32c(_dumps(header)))
+        head = _dumps(header)
         body = inner
     return MAGIC + struct.pack("<I", len(head)) + head + body
 
@@ -96,22 +99,41 @@ def unwrap(raw: bytes, codec: Codec, *, where: str) -> tuple[Envelope, bytes]:
     """
     header, head, body = peek(raw, where=where)
     if header.get("encrypted"):
-        codec.check_key(header.get("key_check"), where)
-        inner = codec.open(body, head, where=where)
+        aad = _dumps({**header, "key_check": None})
+        try:
+            codec.check_key(header.get("key_check"), where)
+        except EncryptionKeyError as wrong_key:
+            if codec.key is None:
+                raise
+            try:  # another key, or this key's fingerprint altered: only the body can tell
+                codec.open(body, aad, where=where)
+            except CorruptCheckpointError:
+                raise wrong_key from None
+            raise CorruptCheckpointError(f"{where}: its key fingerprint was altered (refused)") from None
+        inner = codec.open(body, aad, where=where)
+        if _dumps(header) != head:
+            raise CorruptCheckpointError(f"{where}: the envelope's header was altered (refused)")
     else:
         inner = body
-        if header.get("crc") != crc32c.crc32c(inner):
+        rest = {k: v for k, v in header.items() if k != "crc"}  # the header as written, before its crc was added
+        if header.get("crc") != crc32c.crc32c(inner, crc32c.crc32c(_dumps(rest))) or _dumps(header) != head:
             raise CorruptCheckpointError(f"{where}: the envelope does not match its checksum; the copy is corrupt")
     try:
         (n,) = struct.unpack_from("<I", inner, 0)
-        layout = {str(k): tuple(int(x) for x in v) for k, v in json.loads(inner[4 : 4 + n]).items()}
-    except (struct.error, ValueError, AttributeError, TypeError) as e:
+        meta = json.loads(inner[4 : 4 + n])
+        layout = {str(k): tuple(int(x) for x in v) for k, v in meta["files"].items()}
+        run, save = str(meta["run"]), str(meta["save"])
+    except (struct.error, ValueError, AttributeError, TypeError, KeyError) as e:
         raise CorruptCheckpointError(f"{where}: the envelope's layout is corrupt ({e})") from None
     env = Envelope(step=int(header["step"]), nbytes=int(header["nbytes"]), encrypted=bool(header.get("encrypted")),
-                   compression=header.get("compression"), run=str(header.get("run", "")),
-                   save=str(header.get("save", "")), state=str(header.get("state", "live")), layout=layout,
-                   key_check=header.get("key_check"))
+                   compression=header.get("compression"), run=run, save=save, state=str(header.get("state", "live")),
+                   layout=layout, key_check=header.get("key_check"))
     return env, inner[4 + n :]
+
+
+def _dumps(obj: Any) -> bytes:
+    """JSON as the envelope writes it (compact, keys in their order): written and checked alike."""
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def seal_record(body: bytes, name: str, codec: Codec) -> bytes:

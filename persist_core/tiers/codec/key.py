@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from persist_core.errors import ConfigError, PersistError
+from persist_core.errors import ConfigError
 
 KEY_BYTES = 32
 OPTION = "remote_encryption_key"
@@ -39,13 +39,13 @@ class SecretKey:
         if self._key is None:
             try:
                 key = self._given()  # type: ignore[operator]
-            except Exception as e:
-                raise PersistError(f"{OPTION}: the callable given raised {type(e).__name__}; fix it so it returns "
-                                   f"the {KEY_BYTES}-byte key") from None
+            except Exception as e:  # its message is not shown: it may hold the key
+                raise ConfigError(f"{OPTION}: the callable given raised {type(e).__name__}; fix it so it returns "
+                                  f"the {KEY_BYTES}-byte key") from None
             if not isinstance(key, (bytes, bytearray)):
-                raise PersistError(f"{OPTION}: the callable given returned a {type(key).__name__}, not "
-                                   f"{KEY_BYTES} bytes")
-            self._key = _check(bytes(key), PersistError)
+                raise ConfigError(f"{OPTION}: the callable given returned a {type(key).__name__}, not "
+                                  f"{KEY_BYTES} bytes (e.g. bytes.fromhex(...) of 64 hex digits)")
+            self._key = _check(bytes(key))
         return self._key
 
     def __repr__(self) -> str:
@@ -57,6 +57,12 @@ class SecretKey:
     def __hash__(self) -> int:
         return hash(OPTION)
 
+    def __copy__(self) -> SecretKey:
+        return self  # immutable; a copy in this process carries nothing anywhere
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SecretKey:
+        return self
+
     def __reduce__(self) -> Any:
         if isinstance(self._given, bytes):
             raise TypeError(f"{OPTION} is not pickled (it would travel in the clear): pass it as a callable that "
@@ -65,8 +71,8 @@ class SecretKey:
         return (SecretKey, (self._given,))
 
 
-def _check(key: bytes, error: type[PersistError] = ConfigError) -> bytes:
+def _check(key: bytes) -> bytes:
     if len(key) != KEY_BYTES:
-        raise error(f"{OPTION} has {len(key)} bytes; AES-256 needs {KEY_BYTES} (e.g. os.urandom({KEY_BYTES}); "
+        raise ConfigError(f"{OPTION} has {len(key)} bytes; AES-256 needs {KEY_BYTES} (e.g. os.urandom({KEY_BYTES}); "
                     "its value is not shown)")
     return key
