@@ -8,7 +8,6 @@ import logging
 
 import fsspec
 import pytest
-import torch
 
 from persist_core import CheckpointReader
 from tests.support.states import assert_state_equal

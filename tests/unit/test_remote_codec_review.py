@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 from datetime import datetime, timedelta, timezone
-import json
 import logging
 import sys
 
@@ -18,7 +17,7 @@ from click.testing import CliRunner
 
 from persist_core import CheckpointEngine, CheckpointReader
 from persist_core.cli import main
-from persist_core.errors import ConfigError, PersistError
+from persist_core.errors import ConfigError
 from persist_core.tiers.codec import Codec, SecretKey
 from persist_core.tiers.remote import RemoteTier
 from tests.support.states import assert_state_equal
