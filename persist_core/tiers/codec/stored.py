@@ -14,12 +14,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from persist_core.errors import CorruptCheckpointError
+from persist_core.errors import CorruptCheckpointError, RemoteError
 from persist_core.format.manifest import FileEntry, Manifest
 from persist_core.layout import ASIDE_MANIFEST_NAME, MANIFEST_NAME, parse_abandoned_dirname
 from persist_core.tiers.codec import envelope, files
 from persist_core.tiers.codec.blocks import Codec
 from persist_core.tiers.codec.envelope import Envelope
+from persist_core.tiers._retry import is_missing
 from persist_core.tiers.tier import CheckpointInfo
 
 log = logging.getLogger(__name__)
@@ -93,9 +94,16 @@ class Stored:
                               tier=SEALED)
 
     def envelope(self, step: int) -> Envelope | None:
-        """The envelope of ``step`` (``None``: its objects are plain), reading its manifest if not read yet."""
+        """The envelope of ``step`` (``None``: its objects are plain), reading its manifest if not read yet. A step
+        whose manifest is not on the remote yet (another node's files, read before rank 0 commits the checkpoint
+        there) is stored as this tier writes: plain when its codec does nothing."""
         if step not in self._envelopes:
-            self._tier.read_manifest(step)
+            try:
+                self._tier.read_manifest(step)
+            except RemoteError as e:
+                if self.codec.active or not is_missing(e):
+                    raise
+                return None
         return self._envelopes.get(step)
 
     def size(self, step: int, f: FileEntry) -> int:
