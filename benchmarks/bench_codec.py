@@ -13,13 +13,14 @@ AdamW steps on random regression data; saved as bf16 weights and fp32 AdamW mome
 * the same with ``remote_encryption_key`` on (AES-256-GCM) and with both.
 
 Every restore is compared bit-exact with the state saved. Usage: ``python benchmarks/bench_codec.py [--mib 256]
-[--link-mbps 200] [--steps 20]``; ``--smoke``: a 16 MiB state, one link, seconds.
+[--link-mbps 100 500] [--steps 20] [--repeat 3]``; ``--smoke``: a 16 MiB state, one link, seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -35,7 +36,7 @@ from persist_core import CheckpointEngine  # noqa: E402
 from persist_core.format.manifest import Manifest  # noqa: E402
 from persist_core.tiers.codec import Codec, SecretKey, block_aad  # noqa: E402
 from persist_core.tiers.codec import files as codec_files  # noqa: E402
-from persist_core.tiers.remote import RemoteTier  # noqa: E402
+from persist_core.tiers._s3 import S3Transfer  # noqa: E402
 from tests.support.moto_server import CREDENTIALS, moto_server  # noqa: E402
 from tests.support.states import assert_state_equal  # noqa: E402
 
@@ -84,14 +85,25 @@ class Link:
 
 
 def throttle(link: Link | None) -> None:
-    """Route the remote tier's uploads and ranged reads through ``link`` (``None``: as they are)."""
-    put, read = RemoteTier.__dict__["_put"], RemoteTier.__dict__["_read_range"]
-    RemoteTier._put = put if link is None else (lambda self, local, target: link.carry(
-        os.path.getsize(local), lambda: put(self, local, target)))
-    RemoteTier._read_range = read if link is None else (lambda self, path, start, end: link.carry(
-        end - start, lambda: read(self, path, start, end)))
+    """Route every request the remote tier's S3 client sends or reads through ``link`` (``None``: as they are): whole
+    uploads (s3transfer's, without a codec), the streamed uploads' parts and single PUTs (with one), and the ranged
+    reads (into the tensors without a codec, decoded with one)."""
+    for name, size in _SIZED.items():
+        real = _REAL[name]
+        setattr(S3Transfer, name, real if link is None else _carried(link, real, size))
 
 
+def _carried(link: Link, real, size):
+    return lambda self, *args, **kwargs: link.carry(size(*args), lambda: real(self, *args, **kwargs))
+
+
+#: the methods a throttled link carries, and the bytes each call moves
+_SIZED = {"put_file": lambda local, path, **_: os.path.getsize(local),
+          "put_object": lambda bucket, key, body, **_: len(body),
+          "upload_part": lambda bucket, key, upload, number, body, **_: len(body),
+          "read_range": lambda path, start, end: end - start,
+          "read_into": lambda path, start, views: sum(v.nbytes for v in views)}
+_REAL = {name: S3Transfer.__dict__[name] for name in _SIZED}
 
 
 def rates(ckpt: Path, codec: Codec) -> tuple[int, float, float]:
@@ -138,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=float, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--link-mbps", type=float, nargs="+", default=[100.0, 500.0])
+    parser.add_argument("--repeat", type=int, default=1, help="interleaved rounds; the tables give medians")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -167,19 +180,27 @@ def main(argv: list[str] | None = None) -> int:
             fs = s3fs.S3FileSystem(**s3, skip_instance_cache=True)
             links: list[tuple[str, Link | None]] = [("moto as is", None)] + [
                 (f"{r:.0f} MB/s link", Link(r * MB)) for r in args.link_mbps]
-            print("\n| link | codec | save+upload s | vs none | restore s | vs none |\n|---|---|---|---|---|---|")
-            for label, link in links:
-                base_times = None
-                for name, opts in variants.items():
-                    throttle(link)
-                    bucket = f"bench-{os.urandom(4).hex()}"
-                    fs.mkdir(bucket)
-                    with tempfile.TemporaryDirectory() as work:
-                        up, down = round_trip(Path(work), f"s3://{bucket}/run", state, opts, s3)
-                    throttle(None)
-                    base_times = base_times or (up, down)
-                    print(f"| {label} | {name} | {up:.2f} | {up / base_times[0]:.2f}x | {down:.2f} | "
-                          f"{down / base_times[1]:.2f}x |", flush=True)
+            times: dict[tuple[str, str], list[tuple[float, float]]] = {}
+            for round_ in range(args.repeat):  # interleaved: noise from the machine falls on every row alike
+                for label, link in links:
+                    for name, opts in variants.items():
+                        throttle(link)
+                        bucket = f"bench-{os.urandom(4).hex()}"
+                        fs.mkdir(bucket)
+                        try:
+                            with tempfile.TemporaryDirectory() as work:
+                                times.setdefault((label, name), []).append(
+                                    round_trip(Path(work), f"s3://{bucket}/run", state, opts, s3))
+                        finally:
+                            throttle(None)
+                print(f"round {round_ + 1}/{args.repeat} done", file=sys.stderr, flush=True)
+            print(f"\n| link | codec | save+upload s | vs none | restore s | vs none |  (median of {args.repeat})"
+                  "\n|---|---|---|---|---|---|")
+            for label, _ in links:
+                up0, down0 = (statistics.median(t[k] for t in times[(label, "none")]) for k in (0, 1))
+                for name in variants:
+                    up, down = (statistics.median(t[k] for t in times[(label, name)]) for k in (0, 1))
+                    print(f"| {label} | {name} | {up:.2f} | {up / up0:.2f}x | {down:.2f} | {down / down0:.2f}x |")
     return 0
 
 
