@@ -6,10 +6,11 @@ AdamW steps on random regression data; saved as bf16 weights and fp32 AdamW mome
 
 * stored bytes with and without ``remote_compression="zstd"`` (the bar: <= 0.85x), and per dtype group;
 * compression and decompression rate per core (one thread, every block of every file, byte planes included);
-* upload (``handle.wait()`` after ``save``) and fresh-machine restore (a new ``local_dir``, ``load()``) wall time
-  against the same engine without a codec, on the moto server as it is (loopback; bound by moto's own CPU) and
-  through a throttled link (a token bucket of ``--link-mbps`` MB/s shared by every request the tier makes: the time a
-  transfer takes is the longer of moto's and the link's);
+* upload (the save handle's ``upload_s``: shards, records and manifest) and fresh-machine restore (a new
+  ``local_dir``, ``load()``) wall time against the same engine without a codec, on the moto server as it is
+  (loopback; bound by moto's own CPU) and through a throttled link (a token bucket of ``--link-mbps`` MB/s shared by
+  every request the tier's S3 client makes, uploads and ranged reads alike: the time a request takes is the longer
+  of moto's and the link's), in ``--repeat`` interleaved rounds (medians, and their range);
 * the same with ``remote_encryption_key`` on (AES-256-GCM) and with both.
 
 Every restore is compared bit-exact with the state saved. Usage: ``python benchmarks/bench_codec.py [--mib 256]
@@ -27,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+import botocore.client
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,25 +87,32 @@ class Link:
 
 
 def throttle(link: Link | None) -> None:
-    """Route every request the remote tier's S3 client sends or reads through ``link`` (``None``: as they are): whole
-    uploads (s3transfer's, without a codec), the streamed uploads' parts and single PUTs (with one), and the ranged
-    reads (into the tensors without a codec, decoded with one)."""
-    for name, size in _SIZED.items():
-        real = _REAL[name]
-        setattr(S3Transfer, name, real if link is None else _carried(link, real, size))
+    """Route every request the remote tier's S3 client sends or reads through ``link`` (``None``: as they are), one
+    request at a time as the store sees them: each PUT and each part of a multipart upload (s3transfer's parts without
+    a codec, the streamed parts with one: the same granularity, so the completion of a multipart upload is not hidden
+    under one side's link time) and each ranged read (into the tensors without a codec, decoded with one)."""
+    botocore.client.BaseClient._make_api_call = _REAL_CALL if link is None else _carried_call(link)
+    for name, real in _REAL_READS.items():
+        setattr(S3Transfer, name, real if link is None else _carried(link, real, _READ_SIZES[name]))
 
 
 def _carried(link: Link, real, size):
     return lambda self, *args, **kwargs: link.carry(size(*args), lambda: real(self, *args, **kwargs))
 
 
-#: the methods a throttled link carries, and the bytes each call moves
-_SIZED = {"put_file": lambda local, path, **_: os.path.getsize(local),
-          "put_object": lambda bucket, key, body, **_: len(body),
-          "upload_part": lambda bucket, key, upload, number, body, **_: len(body),
-          "read_range": lambda path, start, end: end - start,
-          "read_into": lambda path, start, views: sum(v.nbytes for v in views)}
-_REAL = {name: S3Transfer.__dict__[name] for name in _SIZED}
+def _carried_call(link: Link):
+    def call(self, operation, params):
+        if operation not in ("PutObject", "UploadPart"):
+            return _REAL_CALL(self, operation, params)
+        return link.carry(len(params.get("Body") or b""), lambda: _REAL_CALL(self, operation, params))
+
+    return call
+
+
+_READ_SIZES = {"read_range": lambda path, start, end: end - start,
+               "read_into": lambda path, start, views: sum(v.nbytes for v in views)}
+_REAL_READS = {name: S3Transfer.__dict__[name] for name in _READ_SIZES}
+_REAL_CALL = botocore.client.BaseClient._make_api_call
 
 
 def rates(ckpt: Path, codec: Codec) -> tuple[int, float, float]:
@@ -131,12 +140,13 @@ def rates(ckpt: Path, codec: Codec) -> tuple[int, float, float]:
 
 
 def round_trip(base: Path, url: str, state: dict, options: dict, s3: dict) -> tuple[float, float]:
-    """``(upload s, fresh-machine restore s)`` of ``state`` through ``url`` with ``options``."""
-    t0 = time.perf_counter()  # the save and its upload (the local write is the same in every variant)
+    """``(upload s, fresh-machine restore s)`` of ``state`` through ``url`` with ``options``: the upload as the save's
+    handle times it (``upload_s``), the restore as ``load()`` on a new ``local_dir``."""
     with CheckpointEngine(base / "a", remote_url=url, storage_options=s3, direct_io="off", **options) as engine:
-        engine.save(state, step=1).wait()
+        handle = engine.save(state, step=1)
+        handle.wait()
         engine.wait()
-    up = time.perf_counter() - t0
+    up = handle.stats.upload_s  # the upload alone (shards, records, manifest): the local write varies more than it
     with CheckpointEngine(base / "fresh", remote_url=url, storage_options=s3, **options) as engine:
         t0 = time.perf_counter()
         loaded = engine.load()
@@ -194,13 +204,14 @@ def main(argv: list[str] | None = None) -> int:
                         finally:
                             throttle(None)
                 print(f"round {round_ + 1}/{args.repeat} done", file=sys.stderr, flush=True)
-            print(f"\n| link | codec | save+upload s | vs none | restore s | vs none |  (median of {args.repeat})"
-                  "\n|---|---|---|---|---|---|")
-            for label, _ in links:
+            print("\n| link | codec | upload s | vs none | restore s | vs none |\n|---|---|---|---|---|---|")
+            for label, _ in links:  # medians of the rounds, and their range
                 up0, down0 = (statistics.median(t[k] for t in times[(label, "none")]) for k in (0, 1))
                 for name in variants:
-                    up, down = (statistics.median(t[k] for t in times[(label, name)]) for k in (0, 1))
-                    print(f"| {label} | {name} | {up:.2f} | {up / up0:.2f}x | {down:.2f} | {down / down0:.2f}x |")
+                    ups, downs = ([t[k] for t in times[(label, name)]] for k in (0, 1))
+                    up, down = statistics.median(ups), statistics.median(downs)
+                    print(f"| {label} | {name} | {up:.2f} ({min(ups):.2f}–{max(ups):.2f}) | {up / up0:.2f}x | "
+                          f"{down:.2f} ({min(downs):.2f}–{max(downs):.2f}) | {down / down0:.2f}x |")
     return 0
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,7 +17,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from persist_core import _knobs
-from persist_core.tiers import remote_aside, remote_download, store_checksums
+from persist_core.tiers import remote_aside, remote_download, remote_encoded, store_checksums
 from persist_core.tiers._retry import causes, retry
 from persist_core.tiers._s3 import S3Transfer
 from persist_core.errors import ConfigError, CorruptCheckpointError, RemoteError
@@ -79,8 +78,7 @@ class RemoteTier:
         self.retries = _knobs.remote_retries()
         self.backoff_s = _knobs.remote_backoff_s()
         self._turn = turn  # waited for before each piece an upload sends: they hold off while an update runs
-        self._heads: dict[tuple[int, str], tuple[int, Any]] = {}  # (step, file): the first blocks a header read decoded
-        self._lock = threading.Lock()
+        self._heads = remote_encoded.Heads(self.concurrency)  # block 0 as a header read decoded it
         self.stored = stored.Stored(self, codec or Codec())  # what the codec makes of what goes up and comes down
         self._s3: S3Transfer | None = None
         if self._is_s3:
@@ -235,7 +233,7 @@ class RemoteTier:
         for f in files:
             target = f"{prefix}/{f.name}"
             if self.stored.codec.active:  # encoded block by block as the transfer sends them
-                expected = self._put_encoded(local_ckpt, step, f, target)
+                expected = remote_encoded.put(self, self._s3, local_ckpt, step, f, target)
             else:
                 self.retry(f"uploading {target}", lambda f=f, target=target: self._put(local_ckpt / f.name, target))
                 expected = f.size
@@ -261,32 +259,18 @@ class RemoteTier:
         else:
             self.fs.put_file(str(local), target, callback=Yielding(self._turn.wait))
 
-    def _put_encoded(self, local_ckpt: Path, step: int, f: FileEntry, target: str) -> int:
-        """Upload ``f`` encoded (:meth:`Stored.blocks <persist_core.tiers.codec.stored.Stored.blocks>`), its blocks
-        sent as they are made: the upload takes about as long as the longer of encoding and sending, not both. The
-        bytes uploaded. On S3 each request is retried on its own (a part re-sends its bytes); elsewhere the whole
-        file is (encoded again: the same lengths, fresh nonces)."""
-        if self._s3 is not None:
-            return self._s3.put_stream(self.stored.blocks(local_ckpt, step, f), target,  # type: ignore[arg-type]
-                                       size_hint=f.size + 64 * len(f.chunks), retry=self.retry, turn=self._turn.wait)
-        return self.retry(f"uploading {target}", lambda: self._write(self.stored.blocks(local_ckpt, step, f), target))
-
-    def _write(self, pieces: Any, target: str) -> int:
-        """Write ``pieces`` one after another into ``target`` through fsspec (multipart on s3fs): the bytes written."""
-        n = 0
-        try:
-            with self.fs.open(target, "wb") as out:
-                for piece in pieces:
-                    self._turn.wait()
-                    out.write(piece)
-                    n += len(piece)
-        finally:
-            pieces.close()
-        return n
-
     def store_checksums(self, step: int) -> store_checksums.Compared:
         """The store's checksums of ``step``'s objects now (HEAD requests) against those recorded at upload."""
         return store_checksums.compare(self, self._s3, step)
+
+    @property
+    def turn(self) -> Turn:
+        """What each piece an upload sends waits for (a guarded update's turn)."""
+        return self._turn
+
+    def read_stored(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object at ``path`` as stored (one ranged read, no retry)."""
+        return self._read_range(path, start, end)
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         if self._s3 is not None:
@@ -369,10 +353,7 @@ class RemoteTier:
             first, stop = f.blocks(start, min(end, f.size))
             data = self.read_logical(step, f, first, stop)
             if first == 0:  # a header, read to plan: the restore's first read of block 0 takes it from here
-                with self._lock:
-                    self._heads[(step, f.name)] = (stop, data)
-                    while len(self._heads) > self.concurrency:
-                        self._heads.pop(next(iter(self._heads)))
+                self._heads.keep(step, f.name, stop, data)
             return bytes(memoryview(data)[start - first * f.chunk_bytes:min(end, f.size) - first * f.chunk_bytes])
         source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
         return self.retry(f"reading {source}", lambda: self._read_range(source, start, min(end, f.size)))
@@ -391,31 +372,12 @@ class RemoteTier:
         if self.stored.envelope(step) is None:  # stored raw: from the socket into the views
             got = self.retry(f"reading {source}", lambda: self._read_into(source, start, views))
         else:  # decoded on the codec's threads straight into the views, as each ranged read arrives
-            got = self._read_encoded(step, f, first, views, where=f"{self.url}/{source}")
+            got = remote_encoded.read_into(self, step, f, first, views, self._heads, where=f"{self.url}/{source}")
         if got != end - start:
             raise CorruptCheckpointError(f"{self.url}/{checkpoint_dirname(step)}/{f.name}: {got} bytes from "
                                          f"byte {start}, {end - start} asked; the remote copy is short")
         if verify:
             f.check_views(views, first, where=f"{self.url}/{checkpoint_dirname(step)}/{f.name}")
-
-    def _read_encoded(self, step: int, f: FileEntry, first: int, views: list[memoryview], *, where: str) -> int:
-        """:meth:`read_blocks` of an encoded file: the bytes put into ``views`` (their length, or what the blocks
-        hold when they do not end where the views do)."""
-        views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
-        start = first * f.chunk_bytes
-        stop = -(-(start + sum(len(v) for v in views)) // f.chunk_bytes)
-        if min(stop * f.chunk_bytes, f.size) - start != sum(len(v) for v in views):  # not whole blocks
-            return len(self.read_logical(step, f, first, stop))
-        with self._lock:
-            head = self._heads.pop((step, f.name), None) if first == 0 else None
-        if head is not None and head[0] <= stop:  # block 0 was read already, for the header
-            views = _fill(views, memoryview(head[1]))
-            first = head[0]
-        if first < stop:
-            source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
-            self.stored.read(step, f, first, stop, lambda start, end: self.retry(
-                f"reading {source}", lambda: self._read_range(source, start, end)), where=where, into=views)
-        return min(stop * f.chunk_bytes, f.size) - start
 
     def read_logical(self, step: int, f: FileEntry, first: int, stop: int) -> bytes:
         """The bytes of blocks ``[first, stop)`` of file ``f`` of ``step`` as the local tier holds them (one ranged
@@ -428,14 +390,3 @@ class RemoteTier:
         return self.stored.read(step, f, first, stop, lambda start, end: self.retry(
             f"reading {source}", lambda: self._read_range(source, start, end)), where=f"{self.url}/{source}")
 
-
-def _fill(views: list[memoryview], data: memoryview) -> list[memoryview]:
-    """Copy ``data`` into the first bytes of ``views`` (laid end to end); the views of what is left."""
-    pos, rest = 0, []
-    for view in views:
-        n = max(0, min(len(view), len(data) - pos))
-        view[:n] = data[pos : pos + n]
-        pos += n
-        if n < len(view):
-            rest.append(view[n:])
-    return rest
