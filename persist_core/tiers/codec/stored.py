@@ -152,10 +152,6 @@ class Stored:
             yield block
         self._layouts[(step, f.name)] = tuple(lengths)
 
-    def layout(self, step: int, f: FileEntry) -> tuple[int, ...] | None:
-        """The stored blocks' lengths of ``f`` as this process encoded them (``None``: not encoded here)."""
-        return self._layouts.get((step, f.name))
-
     def uploaded(self, step: int, f: FileEntry, prefix: str) -> None:
         """After ``f`` went up: its layout record beside it (for the rank that writes the manifest)."""
         lengths = self._layouts.get((step, f.name))
