@@ -6,26 +6,29 @@ AdamW steps on random regression data; saved as bf16 weights and fp32 AdamW mome
 
 * stored bytes with and without ``remote_compression="zstd"`` (the bar: <= 0.85x), and per dtype group;
 * compression and decompression rate per core (one thread, every block of every file, byte planes included);
-* upload (``handle.wait()`` after ``save``) and fresh-machine restore (a new ``local_dir``, ``load()``) wall time
-  against the same engine without a codec, on the moto server as it is (loopback; bound by moto's own CPU) and
-  through a throttled link (a token bucket of ``--link-mbps`` MB/s shared by every request the tier makes: the time a
-  transfer takes is the longer of moto's and the link's);
+* upload (the save handle's ``upload_s``: shards, records and manifest) and fresh-machine restore (a new
+  ``local_dir``, ``load()``) wall time against the same engine without a codec, on the moto server as it is
+  (loopback; bound by moto's own CPU) and through a throttled link (a token bucket of ``--link-mbps`` MB/s shared by
+  every request the tier's S3 client makes, uploads and ranged reads alike: the time a request takes is the longer
+  of moto's and the link's), in ``--repeat`` interleaved rounds (medians, and their range);
 * the same with ``remote_encryption_key`` on (AES-256-GCM) and with both.
 
 Every restore is compared bit-exact with the state saved. Usage: ``python benchmarks/bench_codec.py [--mib 256]
-[--link-mbps 200] [--steps 20]``; ``--smoke``: a 16 MiB state, one link, seconds.
+[--link-mbps 100 500] [--steps 20] [--repeat 3]``; ``--smoke``: a 16 MiB state, one link, seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+import botocore.client
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +38,7 @@ from persist_core import CheckpointEngine  # noqa: E402
 from persist_core.format.manifest import Manifest  # noqa: E402
 from persist_core.tiers.codec import Codec, SecretKey, block_aad  # noqa: E402
 from persist_core.tiers.codec import files as codec_files  # noqa: E402
-from persist_core.tiers.remote import RemoteTier  # noqa: E402
+from persist_core.tiers._s3 import S3Transfer  # noqa: E402
 from tests.support.moto_server import CREDENTIALS, moto_server  # noqa: E402
 from tests.support.states import assert_state_equal  # noqa: E402
 
@@ -84,14 +87,32 @@ class Link:
 
 
 def throttle(link: Link | None) -> None:
-    """Route the remote tier's uploads and ranged reads through ``link`` (``None``: as they are)."""
-    put, read = RemoteTier.__dict__["_put"], RemoteTier.__dict__["_read_range"]
-    RemoteTier._put = put if link is None else (lambda self, local, target: link.carry(
-        os.path.getsize(local), lambda: put(self, local, target)))
-    RemoteTier._read_range = read if link is None else (lambda self, path, start, end: link.carry(
-        end - start, lambda: read(self, path, start, end)))
+    """Route every request the remote tier's S3 client sends or reads through ``link`` (``None``: as they are), one
+    request at a time as the store sees them: each PUT and each part of a multipart upload (s3transfer's parts without
+    a codec, the streamed parts with one: the same granularity, so the completion of a multipart upload is not hidden
+    under one side's link time) and each ranged read (into the tensors without a codec, decoded with one)."""
+    botocore.client.BaseClient._make_api_call = _REAL_CALL if link is None else _carried_call(link)
+    for name, real in _REAL_READS.items():
+        setattr(S3Transfer, name, real if link is None else _carried(link, real, _READ_SIZES[name]))
 
 
+def _carried(link: Link, real, size):
+    return lambda self, *args, **kwargs: link.carry(size(*args), lambda: real(self, *args, **kwargs))
+
+
+def _carried_call(link: Link):
+    def call(self, operation, params):
+        if operation not in ("PutObject", "UploadPart"):
+            return _REAL_CALL(self, operation, params)
+        return link.carry(len(params.get("Body") or b""), lambda: _REAL_CALL(self, operation, params))
+
+    return call
+
+
+_READ_SIZES = {"read_range": lambda path, start, end: end - start,
+               "read_into": lambda path, start, views: sum(v.nbytes for v in views)}
+_REAL_READS = {name: S3Transfer.__dict__[name] for name in _READ_SIZES}
+_REAL_CALL = botocore.client.BaseClient._make_api_call
 
 
 def rates(ckpt: Path, codec: Codec) -> tuple[int, float, float]:
@@ -119,12 +140,13 @@ def rates(ckpt: Path, codec: Codec) -> tuple[int, float, float]:
 
 
 def round_trip(base: Path, url: str, state: dict, options: dict, s3: dict) -> tuple[float, float]:
-    """``(upload s, fresh-machine restore s)`` of ``state`` through ``url`` with ``options``."""
-    t0 = time.perf_counter()  # the save and its upload (the local write is the same in every variant)
+    """``(upload s, fresh-machine restore s)`` of ``state`` through ``url`` with ``options``: the upload as the save's
+    handle times it (``upload_s``), the restore as ``load()`` on a new ``local_dir``."""
     with CheckpointEngine(base / "a", remote_url=url, storage_options=s3, direct_io="off", **options) as engine:
-        engine.save(state, step=1).wait()
+        handle = engine.save(state, step=1)
+        handle.wait()
         engine.wait()
-    up = time.perf_counter() - t0
+    up = handle.stats.upload_s  # the upload alone (shards, records, manifest): the local write varies more than it
     with CheckpointEngine(base / "fresh", remote_url=url, storage_options=s3, **options) as engine:
         t0 = time.perf_counter()
         loaded = engine.load()
@@ -138,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=float, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--link-mbps", type=float, nargs="+", default=[100.0, 500.0])
+    parser.add_argument("--repeat", type=int, default=1, help="interleaved rounds; the tables give medians")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -167,19 +190,28 @@ def main(argv: list[str] | None = None) -> int:
             fs = s3fs.S3FileSystem(**s3, skip_instance_cache=True)
             links: list[tuple[str, Link | None]] = [("moto as is", None)] + [
                 (f"{r:.0f} MB/s link", Link(r * MB)) for r in args.link_mbps]
-            print("\n| link | codec | save+upload s | vs none | restore s | vs none |\n|---|---|---|---|---|---|")
-            for label, link in links:
-                base_times = None
-                for name, opts in variants.items():
-                    throttle(link)
-                    bucket = f"bench-{os.urandom(4).hex()}"
-                    fs.mkdir(bucket)
-                    with tempfile.TemporaryDirectory() as work:
-                        up, down = round_trip(Path(work), f"s3://{bucket}/run", state, opts, s3)
-                    throttle(None)
-                    base_times = base_times or (up, down)
-                    print(f"| {label} | {name} | {up:.2f} | {up / base_times[0]:.2f}x | {down:.2f} | "
-                          f"{down / base_times[1]:.2f}x |", flush=True)
+            times: dict[tuple[str, str], list[tuple[float, float]]] = {}
+            for round_ in range(args.repeat):  # interleaved: noise from the machine falls on every row alike
+                for label, link in links:
+                    for name, opts in variants.items():
+                        throttle(link)
+                        bucket = f"bench-{os.urandom(4).hex()}"
+                        fs.mkdir(bucket)
+                        try:
+                            with tempfile.TemporaryDirectory() as work:
+                                times.setdefault((label, name), []).append(
+                                    round_trip(Path(work), f"s3://{bucket}/run", state, opts, s3))
+                        finally:
+                            throttle(None)
+                print(f"round {round_ + 1}/{args.repeat} done", file=sys.stderr, flush=True)
+            print("\n| link | codec | upload s | vs none | restore s | vs none |\n|---|---|---|---|---|---|")
+            for label, _ in links:  # medians of the rounds, and their range
+                up0, down0 = (statistics.median(t[k] for t in times[(label, "none")]) for k in (0, 1))
+                for name in variants:
+                    ups, downs = ([t[k] for t in times[(label, name)]] for k in (0, 1))
+                    up, down = statistics.median(ups), statistics.median(downs)
+                    print(f"| {label} | {name} | {up:.2f} ({min(ups):.2f}–{max(ups):.2f}) | {up / up0:.2f}x | "
+                          f"{down:.2f} ({min(downs):.2f}–{max(downs):.2f}) | {down / down0:.2f}x |")
     return 0
 
 

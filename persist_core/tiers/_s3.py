@@ -15,9 +15,12 @@ multipart upload S3 keeps a composite value, the checksum of the parts' checksum
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 _MAX_PARTS = 10_000  # S3's limit per multipart upload
 #: the checksums S3 may hold for an object, in the order one is taken when it holds several
 ALGORITHMS = ("CRC32", "CRC32C", "CRC64NVME", "SHA1", "SHA256")
+_CHECKSUM = "CRC32"  # what a streamed upload asks the store to check and keep (as s3transfer does by default)
 
 
 class S3Transfer:
@@ -90,6 +94,92 @@ class S3Transfer:
             self._manager = self._make_manager(part_bytes)
         subscribers = None if turn is None else [_yielding()(turn)]
         self._manager.upload(str(local), bucket, key, subscribers=subscribers).result()
+
+    def put_stream(self, pieces: Iterable[bytes | bytearray], path: str, *, size_hint: int,
+                   retry: Callable[[str, Callable[[], Any]], Any], turn: Callable[[], None] | None = None) -> int:
+        """Upload the bytes of ``pieces`` laid end to end (taken as they come: an encoder's output, which goes on
+        making the next pieces meanwhile) to ``path``; the bytes uploaded. One PUT when they fit one part, else a
+        multipart upload in equal parts (the last shorter), ``concurrency`` parts in flight and no more taken from
+        ``pieces`` until one is done (bounded memory), aborted on failure. Each request goes through ``retry``
+        (``(what, fn)``): a part retried re-sends the same bytes. ``size_hint``: about how many bytes (the part
+        size follows it, as :meth:`put_file`'s follows the file's size); ``turn``: called before each part is sent.
+        """
+        bucket, key = self._split(path)
+        part_bytes = max(_knobs.remote_span_bytes(size_hint, self._concurrency, self.part_bytes), 5 << 20,
+                         -(-size_hint // (_MAX_PARTS - 1)))
+        parts = _parts(pieces, part_bytes)
+        try:
+            first = next(parts)
+            second = next(parts, None)
+            if second is None:  # one part: one PUT
+                if turn is not None:
+                    turn()
+                self.put_object(bucket, key, first, retry=retry, path=path)
+                return len(first)
+            upload = retry(f"starting the upload of {path}", lambda: self._client.create_multipart_upload(
+                Bucket=bucket, Key=key, ChecksumAlgorithm=_CHECKSUM))["UploadId"]
+            try:
+                sent = self._send_parts(itertools.chain((first, second), parts), bucket, key, upload, path,
+                                        retry=retry, turn=turn)
+                retry(f"completing the upload of {path}", lambda: self._client.complete_multipart_upload(
+                    Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": sent[1]}))
+            except BaseException:
+                try:
+                    self._client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
+                except Exception as e:  # the store drops it by its lifecycle rule, or persist gc's listing
+                    log.warning("could not abort the failed multipart upload of %s (%s)", path, e)
+                raise
+            return sent[0]
+        finally:
+            parts.close()
+
+    def _send_parts(self, parts: Iterable[bytes], bucket: str, key: str, upload: str, path: str, *,
+                    retry: Callable[[str, Callable[[], Any]], Any],
+                    turn: Callable[[], None] | None) -> tuple[int, list[dict[str, Any]]]:
+        """Send ``parts`` as parts 1, 2, ... of ``upload``, ``concurrency`` at a time: ``(bytes, the parts' records
+        for the completion)``."""
+        slots = threading.BoundedSemaphore(self._concurrency)
+        failed: list[BaseException] = []
+        futures: list[Future[dict[str, Any]]] = []
+        total = 0
+
+        def send(number: int, body: bytes) -> dict[str, Any]:
+            try:
+                if turn is not None:
+                    turn()
+                return self.upload_part(bucket, key, upload, number, body, retry=retry, path=path)
+            except BaseException as e:
+                failed.append(e)
+                raise
+            finally:
+                slots.release()
+
+        with ThreadPoolExecutor(self._concurrency, thread_name_prefix="persist-part") as pool:
+            for number, body in enumerate(parts, start=1):
+                slots.acquire()  # no more parts made while `concurrency` are in flight
+                if failed:
+                    slots.release()
+                    break
+                total += len(body)
+                futures.append(pool.submit(send, number, body))
+            wait(futures)
+        return total, [fut.result() for fut in futures]
+
+    def put_object(self, bucket: str, key: str, body: bytes, *, retry: Callable[[str, Callable[[], Any]], Any],
+                   path: str) -> None:
+        """One object in one PUT (retried with the same bytes)."""
+        retry(f"uploading {path}", lambda: self._client.put_object(Bucket=bucket, Key=key, Body=body,
+                                                                   ChecksumAlgorithm=_CHECKSUM))
+
+    def upload_part(self, bucket: str, key: str, upload: str, number: int, body: bytes, *,
+                    retry: Callable[[str, Callable[[], Any]], Any], path: str) -> dict[str, Any]:
+        """One part sent (retried with the same bytes): its record for the completion (ETag and checksum)."""
+        r = retry(f"uploading part {number} of {path}", lambda: self._client.upload_part(
+            Bucket=bucket, Key=key, UploadId=upload, PartNumber=number, Body=body, ChecksumAlgorithm=_CHECKSUM))
+        part = {"PartNumber": number, "ETag": r["ETag"]}
+        if r.get(f"Checksum{_CHECKSUM}"):
+            part[f"Checksum{_CHECKSUM}"] = r[f"Checksum{_CHECKSUM}"]
+        return part
 
     def size(self, path: str) -> int:
         """The object's size, asked of S3 itself (a HEAD; never a cached listing)."""
@@ -170,6 +260,29 @@ class S3Transfer:
             if fp is not None and fp.isclosed() and hasattr(raw, "release_conn"):
                 raw.release_conn()  # every byte read: the connection goes back to the pool (closing would drop it)
         return got
+
+
+def _parts(pieces: Iterable[bytes | bytearray], size: int) -> Iterator[bytes]:
+    """The bytes of ``pieces`` laid end to end, cut into parts of ``size`` bytes (the last shorter; one empty part
+    when there are none), each taken from ``pieces`` only as far as it needs."""
+    held: list[memoryview] = []
+    n, made = 0, False
+    try:
+        for piece in pieces:
+            view = memoryview(piece)
+            while len(view):
+                take = min(size - n, len(view))
+                held.append(view[:take])
+                n, view = n + take, view[take:]
+                if n == size:
+                    yield b"".join(held)
+                    held, n, made = [], 0, True
+        if n or not made:
+            yield b"".join(held)
+    finally:
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            close()
 
 
 def _read_once(body: Any, view: memoryview) -> int:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from persist_core import _knobs
-from persist_core.tiers import remote_aside, remote_download, store_checksums
+from persist_core.tiers import remote_aside, remote_download, remote_encoded, store_checksums
 from persist_core.tiers._retry import causes, retry
 from persist_core.tiers._s3 import S3Transfer
 from persist_core.errors import ConfigError, CorruptCheckpointError, RemoteError
@@ -78,6 +78,7 @@ class RemoteTier:
         self.retries = _knobs.remote_retries()
         self.backoff_s = _knobs.remote_backoff_s()
         self._turn = turn  # waited for before each piece an upload sends: they hold off while an update runs
+        self._heads = remote_encoded.Heads(self.concurrency)  # block 0 as a header read decoded it
         self.stored = stored.Stored(self, codec or Codec())  # what the codec makes of what goes up and comes down
         self._s3: S3Transfer | None = None
         if self._is_s3:
@@ -231,9 +232,12 @@ class RemoteTier:
             self.retry(f"creating {prefix}", lambda: self.fs.makedirs(prefix, exist_ok=True))
         for f in files:
             target = f"{prefix}/{f.name}"
-            with self.stored.encoded(local_ckpt, step, f) as (source, expected):
-                self.retry(f"uploading {target}", lambda source=source, target=target: self._put(source, target))
-                size = self.retry(f"checking {target}", lambda target=target: self._size(target))
+            if self.stored.codec.active:  # encoded block by block as the transfer sends them
+                expected = remote_encoded.put(self, self._s3, local_ckpt, step, f, target)
+            else:
+                self.retry(f"uploading {target}", lambda f=f, target=target: self._put(local_ckpt / f.name, target))
+                expected = f.size
+            size = self.retry(f"checking {target}", lambda target=target: self._size(target))
             if size != expected:
                 raise RemoteError(f"uploaded {target} has {size} bytes, expected {expected}; the upload will be redone")
             self.stored.uploaded(step, f, prefix)
@@ -258,6 +262,15 @@ class RemoteTier:
     def store_checksums(self, step: int) -> store_checksums.Compared:
         """The store's checksums of ``step``'s objects now (HEAD requests) against those recorded at upload."""
         return store_checksums.compare(self, self._s3, step)
+
+    @property
+    def turn(self) -> Turn:
+        """What each piece an upload sends waits for (a guarded update's turn)."""
+        return self._turn
+
+    def read_stored(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object at ``path`` as stored (one ranged read, no retry)."""
+        return self._read_range(path, start, end)
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         if self._s3 is not None:
@@ -338,8 +351,10 @@ class RemoteTier:
         """
         if self.stored.envelope(step) is not None:  # the blocks that hold the range, decoded
             first, stop = f.blocks(start, min(end, f.size))
-            return self.read_logical(step, f, first, stop)[start - first * f.chunk_bytes:min(end, f.size) -
-                                                                   first * f.chunk_bytes]
+            data = self.read_logical(step, f, first, stop)
+            if first == 0:  # a header, read to plan: the restore's first read of block 0 takes it from here
+                self._heads.keep(step, f.name, stop, data)
+            return bytes(memoryview(data)[start - first * f.chunk_bytes:min(end, f.size) - first * f.chunk_bytes])
         source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
         return self.retry(f"reading {source}", lambda: self._read_range(source, start, min(end, f.size)))
 
@@ -356,12 +371,8 @@ class RemoteTier:
         source = f"{self._path(checkpoint_dirname(step))}/{f.name}"
         if self.stored.envelope(step) is None:  # stored raw: from the socket into the views
             got = self.retry(f"reading {source}", lambda: self._read_into(source, start, views))
-        else:
-            data = memoryview(self.read_logical(step, f, first, -(-end // f.chunk_bytes)))
-            got, pos = len(data), 0
-            for view in views if got == end - start else ():
-                view[:] = data[pos : pos + len(view)]
-                pos += len(view)
+        else:  # decoded on the codec's threads straight into the views, as each ranged read arrives
+            got = remote_encoded.read_into(self, step, f, first, views, self._heads, where=f"{self.url}/{source}")
         if got != end - start:
             raise CorruptCheckpointError(f"{self.url}/{checkpoint_dirname(step)}/{f.name}: {got} bytes from "
                                          f"byte {start}, {end - start} asked; the remote copy is short")
@@ -378,3 +389,4 @@ class RemoteTier:
             return self.retry(f"reading {source}", lambda: self._read_range(source, start, end))
         return self.stored.read(step, f, first, stop, lambda start, end: self.retry(
             f"reading {source}", lambda: self._read_range(source, start, end)), where=f"{self.url}/{source}")
+

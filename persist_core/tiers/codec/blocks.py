@@ -21,11 +21,14 @@ import os
 import threading
 from typing import Any
 
+import numpy as np
+
 from persist_core.errors import ConfigError, CorruptCheckpointError, PersistError
 from persist_core.tiers.codec import planes
 from persist_core.tiers.codec.key import OPTION, SecretKey
 
 NONCE_BYTES = 12
+_TAG_BYTES = 16  # AES-GCM's tag, after the ciphertext
 COMPRESSIONS = (None, "zstd")
 _LEVEL = 1  # zstd's fastest level with its full entropy coding: the link, not the ratio, sets the pace
 
@@ -125,14 +128,22 @@ class Codec:
 
     # ------------------------------------------------------------------ blocks
 
-    def encode(self, data: memoryview | bytes, width: int, aad: bytes) -> bytes:
-        """One block's stored bytes (see the module)."""
-        plain = b"\x00" + bytes(data)
+    def encode(self, data: memoryview | bytes, width: int, aad: bytes) -> bytes | bytearray:
+        """One block's stored bytes (see the module). One copy of the block's bytes besides the codec's own work:
+        the byte planes are split by numpy into a fresh array and AES-GCM encrypts into the output."""
+        kind, body = 0, data
         if self.compression == "zstd":
-            packed = self._compressor().compress(planes.split(data, width))
-            if len(packed) + 1 < len(plain):
-                plain = bytes([max(1, width)]) + packed
-        return self.seal(plain, aad) if self.key is not None else plain
+            split = data if width <= 1 else planes.split_into(data, width, np.empty(len(data), dtype=np.uint8))
+            packed = self._compressor().compress(split)
+            if len(packed) < len(data):
+                kind, body = max(1, width), packed
+        plain = bytes((kind,)) + body
+        if self.key is None:
+            return plain
+        out = bytearray(NONCE_BYTES + len(plain) + _TAG_BYTES)
+        out[:NONCE_BYTES] = nonce = os.urandom(NONCE_BYTES)
+        self._aead("the remote").encrypt_into(nonce, plain, aad, memoryview(out)[NONCE_BYTES:])
+        return out
 
     def decode(self, stored: bytes | memoryview, aad: bytes, *, encrypted: bool, size: int, where: str) -> bytes:
         """The ``size`` logical bytes of one block from its stored bytes.
@@ -141,23 +152,52 @@ class Codec:
             CorruptCheckpointError: it does not authenticate or decode to ``size`` bytes.
             EncryptionKeyError: it is encrypted and there is no key.
         """
-        plain = self.open(stored, aad, where=where) if encrypted else bytes(stored)
-        if not plain:
+        out = bytearray(size)
+        self.decode_into(stored, aad, encrypted=encrypted, out=memoryview(out), where=where)
+        return bytes(out)
+
+    def decode_into(self, stored: bytes | memoryview, aad: bytes, *, encrypted: bool, out: memoryview,
+                    where: str) -> None:
+        """Decode one block's stored bytes into ``out`` (a writable byte view of the block's logical length): the
+        planes are joined by numpy straight into it (no intermediate bytes object).
+
+        Raises:
+            CorruptCheckpointError: it does not authenticate or decode to ``len(out)`` bytes.
+            EncryptionKeyError: it is encrypted and there is no key.
+        """
+        size = out.nbytes
+        if encrypted:
+            from cryptography.exceptions import InvalidTag
+
+            sealed = memoryview(stored)
+            if len(sealed) < NONCE_BYTES + _TAG_BYTES:
+                raise CorruptCheckpointError(f"{where}: a stored block of {len(sealed)} bytes is too short to be one")
+            plain = memoryview(bytearray(len(sealed) - NONCE_BYTES - _TAG_BYTES))
+            try:
+                self._aead(where).decrypt_into(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], aad, plain)
+            except InvalidTag:
+                raise CorruptCheckpointError(f"{where} does not authenticate: it was altered, moved from another "
+                                             "checkpoint or block, or is not this run's (it is not loaded)") from None
+        else:
+            plain = memoryview(stored)
+        if not len(plain):
             raise CorruptCheckpointError(f"{where}: an empty stored block")
-        kind, payload = plain[0], memoryview(plain)[1:]
+        kind, payload = plain[0], plain[1:]
         if kind == 0:
-            out = bytes(payload)
+            if len(payload) != size:
+                raise CorruptCheckpointError(f"{where}: decodes to {len(payload)} bytes, {size} expected")
+            out.cast("B")[:] = payload
         elif kind <= 8:
             dctx = self._decompressor()  # no zstandard: a ConfigError naming the extra, not a corrupt block
             try:
-                out = planes.join(dctx.decompress(payload, max_output_size=size), kind)
+                raw = dctx.decompress(payload, max_output_size=size)
             except Exception as e:  # zstandard.ZstdError: a corrupt frame (its checksum, or its structure)
                 raise CorruptCheckpointError(f"{where}: the compressed block does not decode ({e})") from None
+            if len(raw) != size:
+                raise CorruptCheckpointError(f"{where}: decodes to {len(raw)} bytes, {size} expected")
+            planes.join_into(raw, kind, np.frombuffer(out.cast("B"), dtype=np.uint8))
         else:
             raise CorruptCheckpointError(f"{where}: unknown block kind {kind}")
-        if len(out) != size:
-            raise CorruptCheckpointError(f"{where}: decodes to {len(out)} bytes, {size} expected")
-        return out
 
     def _compressor(self) -> Any:
         c = getattr(self._local, "cctx", None)

@@ -19,23 +19,61 @@ import numpy as np
 _FLOAT_WIDTHS = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
 
 
+#: unsigned little-endian views of an element of each width (its bytes taken apart by shifts)
+_UINT = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
+def split_into(data: memoryview | bytes | np.ndarray, width: int, out: np.ndarray) -> np.ndarray:
+    """``data`` as ``width`` byte planes (then its tail of ``len % width`` bytes), written into ``out`` (a ``uint8``
+    array at least as long; the part it filled is returned). Numpy's loops, no Python copies: they release the GIL,
+    so the codec's threads split blocks side by side."""
+    src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8).ravel()
+    out = out[: len(src)]
+    n = len(src) // width * width if width > 1 else 0
+    if n:
+        planes = out[:n].reshape(width, -1)
+        if width in (2, 4):  # byte k of each element is (element >> 8k), truncated to a byte: one pass per plane
+            elements = src[:n].view(_UINT[width])
+            np.copyto(planes[0], elements, casting="unsafe")
+            for k in range(1, width):
+                np.right_shift(elements, 8 * k, out=planes[k], casting="unsafe")
+        else:
+            np.copyto(planes, src[:n].reshape(-1, width).T)
+    out[n:] = src[n:]
+    return out
+
+
+def join_into(data: memoryview | bytes | np.ndarray, width: int, out: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`split_into`: ``data`` (planes, then the tail) put back together into ``out`` (a
+    ``uint8`` array of the same length)."""
+    src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8).ravel()
+    n = len(src) // width * width if width > 1 else 0
+    if n:
+        planes = src[:n].reshape(width, -1)
+        if width == 2:  # element = plane0 | plane1 << 8
+            elements = out[:n].view(_UINT[2])
+            np.left_shift(planes[1], 8, out=elements, dtype=elements.dtype, casting="unsafe")
+            np.bitwise_or(elements, planes[0], out=elements, casting="unsafe")
+        else:  # byte k of every element from plane k: a strided copy per plane
+            columns = out[:n].reshape(-1, width)
+            for k in range(width):
+                np.copyto(columns[:, k], planes[k])
+    out[n : len(src)] = src[n:]
+    return out
+
+
 def split(data: memoryview | bytes, width: int) -> bytes:
     """``data`` as ``width`` byte planes (then its tail of ``len % width`` bytes)."""
     if width <= 1:
         return bytes(data)
-    n = len(data) // width * width
-    arr = np.frombuffer(data, dtype=np.uint8)
-    planes = arr[:n].reshape(-1, width).T.tobytes()
-    return planes + bytes(arr[n:])
+    return split_into(data, width, np.empty(len(data), dtype=np.uint8)).tobytes()
 
 
 def join(data: bytes, width: int) -> bytes:
     """The inverse of :func:`split`."""
     if width <= 1:
-        return data
-    n = len(data) // width * width
-    arr = np.frombuffer(data, dtype=np.uint8)
-    return arr[:n].reshape(width, -1).T.tobytes() + bytes(arr[n:])
+        return bytes(data)
+    return join_into(data, width, np.empty(len(data), dtype=np.uint8)).tobytes()
 
 
 def block_widths(head: bytes, *, file_size: int, block_bytes: int) -> list[int]:

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -145,22 +143,22 @@ class Stored:
 
     # ------------------------------------------------------------------ upload
 
-    @contextmanager
-    def encoded(self, local_ckpt: Path, step: int, f: FileEntry) -> Iterator[tuple[Path, int]]:
-        """``(the file to upload for f, its size)``: the local file itself, or its encoded copy beside the checkpoint
-        (removed afterwards)."""
+    def blocks(self, local_ckpt: Path, step: int, f: FileEntry) -> Iterator[bytes | bytearray] | None:
+        """The stored blocks of ``f`` in order, encoded as the transfer takes them (:func:`files.encode_blocks`);
+        their lengths are kept for the layout once the last one is taken. ``None`` when the codec is off (the local
+        file is uploaded as it is)."""
         if not self.codec.active:
-            yield local_ckpt / f.name, f.size
-            return
+            return None
+        return self._encode(local_ckpt, step, f)
+
+    def _encode(self, local_ckpt: Path, step: int, f: FileEntry) -> Iterator[bytes | bytearray]:
         manifest = Manifest.from_bytes((local_ckpt / MANIFEST_NAME).read_bytes(), where=str(local_ckpt), step=step)
-        tmp = local_ckpt.parent / f".persist-encoding-{secrets.token_hex(4)}"
-        try:
-            lengths = files.encode_file(self.codec, local_ckpt / f.name, tmp, f, run=files.run_of(manifest),
-                                        save=files.save_id(manifest), pool=self.pool())
-            self._layouts[(step, f.name)] = lengths
-            yield tmp, sum(lengths)
-        finally:
-            tmp.unlink(missing_ok=True)
+        lengths: list[int] = []
+        for block in files.encode_blocks(self.codec, local_ckpt / f.name, f, run=files.run_of(manifest),
+                                         save=files.save_id(manifest), pool=self.pool()):
+            lengths.append(len(block))
+            yield block
+        self._layouts[(step, f.name)] = tuple(lengths)
 
     def uploaded(self, step: int, f: FileEntry, prefix: str) -> None:
         """After ``f`` went up: its layout record beside it (for the rank that writes the manifest)."""
@@ -183,8 +181,9 @@ class Stored:
     # ------------------------------------------------------------------ download
 
     def read(self, step: int, f: FileEntry, first: int, stop: int, read_range: Callable[[int, int], bytes], *,
-             where: str) -> bytes:
-        """Blocks ``[first, stop)`` of ``f`` decoded, by one ranged read of their stored bytes."""
+             where: str, into: list[memoryview] | None = None) -> bytes | bytearray:
+        """Blocks ``[first, stop)`` of ``f`` decoded, by one ranged read of their stored bytes; decoded straight
+        into ``into`` (byte views of their logical bytes, in order) when given (then ``b""`` is returned)."""
         env = self._envelopes[step]
         assert env is not None
         lengths = env.layout[f.name]
@@ -195,8 +194,11 @@ class Stored:
         if len(data) != end - start:
             raise CorruptCheckpointError(f"{where}: {len(data)} stored bytes from byte {start}, {end - start} "
                                          "asked; the remote copy is short")
-        return files.decode_blocks(self.codec, data, lengths, f, first, stop, run=env.run, save=env.save,
-                                   encrypted=env.encrypted, where=where, pool=self.pool())
+        args = dict(run=env.run, save=env.save, encrypted=env.encrypted, where=where, pool=self.pool())
+        if into is None:
+            return files.decode_blocks(self.codec, data, lengths, f, first, stop, **args)
+        files.decode_into(self.codec, data, lengths, f, first, stop, into, **args)
+        return b""
 
     # ------------------------------------------------------------------ small records
 
