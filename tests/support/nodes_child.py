@@ -17,6 +17,12 @@ import torch.distributed as dist
 from persist_core.fileio import OsFileOps
 
 ROWS, COLS = 4096, 64  # the sharded tensor: 1 MiB, 256 KiB (one checksum block) per rank on 4 ranks
+KEY = bytes(range(32))  # the remote_encryption_key of the runs with a codec
+
+
+def key() -> bytes:
+    """The key as a callable (what a secrets manager would hand each rank)."""
+    return KEY
 
 
 def node_dir(base: str, rank: int) -> str:
@@ -70,15 +76,17 @@ def _done(rank: int) -> None:
     dist.destroy_process_group()
 
 
-def run(rank: int, world: int, port: int, base: str, remote: str, out: str, phase: str, shared: bool) -> None:
+def run(rank: int, world: int, port: int, base: str, remote: str, out: str, phase: str, shared: bool,
+        codec: bool = False) -> None:
     """``phase="save"``: steps 10, 20, 30 with keep_last=1, then every rank restores (agreed, whole).
     ``"resume"``: every rank restores into DTensor/tensor targets (its own node's files from disk when
     they are there, the rest from the remote). ``"fail"``: steps 10, then 20 with rank 3 failing its write.
-    ``shared``: every rank uses ``base/node0`` (one shared directory)."""
-    runs(rank, world, port, [(base, remote, out, phase, shared)])
+    ``shared``: every rank uses ``base/node0`` (one shared directory). ``codec``: the remote compressed (zstd) and
+    encrypted under :data:`KEY`."""
+    runs(rank, world, port, [(base, remote, out, phase, shared)], codec)
 
 
-def runs(rank: int, world: int, port: int, phases: list[tuple[str, str, str, str, bool]]) -> None:
+def runs(rank: int, world: int, port: int, phases: list[tuple[str, str, str, str, bool]], codec: bool = False) -> None:
     """:func:`run`'s phases one after the other in one process group (``(base, remote, out, phase, shared)``
     each, with its own ``base``): each phase's engine its own, on a collectives group of its own, closed before
     the next opens (one start of the 4 ranks for several independent runs: each start imports torch 4 times)."""
@@ -88,20 +96,21 @@ def runs(rank: int, world: int, port: int, phases: list[tuple[str, str, str, str
             from persist_core import TorchCollectives
 
             coll = TorchCollectives.new_group(timeout_s=60)
-        torch.save(_phase(rank, coll, mesh, base, remote, phase, shared), Path(out) / f"{phase}-rank{rank}.pt")
+        torch.save(_phase(rank, coll, mesh, base, remote, phase, shared, codec), Path(out) / f"{phase}-rank{rank}.pt")
         dist.barrier()  # every rank's phase done before the next begins
     _done(rank)
 
 
-def _phase(rank: int, coll, mesh, base: str, remote: str, phase: str, shared: bool) -> dict:
+def _phase(rank: int, coll, mesh, base: str, remote: str, phase: str, shared: bool, codec: bool = False) -> dict:
     from persist_core import CheckpointEngine, KeepLastN, PersistError
 
     root = node_dir(base, 0 if shared else rank)
     options = {"client_kwargs": {"endpoint_url": os.environ["PERSIST_TEST_S3"]}} if remote.startswith("s3://") else None
     results: dict = {}
     ops = Ops()
+    codec_options = {"remote_compression": "zstd", "remote_encryption_key": key} if codec else {}
     with CheckpointEngine(root, collectives=coll, remote_url=remote or None, storage_options=options,
-                          keep_local=KeepLastN(1), file_ops=ops, direct_io="off") as engine:
+                          keep_local=KeepLastN(1), file_ops=ops, direct_io="off", **codec_options) as engine:
         if phase in ("save", "fail"):
             engine.save(state(10, rank, mesh), step=10).wait()
             if phase == "fail":
