@@ -28,7 +28,7 @@ from persist_core.layout import is_url
 
 def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, step: int | None = None,
                       storage_options: dict[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None,
-                      weights_only: bool = True) -> Path:
+                      weights_only: bool = True, remote_encryption_key: Any = None) -> Path:
     """Write checkpoint ``step`` (default: the newest) of ``source`` as an Accelerate checkpoint directory.
 
     Args:
@@ -40,12 +40,15 @@ def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike
             removed when the export ends).
         weights_only: unpickle non-tensor leaves with the allowlist (default); ``False``: full pickle,
             for checkpoints you trust.
+        remote_encryption_key: the key the remote was written with (32 bytes, or a callable returning them), if
+            it is encrypted.
 
     Returns:
         ``out_dir``.
 
     Raises:
         ConfigError: ``out_dir`` holds files already, or the checkpoint was not saved by PersistHook.
+        EncryptionKeyError: the remote is encrypted and no key, or another key, was given.
         CheckpointNotFoundError / CorruptCheckpointError: as for loading.
     """
     from safetensors.torch import save_file
@@ -55,14 +58,15 @@ def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike
         raise ConfigError(f"out_dir={str(out)!r} is not empty; export into a new directory")
     text = os.fspath(source)
     remote = is_url(text)
-    _check_saved_by_hook(text, remote, step, storage_options)  # before downloading anything
+    _check_saved_by_hook(text, remote, step, storage_options, remote_encryption_key)  # before downloading anything
     with contextlib.ExitStack() as stack:
         if remote and cache_dir is None:
             local = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="persist-export-")))
         else:
             local = Path(cache_dir) if remote else Path(text.removeprefix("file://"))
         with CheckpointReader(local, remote_url=text if remote else None,
-                              storage_options=storage_options if remote else None) as reader:
+                              storage_options=storage_options if remote else None,
+                              remote_encryption_key=remote_encryption_key if remote else None) as reader:
             state = reader.load(step, weights_only=weights_only)
     if not (isinstance(state, dict) and _HOOK_KEYS <= state.keys()):
         raise ConfigError(f"the checkpoint in {text} was not saved by accelerate_persist.PersistHook; nothing to export")
@@ -105,7 +109,8 @@ def export_accelerate(source: str | os.PathLike[str], out_dir: str | os.PathLike
 _HOOK_KEYS = {"models", "optimizers", "per_process"}
 
 
-def _check_saved_by_hook(text: str, remote: bool, step: int | None, storage_options: dict[str, Any] | None) -> None:
+def _check_saved_by_hook(text: str, remote: bool, step: int | None, storage_options: dict[str, Any] | None,
+                         key: Any = None) -> None:
     """Read only the manifest of the checkpoint to export and refuse one PersistHook did not save.
 
     Raises:
@@ -113,10 +118,12 @@ def _check_saved_by_hook(text: str, remote: bool, step: int | None, storage_opti
         CheckpointNotFoundError: nothing committed (for ``step``).
     """
     from persist_core import CheckpointNotFoundError
+    from persist_core.tiers.codec import Codec, SecretKey
     from persist_core.tiers.local import LocalTier
     from persist_core.tiers.remote import RemoteTier
 
-    tier: Any = RemoteTier(text, storage_options) if remote else LocalTier(Path(text.removeprefix("file://")))
+    codec = Codec(None, SecretKey(key)) if key is not None else None
+    tier: Any = RemoteTier(text, storage_options, codec=codec) if remote else LocalTier(Path(text.removeprefix("file://")))
     try:
         steps = tier.committed_steps()
         if step is None and not steps:

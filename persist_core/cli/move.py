@@ -292,7 +292,9 @@ def export(ctx: click.Context, location: str, step: int | None, target: str, fmt
         return
     if fmt != "torch":
         exporter = _exporters()[fmt].load()  # an adapter's, found by entry point
-        out = exporter(location, target, step=s, storage_options=ctx.obj, weights_only=not unsafe_pickle)
+        key = encryption_key()  # given only when set: an exporter that takes no key still exports a plain remote
+        out = exporter(location, target, step=s, storage_options=ctx.obj, weights_only=not unsafe_pickle,
+                       **({"remote_encryption_key": key} if key is not None else {}))
         click.echo(f"step {s} -> {out} (accelerator.load_state({str(out)!r}))" if fmt == "accelerate" else
                    f"step {s} -> {out}")
         return

@@ -141,6 +141,33 @@ def test_export_from_a_remote_leaves_only_the_checkpoint_files(tmp_path, bucket,
     assert (out / "model.safetensors").exists()
 
 
+def test_export_of_an_encrypted_remote_takes_the_key_in_python_and_on_the_command_line(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from persist_core import PersistError
+    from persist_core.cli import main as persist
+
+    url, key = f"memory://{tmp_path.name}/remote", bytes(range(32))
+    acc = fresh_accelerator()
+    parts = build(acc)
+    with PersistHook(local_dir=tmp_path / "ckpt", remote_url=url, remote_compression="zstd",
+                     remote_encryption_key=key).register(acc):
+        train(acc, *parts, start=0, stop=3, save_every=3)
+    with pytest.raises(PersistError, match="remote_encryption_key"):
+        export_accelerate(url, tmp_path / "no-key")
+    assert not (tmp_path / "no-key").exists()
+    for out in (export_accelerate(url, tmp_path / "py", remote_encryption_key=lambda: key), tmp_path / "cli"):
+        if out.name == "cli":
+            monkeypatch.setenv("TRAIN_KEY", key.hex())
+            result = CliRunner().invoke(persist, ["--encryption-key-env", "TRAIN_KEY", "export", url, "--to", str(out),
+                                                  "--format", "accelerate"])
+            assert result.exit_code == 0, result.output
+        acc = fresh_accelerator()
+        model, *_ = build(acc)
+        acc.load_state(str(out))
+        assert_state_equal(weights(model), weights(parts[0]))
+
+
 def test_unregistered_and_unsupported_uses_are_clear_errors(tmp_path):
     acc = fresh_accelerator()
     build(acc)
