@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from persist_core import _knobs
+from persist_core import _knobs, _link_knobs
 from persist_core.errors import ConfigError
 from persist_core.planning.sharding import check_replica_mode
 from persist_core.policies.anyof import policy_from_keywords
@@ -169,7 +169,7 @@ class Config:
             raise ConfigError(f"verify_resume_ignore={self.verify_resume_ignore!r} must be a sequence of glob "
                               "patterns, e.g. ['optim/param_groups/*/lr']")
         resolved("verify_resume_ignore", tuple(self.verify_resume_ignore))
-        resolved("remote_concurrency", _knobs.check_remote_concurrency(self.remote_concurrency))
+        resolved("remote_concurrency", _link_knobs.check_remote_concurrency(self.remote_concurrency))
         if self.remote_url is not None:
             _knobs.check_backend(self.remote_url)
         check_compression(self.remote_compression)

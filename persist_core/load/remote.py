@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from persist_core import _knobs
+from persist_core import _link_knobs
 from persist_core.errors import CorruptCheckpointError, PersistError, WriteError
 from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import Manifest
@@ -139,7 +139,7 @@ class RemoteRestore:
                               verify=opts.verify, where=f"{name}/{f.name}", span_bytes=span)
 
         own = [f for f in whole.files if f.name not in others]
-        span = _knobs.remote_span_bytes(sum(f.size for f in own), tier.concurrency)  # every connection busy
+        span = _link_knobs.remote_span_bytes(sum(f.size for f in own), tier.concurrency)  # every connection busy
         try:  # as many requests in flight as the tier's uploads and downloads have, every file's at once
             with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="persist-stream") as requests, \
                     ThreadPoolExecutor(max(1, min(len(own), tier.concurrency)), thread_name_prefix="persist-file") as files:

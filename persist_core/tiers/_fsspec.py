@@ -8,7 +8,7 @@ from typing import Any
 
 import fsspec
 
-from persist_core import _knobs
+from persist_core import _link_knobs
 
 
 class Yielding(fsspec.callbacks.Callback):
@@ -29,7 +29,7 @@ def with_timeouts(url: str, storage_options: dict[str, Any] | None) -> dict[str,
     options = dict(storage_options or {})
     if url.split("://", 1)[0] not in ("s3", "s3a"):
         return options
-    timeout = _knobs.remote_io_timeout_s()
+    timeout = _link_knobs.remote_io_timeout_s()
     config = dict(options.get("config_kwargs") or {})
     config.setdefault("read_timeout", timeout)
     config.setdefault("connect_timeout", max(1, timeout // 2))

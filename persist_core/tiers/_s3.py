@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from persist_core import _knobs
+from persist_core import _link_knobs
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class S3Transfer:
         size = os.path.getsize(local)
         # parts that give every connection one (not under 8 MiB), at most part_bytes, at least S3's 5 MiB, and
         # large enough for S3's 10,000 parts
-        part_bytes = max(_knobs.remote_span_bytes(size, self._concurrency, self.part_bytes), 5 << 20,
+        part_bytes = max(_link_knobs.remote_span_bytes(size, self._concurrency, self.part_bytes), 5 << 20,
                          -(-size // _MAX_PARTS))
         if part_bytes != self._manager_part_bytes:  # a huge shard needs bigger parts (S3 allows 10,000)
             self._manager.shutdown()
@@ -105,7 +105,7 @@ class S3Transfer:
         size follows it, as :meth:`put_file`'s follows the file's size); ``turn``: called before each part is sent.
         """
         bucket, key = self._split(path)
-        part_bytes = max(_knobs.remote_span_bytes(size_hint, self._concurrency, self.part_bytes), 5 << 20,
+        part_bytes = max(_link_knobs.remote_span_bytes(size_hint, self._concurrency, self.part_bytes), 5 << 20,
                          -(-size_hint // (_MAX_PARTS - 1)))
         parts = _parts(pieces, part_bytes)
         try:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from persist_core import _knobs
+from persist_core import _knobs, _link_knobs
 from persist_core.tiers import remote_aside, remote_download, remote_encoded, store_checksums
 from persist_core.tiers._retry import causes, retry
 from persist_core.tiers._s3 import S3Transfer
@@ -73,10 +73,10 @@ class RemoteTier:
         self.root = root.rstrip("/")
         self._protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self._is_s3 = "s3" in self._protocols
-        self.part_bytes = _knobs.remote_part_bytes()
-        self.concurrency = _knobs.remote_concurrency() if concurrency is None else concurrency
-        self.retries = _knobs.remote_retries()
-        self.backoff_s = _knobs.remote_backoff_s()
+        self.part_bytes = _link_knobs.remote_part_bytes()
+        self.concurrency = _link_knobs.remote_concurrency() if concurrency is None else concurrency
+        self.retries = _link_knobs.remote_retries()
+        self.backoff_s = _link_knobs.remote_backoff_s()
         self._turn = turn  # waited for before each piece an upload sends: they hold off while an update runs
         self._heads = remote_encoded.Heads(self.concurrency)  # block 0 as a header read decoded it
         self.stored = stored.Stored(self, codec or Codec())  # what the codec makes of what goes up and comes down

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from persist_core import _knobs
+from persist_core import _link_knobs
 from persist_core.errors import CorruptCheckpointError
 from persist_core.fileio import fsync_dir
 from persist_core.format.manifest import FileEntry, Manifest
@@ -37,7 +37,7 @@ def verify(tier: Any, step: int, progress: Callable[[int], None] | None = None) 
         if progress is not None:
             progress(end - start)
 
-    span = _knobs.remote_span_bytes(sum(f.size for f in manifest.files), tier.concurrency)
+    span = _link_knobs.remote_span_bytes(sum(f.size for f in manifest.files), tier.concurrency)
     with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="persist-verify") as pool:
         futures = [pool.submit(check, f, first, stop) for f in manifest.files for first, stop in f.spans(span)]
         for fut in futures:
@@ -51,7 +51,7 @@ def download(tier: Any, step: int, tmp: Path, progress: Callable[[int], None] | 
     ``CorruptCheckpointError`` for a chunk that does not match, ``RemoteError`` when the remote cannot be read.
     """
     manifest = tier.read_manifest(step)
-    span = _knobs.remote_span_bytes(sum(f.size for f in manifest.files), tier.concurrency)
+    span = _link_knobs.remote_span_bytes(sum(f.size for f in manifest.files), tier.concurrency)
     fds: list[int] = []
     try:  # every file's ranged reads at once (file by file, each file's tail left connections idle)
         with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="persist-download") as pool:

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "persist_core"
 
 #: lowest first; a module's layer is that of the longest prefix naming it (DESIGN.md, "Layers")
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "layout", "_knobs", "sidefiles", "run_ids", "lineage", "report", "distributed", "handle", "preemption"),
+    ("errors", "layout", "_knobs", "_link_knobs", "sidefiles", "run_ids", "lineage", "report", "distributed", "handle", "preemption"),
     ("format", "fileio", "ownership", "turn", "hostmem", "tiers.tier", "tiers._retry", "tiers._s3", "tiers._fsspec",
      "policies.save"),
     ("planning", "tiers", "policies", "history", "staging", "assembly"),

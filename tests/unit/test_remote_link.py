@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from persist_core import CheckpointEngine
-from persist_core._knobs import MIN_SPLIT_BYTES, remote_span_bytes
+from persist_core._link_knobs import MIN_SPLIT_BYTES, remote_span_bytes
 from persist_core.cli import main
 from persist_core.config import Config
 from persist_core.errors import ConfigError
