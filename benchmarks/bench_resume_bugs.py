@@ -52,48 +52,19 @@ def patched(obj: object, name: str, value: object) -> Iterator[None]:
 # ---------------------------------------------------------------- Accelerate
 
 
-def _acc_parts(acc):
-    from tests.support.accelerate_app import Counter
-
-    torch.manual_seed(0)
-    acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)  # as fp16 on a GPU
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8,
-                                         shuffle=True, generator=torch.Generator().manual_seed(2))
-    counter = Counter()
-    acc.register_for_checkpointing(counter)
-    model, optimizer, loader = acc.prepare(model, optimizer, loader)
-    return model, optimizer, loader, counter
-
-
-def _acc_steps(acc, parts, start: int, stop: int) -> None:
-    model, optimizer, loader, counter = parts
-    step = start
-    for x, y in (acc.skip_first_batches(loader, start % len(loader)) if start % len(loader) else loader):
-        acc.backward(torch.nn.functional.mse_loss(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
-        counter.seen += len(x)
-        step += 1
-        if step == stop:
-            return
-
-
 def accelerate_resume(tmp: Path, stack: contextlib.ExitStack, *, during=None, after=None) -> None:
     """3 steps saved, then a fresh Accelerator resumes (``during(acc)``: patches live while it restores;
     ``after(acc, parts)``: the user's code between the restore and the first step) and trains one step."""
     from accelerate_persist import PersistHook
-    from tests.support.accelerate_app import fresh_accelerator
+    from tests.support.accelerate_app import Counter, fresh_accelerator, scaled_parts, scaled_steps
 
     acc = fresh_accelerator()
-    parts = _acc_parts(acc)
+    parts = scaled_parts(acc, Counter())
     with PersistHook(local_dir=tmp / "ckpt").register(acc):
-        _acc_steps(acc, parts, 0, 3)
+        scaled_steps(acc, parts, 0, 3)
         acc.save_state()
     acc = fresh_accelerator()
-    parts = _acc_parts(acc)
+    parts = scaled_parts(acc, Counter())
     with contextlib.ExitStack() as restoring:
         if during is not None:
             during(acc, restoring)
@@ -102,7 +73,7 @@ def accelerate_resume(tmp: Path, stack: contextlib.ExitStack, *, during=None, af
     with hook:
         if after is not None:
             after(acc, parts)
-        _acc_steps(acc, parts, start, start + 1)
+        scaled_steps(acc, parts, start, start + 1)
 
 
 def _rng_swallowed(acc, stack) -> None:

@@ -130,58 +130,17 @@ def test_lightning_callback_datamodule_and_scaler_state_each_named_alone(tmp_pat
 # ---------------------------------------------------------------- Accelerate
 
 
-class Buffer:
-    """A registered object whose state is a tensor."""
-
-    def __init__(self) -> None:
-        self.ema = torch.zeros(4)
-
-    def state_dict(self) -> dict:
-        return {"ema": self.ema.clone()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.ema = state["ema"].clone()
-
-
-def _accelerate_parts(acc):
-    torch.manual_seed(0)
-    acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)  # as with fp16 on a GPU
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8,
-                                         shuffle=True, generator=torch.Generator().manual_seed(2))
-    buffer = Buffer()
-    acc.register_for_checkpointing(buffer)
-    model, optimizer, loader = acc.prepare(model, optimizer, loader)
-    return model, optimizer, loader, buffer
-
-
-def _accelerate_steps(acc, parts, start: int, stop: int) -> None:
-    model, optimizer, loader, buffer = parts
-    step = start
-    batches = acc.skip_first_batches(loader, start % len(loader)) if start % len(loader) else loader
-    for x, y in batches:
-        acc.backward(torch.nn.functional.mse_loss(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
-        buffer.ema = 0.9 * buffer.ema + 0.1 * x[0, :4]
-        step += 1
-        if step == stop:
-            return
-
-
 def _accelerate(tmp_path, change=None, during=None, monkeypatch=None) -> list[warnings.WarningMessage]:
     from accelerate_persist import PersistHook
-    from tests.support.accelerate_app import fresh_accelerator
+    from tests.support.accelerate_app import Buffer, fresh_accelerator, scaled_parts, scaled_steps
 
     acc = fresh_accelerator()
-    parts = _accelerate_parts(acc)
+    parts = scaled_parts(acc, Buffer())
     with PersistHook(local_dir=tmp_path / "ckpt").register(acc) as hook:
-        _accelerate_steps(acc, parts, 0, 3)
+        scaled_steps(acc, parts, 0, 3)
         acc.save_state()
     acc = fresh_accelerator()
-    parts = _accelerate_parts(acc)
+    parts = scaled_parts(acc, Buffer())
     if during is not None:
         during(monkeypatch, acc)
     with warnings.catch_warnings(record=True) as caught:
@@ -191,7 +150,7 @@ def _accelerate(tmp_path, change=None, during=None, monkeypatch=None) -> list[wa
             assert start == 3
             if change is not None:
                 change(acc, parts)
-            _accelerate_steps(acc, parts, start, start + 1)
+            scaled_steps(acc, parts, start, start + 1)
     return _mismatches(caught)
 
 
@@ -280,23 +239,23 @@ def test_accelerate_a_resume_on_fewer_processes_says_whose_rng_it_could_not_rest
     import logging
 
     from accelerate_persist import PersistHook, _state
-    from tests.support.accelerate_app import fresh_accelerator
+    from tests.support.accelerate_app import Buffer, fresh_accelerator, scaled_parts, scaled_steps
 
     acc = fresh_accelerator()
-    parts = _accelerate_parts(acc)
+    parts = scaled_parts(acc, Buffer())
     with PersistHook(local_dir=tmp_path / "ckpt").register(acc):
-        _accelerate_steps(acc, parts, 0, 3)
+        scaled_steps(acc, parts, 0, 3)
         gather = _state._gather
         with monkeypatch.context() as m:  # as if two processes saved: process 1's RNG drew once more
             m.setattr(_state, "_gather", lambda a, value: [value, {**value, "step": value["step"] + 1}])
             acc.save_state()
     assert _state._gather is gather
     acc = fresh_accelerator()
-    parts = _accelerate_parts(acc)
+    parts = scaled_parts(acc, Buffer())
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
         warnings.simplefilter("always", ResumeMismatchWarning)
         with PersistHook(local_dir=tmp_path / "ckpt").register(acc) as hook:
-            _accelerate_steps(acc, parts, hook.resume(), 4)
+            scaled_steps(acc, parts, hook.resume(), 4)
     assert _mismatches(caught) == []  # process 0's state is compared and equal; process 1's is said, not a mismatch
     said = [r.getMessage() for r in caplog.records]
     lost = [s for s in said if "restored on no process" in s]

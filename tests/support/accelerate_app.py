@@ -35,6 +35,56 @@ class Counter:
     def load_state_dict(self, state: dict) -> None:
         self.seen = state["seen"]
 
+    def observe(self, x: torch.Tensor) -> None:
+        self.seen += len(x)
+
+
+class Buffer:
+    """A registered object whose state is a tensor."""
+
+    def __init__(self) -> None:
+        self.ema = torch.zeros(4)
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema = state["ema"].clone()
+
+    def observe(self, x: torch.Tensor) -> None:
+        self.ema = 0.9 * self.ema + 0.1 * x[0, :4]
+
+
+def scaled_parts(acc: Accelerator, registered):
+    """A tiny model, AdamW, a shuffled loader and a GradScaler that grows every step (as fp16 on a GPU), with
+    ``registered`` (a :class:`Counter` or a :class:`Buffer`) registered for checkpointing: the resume checks' app."""
+    torch.manual_seed(0)
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)  # as with fp16 on a GPU
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8,
+                                         shuffle=True, generator=torch.Generator().manual_seed(2))
+    acc.register_for_checkpointing(registered)
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    return model, optimizer, loader, registered
+
+
+def scaled_steps(acc: Accelerator, parts, start: int, stop: int) -> None:
+    """Steps ``[start, stop)`` of :func:`scaled_parts`' app (resumed mid-epoch: the epoch's first batches skipped);
+    each batch moves the registered object's state."""
+    model, optimizer, loader, registered = parts
+    step = start
+    batches = acc.skip_first_batches(loader, start % len(loader)) if start % len(loader) else loader
+    for x, y in batches:
+        acc.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        registered.observe(x)
+        step += 1
+        if step == stop:
+            return
+
 
 def fresh_accelerator(**kwargs) -> Accelerator:
     """A new Accelerator in this process (Accelerate keeps its state in singletons)."""
